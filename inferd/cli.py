@@ -1,0 +1,103 @@
+"""The `inferd` command. Each subcommand is a few lines that call into the packages."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="inferd: an LLM inference serving daemon.")
+
+ConfigOption = Annotated[
+    Optional[Path], typer.Option("--config", "-c", help="settings file (default: ./inferd.toml if present)")
+]
+
+
+@app.callback()
+def _root() -> None:
+    """inferd: an LLM inference serving daemon."""
+
+
+def _fail(message: str) -> None:
+    typer.echo(f"inferd: error: {message}", err=True)
+    raise typer.Exit(1)
+
+
+def _settings_file(config: Path | None) -> Path | None:
+    if config is not None:
+        return config
+    default = Path("inferd.toml")
+    return default if default.is_file() else None
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="the prompt (a chat user message with --chat)")],
+    model: Annotated[Optional[str], typer.Option(help="GGUF file or Hugging Face folder")] = None,
+    max_tokens: Annotated[int, typer.Option(min=1, help="tokens to generate at most")] = 128,
+    chat: Annotated[bool, typer.Option("--chat", help="wrap the prompt in the model's chat template")] = False,
+    temperature: Annotated[float, typer.Option(min=0.0, help="0 is greedy")] = 0.7,
+    top_p: Annotated[float, typer.Option(min=0.0, max=1.0)] = 1.0,
+    seed: Annotated[Optional[int], typer.Option(help="same seed, same tokens")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="float32, bfloat16 or float16 (default: settings)")] = None,
+    config: ConfigOption = None,
+) -> None:
+    """Generate a completion offline and print it as it is produced."""
+    from inferd.config import SettingsError, load_settings
+    from inferd.engine.llm_engine import LLMEngine
+    from inferd.model.errors import ModelLoadError
+    from inferd.model.sampling_params import SamplingParams
+
+    try:
+        settings = load_settings(_settings_file(config), {"model": {"path": model, "dtype": dtype}})
+        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+    except (SettingsError, ValueError) as e:
+        _fail(str(e))
+    _configure_runtime(settings.runtime.threads)
+    start = time.perf_counter()
+    try:
+        engine = LLMEngine.from_config(settings.engine_config())
+    except (ModelLoadError, ValueError) as e:
+        _fail(str(e))
+    loaded = time.perf_counter()
+    try:
+        tokenizer = engine.tokenizer
+        if chat:  # the template writes BOS itself where the model wants one
+            text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            prompt_ids = tokenizer.encode(prompt)
+        n_tokens = 0
+        for out in engine.stream(prompt_ids, params):
+            n_tokens += len(out.new_token_ids)
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+    except ValueError as e:
+        _fail(str(e))
+    done = time.perf_counter()
+    sys.stdout.write("\n")
+    typer.echo(
+        f"[{n_tokens} tokens in {done - loaded:.2f} s, {n_tokens / max(done - loaded, 1e-9):.1f} tok/s; "
+        f"model loaded in {loaded - start:.2f} s]",
+        err=True,
+    )
+
+
+def _configure_runtime(threads: int) -> None:
+    import torch
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""The paged KV cache tensors, sized from `kv_cache_memory`, allocated once at start-up."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from inferd.model.config import ModelConfig
+
+
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block across all layers."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def available_memory(device: torch.device) -> int:
+    """Free memory on the device now: CUDA's free bytes, or the host's MemAvailable."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+
+
+def num_blocks_for(memory: float, cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device) -> int:
+    """`memory` is bytes (> 1) or a fraction (0, 1] of the device's free memory."""
+    budget = memory * available_memory(device) if memory <= 1 else memory
+    return int(budget // bytes_per_block(cfg, block_size, dtype))
+
+
+class KVCache:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+        if num_blocks < 1:
+            raise ValueError("the KV cache has room for no block: raise kv_cache_memory")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # per layer: (key_cache, value_cache), each [num_blocks, block_size, n_kv_heads, head_dim]
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write: block src's contents into block dst, in every layer."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.layers[0][0].device)
+        dst = torch.tensor([d for _, d in pairs], device=self.layers[0][0].device)
+        for key_cache, value_cache in self.layers:
+            key_cache[dst] = key_cache[src]
+            value_cache[dst] = value_cache[src]

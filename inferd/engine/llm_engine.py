@@ -1,0 +1,235 @@
+"""The synchronous engine: requests in, one `step()` at a time, token and text deltas out.
+
+    add_request -> Scheduler.schedule -> ModelRunner.execute -> Scheduler.update
+                -> detokenize, check stops and lengths -> RequestOutput per request
+
+The server (a later layer) drives `step()` from its engine loop; `generate()` drives it to
+completion for offline use and tests.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from inferd.engine.block_manager import BlockManager
+from inferd.engine.kv_cache import KVCache, num_blocks_for
+from inferd.engine.request import Request, RequestStatus
+from inferd.engine.runner import ModelRunner
+from inferd.engine.scheduler import Scheduler
+from inferd.model.detokenizer import IncrementalDetokenizer
+from inferd.model.errors import ModelLoadError
+from inferd.model.llama import LlamaModel
+from inferd.model.loader import default_model_path, load_checkpoint
+from inferd.model.sampling_params import SamplingParams
+from inferd.model.tokenizer import Tokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # a GGUF file or a Hugging Face folder; None: the embedded default
+    dtype: str = "auto"  # auto: bfloat16 on CPU and CUDA
+    device: str = "auto"  # auto: cuda when available
+    block_size: int = 16
+    kv_cache_memory: float = 2 * 1024**3  # bytes, or a fraction (0, 1] of free memory
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None  # None: the model's context length
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16
+        return DTYPES[self.dtype]
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives, best first
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request_id: int
+    new_token_ids: list[int]
+    text: str  # new text (stop strings and held-back partial characters excluded)
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort"
+    stop_reason: str | int | None = None  # the stop string or token id that matched
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Completion:
+    request_id: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class _Tracking:
+    """Per-request output state that is not the scheduler's."""
+
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[TokenLogprob] | None = None
+    first_token_time: float | None = None
+    outputs: list[RequestOutput] = field(default_factory=list)
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.model_config = model.cfg
+        self.max_model_len = min(config.max_model_len or model.cfg.max_position_embeddings,
+                                 model.cfg.max_position_embeddings)
+        num_blocks = num_blocks_for(config.kv_cache_memory, model.cfg, config.block_size, model.dtype, model.device)
+        self.kv_cache = KVCache(model.cfg, num_blocks, config.block_size, model.dtype, model.device)
+        self.block_manager = BlockManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_cache)
+        self.requests: dict[int, Request] = {}
+        self._tracking: dict[int, _Tracking] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> LLMEngine:
+        path = Path(config.model) if config.model else default_model_path()
+        device, dtype = config.resolved_device(), config.resolved_dtype()
+        start = time.perf_counter()
+        checkpoint = load_checkpoint(path, dtype)
+        tokenizer = load_tokenizer(path, gguf_metadata=checkpoint.gguf_metadata)
+        weights = {name: t.to(device) for name, t in checkpoint.tensors.items()}
+        model = LlamaModel(checkpoint.config, weights, dtype)
+        log.info("loaded %s (%s, %s) in %.2f s", path, dtype, device, time.perf_counter() - start)
+        return cls(model, tokenizer, config)
+
+    # ------------------------------------------------------------------------------ requests
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams) -> int:
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
+        request = Request(next(self._ids), prompt_ids, params, self.max_model_len)
+        self.requests[request.request_id] = request
+        self._tracking[request.request_id] = _Tracking(
+            IncrementalDetokenizer(self.tokenizer, params, prompt_ids),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+        self.scheduler.add(request)
+        return request.request_id
+
+    def abort(self, request_id: int) -> None:
+        request = self.requests.pop(request_id, None)
+        if request is not None:
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------------------------- step
+
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if not plan.chunks:
+            return []
+        result = self.runner.execute(plan)
+        sampled = result.sampled
+        self.scheduler.update(plan, dict(zip(result.request_ids, sampled.token_ids)))
+        outputs = []
+        for row, request_id in enumerate(result.request_ids):
+            request = self.requests[request_id]
+            token = sampled.token_ids[row]
+            track = self._tracking[request_id]
+            update = track.detokenizer.step(token)
+            out = RequestOutput(request_id, [token], update.text)
+            if track.logprobs is not None:
+                entry = TokenLogprob(token, sampled.logprobs[row], sampled.top_logprobs[row])
+                track.logprobs.append(entry)
+                out.logprobs = [entry]
+            if update.finished:
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                out.stop_reason = update.stop_reason
+            elif request.num_tokens >= request.max_total_tokens:
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                out.text += track.detokenizer.flush()
+            if request.status.finished:
+                out.finished, out.finish_reason = True, request.status.finish_reason
+                del self.requests[request_id]
+            outputs.append(out)
+        return outputs
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self.scheduler.finish(request, status)
+        self.runner.release(request.request_id)
+        self._tracking.pop(request.request_id, None)
+
+    # ------------------------------------------------------------------------------- offline
+
+    def generate(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams]) -> list[Completion]:
+        """Run every prompt to completion in one continuously batched run."""
+        params_list = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        tokens: dict[int, list[int]] = {i: [] for i in ids}
+        texts: dict[int, list[str]] = {i: [] for i in ids}
+        logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in ids}
+        finish: dict[int, str | None] = {}
+        prompt_ids = {i: self.requests[i].prompt_ids for i in ids}
+        while self.has_work():
+            for out in self.step():
+                tokens[out.request_id] += out.new_token_ids
+                texts[out.request_id].append(out.text)
+                logprobs[out.request_id] += out.logprobs or []
+                if out.finished:
+                    finish[out.request_id] = out.finish_reason
+        return [
+            Completion(i, prompt_ids[i], tokens[i], "".join(texts[i]), finish.get(i),
+                       logprobs[i] if params_list[n].logprobs is not None else None)
+            for n, i in enumerate(ids)
+        ]
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams) -> Iterator[RequestOutput]:
+        """One request's outputs as they are generated."""
+        request_id = self.add_request(prompt, params)
+        while self.has_work():
+            for out in self.step():
+                if out.request_id == request_id:
+                    yield out
+                    if out.finished:
+                        return
+
+
+def load_engine(config: EngineConfig) -> LLMEngine:
+    try:
+        return LLMEngine.from_config(config)
+    except ModelLoadError:
+        raise
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(str(e)) from e

@@ -1,0 +1,59 @@
+"""The state of one generation request. Only the scheduler changes it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from inferd.model.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    # finished states: everything from FINISHED_STOPPED on
+    FINISHED_STOPPED = 10  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = 11  # max_tokens or the model's context
+    FINISHED_ABORTED = 12  # cancelled by the caller
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The OpenAI `finish_reason` of a finished status."""
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_model_len: int  # the model's context: prompt + output never exceed it
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without building the concatenation."""
+        n_prompt = len(self.prompt_ids)
+        if end <= n_prompt:
+            return self.prompt_ids[start:end]
+        if start >= n_prompt:
+            return self.output_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]
+
+    @property
+    def max_total_tokens(self) -> int:
+        return min(self.max_model_len, len(self.prompt_ids) + self.params.max_tokens)

