@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 
 import torch
@@ -42,12 +44,11 @@ class KVCache:
             raise ValueError("the KV cache has room for no block: raise kv_cache_memory")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # [num_layers, 2 (K, V), num_blocks, block_size, n_kv_heads, head_dim]
+        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.storage = _zeroed(shape, dtype, device)
         # per layer: (key_cache, value_cache), each [num_blocks, block_size, n_kv_heads, head_dim]
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)
-        ]
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [(layer[0], layer[1]) for layer in self.storage]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's contents into block dst, in every layer."""
@@ -58,3 +59,15 @@ class KVCache:
         for key_cache, value_cache in self.layers:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
+
+
+def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. Zeros matter: attention reads (and masks) never-written slots, and
+    masked garbage that happens to be NaN would still poison the softmax."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # NOTE: an anonymous mapping is zero-filled by the kernel page by page on first touch, so a
+    # large cache costs nothing at start-up (torch.zeros would fault in every page: ~1.2 s/GiB).
+    n_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, max(n_bytes, 1))
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,7 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "up",
     "ffn_down.weight": "down",
 }
+_GGUF_TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
 _HF_LAYER_NAMES = {
     "input_layernorm.weight": "attn_norm",
     "self_attn.q_proj.weight": "q",
@@ -114,7 +117,7 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
     config = config_from_gguf(gguf.metadata, str(path))
     unpermute = {"q": config.num_heads, "k": config.num_kv_heads} if config.architecture == "llama" else {}
 
-    def load(name: str) -> torch.Tensor:
+    def load(name: str) -> np.ndarray:
         info = gguf.tensors[name]
         if info.ggml_type not in _GGUF_DEQUANTIZABLE:
             raise ModelLoadError(f"{path}: tensor {name!r} has unsupported type {info.ggml_type.name}")
@@ -124,34 +127,31 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
             raise ModelLoadError(f"{path}: cannot dequantize {name!r} ({info.ggml_type.name}): {e}") from None
         return array
 
-    tensors: dict[str, torch.Tensor] = {}
+    # gguf name -> (canonical name, heads to un-permute by or 0)
+    wanted: dict[str, tuple[str, int]] = {}
     for name in gguf.tensors:
         if name.startswith("blk."):
             _, layer, rest = name.split(".", 2)
             short = _GGUF_LAYER_NAMES.get(rest)
-            if short is None:
-                continue
-            array = load(name)
-            kind = short.removesuffix("_bias")
-            if kind in unpermute:
-                array = _unpermute_qk(array, unpermute[kind])
-            tensors[f"layers.{layer}.{short}"] = _to_torch(array, dtype)
-        elif name == "token_embd.weight":
-            tensors["embed"] = _to_torch(load(name), dtype)
-        elif name == "output_norm.weight":
-            tensors["norm"] = _to_torch(load(name), dtype)
-        elif name == "output.weight":
-            tensors["lm_head"] = _to_torch(load(name), dtype)
+            if short is not None:
+                wanted[name] = (f"layers.{layer}.{short}", unpermute.get(short.removesuffix("_bias"), 0))
+        elif name in _GGUF_TOP_NAMES:
+            wanted[name] = (_GGUF_TOP_NAMES[name], 0)
+
+    def convert(name: str) -> torch.Tensor:
+        array = load(name)
+        heads = wanted[name][1]
+        return _to_torch(_unpermute_qk(array, heads) if heads else array, dtype)
+
+    # NOTE: numpy releases the GIL inside dequantization, so threads use every core.
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        converted = dict(zip(wanted, pool.map(convert, wanted)))
+    tensors = {wanted[name][0]: tensor for name, tensor in converted.items()}
     if "rope_freqs.weight" in gguf.tensors:  # Llama 3.1 GGUFs carry the scaled factors as a tensor
-        factors = load("rope_freqs.weight").astype(np.float32)
-        config = _with_rope_factors(config, factors)
-    tied = "lm_head" not in tensors
-    config = ModelConfig(**{**config.__dict__, "tie_word_embeddings": tied})
+        factors = load("rope_freqs.weight").astype(np.float32).tolist()
+        config = replace(config, rope_scaling={"rope_type": "factors", "factors": factors})
+    config = replace(config, tie_word_embeddings="lm_head" not in tensors)
     return Checkpoint(config, tensors, path, gguf_metadata=gguf.metadata)
-
-
-def _with_rope_factors(config: ModelConfig, factors: np.ndarray) -> ModelConfig:
-    return ModelConfig(**{**config.__dict__, "rope_scaling": {"rope_type": "factors", "factors": factors.tolist()}})
 
 
 def _to_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -198,7 +198,7 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
     if config.tie_word_embeddings:
         tensors.pop("lm_head", None)
     elif "lm_head" not in tensors:
-        config = ModelConfig(**{**config.__dict__, "tie_word_embeddings": True})
+        config = replace(config, tie_word_embeddings=True)
     return Checkpoint(config, tensors, folder)
 
 

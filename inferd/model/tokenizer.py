@@ -134,9 +134,13 @@ class _SPMBackend:
         self.prefix_space = prefix_space
         self.sp = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
         self.added = added  # id -> text of tokens matched whole and decoded as their text
-        by_text = sorted({t: i for i, t in sorted(added.items(), reverse=True)}.items(), key=lambda kv: -len(kv[0]))
-        self.added_ids = dict(by_text)
-        self.split_re = re.compile("|".join(re.escape(t) for t, _ in by_text)) if by_text else None
+        self.added_ids: dict[str, int] = {}  # text -> id; the lowest id wins for a duplicated text
+        for i, t in sorted(added.items()):
+            if t:
+                self.added_ids.setdefault(t, i)
+        # longest first, so that "<|im_start|>" is not cut into a shorter added token
+        texts = sorted(self.added_ids, key=len, reverse=True)
+        self.split_re = re.compile("|".join(map(re.escape, texts))) if texts else None
 
     def _encode_run(self, text: str, prefix: bool) -> list[int]:
         if prefix and not (self.prefix_space != "llama.cpp" and text.startswith(" ")):
@@ -449,7 +453,7 @@ def _from_folder(folder: Path) -> Tokenizer:
         pieces = [tok.id_to_token(i) or "" for i in range(vocab_size)]
         added = tok.get_added_tokens_decoder()
         special_ids = {i for i, t in added.items() if t.special}
-        byte_level = "ByteLevel" in json.dumps(json.loads(tok.to_str()).get("decoder"))
+        byte_level = "ByteLevel" in repr(tok.decoder)
         default_add_bos = None  # decided below from the post-processor
     elif (folder / "tokenizer.model").is_file():
         from sentencepiece import sentencepiece_model_pb2 as pb

@@ -62,14 +62,14 @@ def hf_smollm_tokenizer(default_model_path: str):
 
 @pytest.fixture(scope="session")
 def spm_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny SentencePiece BPE model (byte fallback, ~400 pieces) in a Llama-style HF folder."""
+    """A tiny SentencePiece BPE model (byte fallback, ~600 pieces) in a Llama-style HF folder."""
     spm = pytest.importorskip("sentencepiece")
     folder = tmp_path_factory.mktemp("spm")
     # NOTE: identity normalization and kept whitespace, as Llama's own tokenizer.model has them
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(MULTILINGUAL.splitlines() * 20),
         model_prefix=str(folder / "m"),
-        vocab_size=400,
+        vocab_size=600,
         model_type="bpe",
         byte_fallback=True,
         character_coverage=0.98,  # leave rare characters to byte fallback
@@ -84,7 +84,10 @@ def spm_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "LlamaTokenizer",
         "bos_token": "<s>",
-        "eos_token": {"content": "</s>", "special": True},
+        "eos_token": {  # the dict form, as many Llama repos write it
+            "__type": "AddedToken", "content": "</s>", "lstrip": False, "normalized": False,
+            "rstrip": False, "single_word": False, "special": True,
+        },
         "unk_token": "<unk>",
         "add_bos_token": True,
         "add_eos_token": False,

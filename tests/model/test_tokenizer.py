@@ -180,11 +180,12 @@ CHATML = (
 
 @pytest.fixture(scope="module")
 def json_folder(tmp_path_factory: pytest.TempPathFactory, multilingual_text: str) -> Path:
-    from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, decoders, models, normalizers, pre_tokenizers, trainers
     from tokenizers import Tokenizer as HFTokenizer
 
     folder = tmp_path_factory.mktemp("qwen2ish")
     tok = HFTokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()  # as Qwen2's tokenizer.json (transformers' Qwen2Tokenizer forces it)
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
