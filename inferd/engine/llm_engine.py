@@ -138,6 +138,13 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
         request = Request(next(self._ids), prompt_ids, params, self.max_model_len)
+        capacity = self.block_manager.pool.num_blocks * self.config.block_size
+        if request.max_total_tokens > capacity:
+            # NOTE: it could never finish: it would preempt itself forever
+            raise ValueError(
+                f"the request needs up to {request.max_total_tokens} tokens of KV cache; "
+                f"the cache holds {capacity} (raise kv_cache_memory or lower max_tokens)"
+            )
         self.requests[request.request_id] = request
         self._tracking[request.request_id] = _Tracking(
             IncrementalDetokenizer(self.tokenizer, params, prompt_ids),

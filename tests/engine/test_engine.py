@@ -1,0 +1,129 @@
+"""The synchronous engine on the real default model: finishing, stopping, seeds, logprobs,
+preemption and memory reclamation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inferd.engine.llm_engine import EngineConfig, LLMEngine
+from inferd.model.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine.from_config(EngineConfig(dtype="float32", kv_cache_memory=128 * 2**20))
+
+
+def assert_pool_whole(engine: LLMEngine) -> None:
+    bm = engine.block_manager
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.pool.num_blocks
+    assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
+
+
+def test_max_tokens_finishes_with_length(engine: LLMEngine) -> None:
+    [c] = engine.generate(["Once upon a time"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+    assert len(c.token_ids) == 5 and c.finish_reason == "length"
+    assert c.text == engine.tokenizer.decode(c.token_ids)
+    assert_pool_whole(engine)
+
+
+def test_stop_string_ends_output_before_it(engine: LLMEngine) -> None:
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    [full] = engine.generate(["The first five letters of the alphabet are"], greedy)
+    words = full.text.split()
+    assert len(words) >= 4
+    stop = words[2]  # a word in the middle of the greedy output
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop=(stop,))
+    [c] = engine.generate(["The first five letters of the alphabet are"], params)
+    assert c.finish_reason == "stop"
+    assert c.text == full.text[: full.text.index(stop)]
+    assert_pool_whole(engine)
+
+
+def test_stop_token_id_ends_output(engine: LLMEngine) -> None:
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    [full] = engine.generate(["Count: one, two, three,"], greedy)
+    stop_id = full.token_ids[3]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, stop_token_ids=(stop_id,))
+    [c] = engine.generate(["Count: one, two, three,"], params)
+    assert c.finish_reason == "stop"
+    assert c.token_ids == full.token_ids[: full.token_ids.index(stop_id) + 1]
+
+
+def test_seed_gives_same_tokens_alone_and_in_a_batch(engine: LLMEngine) -> None:
+    seeded = SamplingParams(max_tokens=16, temperature=1.0, seed=1234, ignore_eos=True)
+    [alone] = engine.generate(["My favourite food is"], seeded)
+    others = SamplingParams(max_tokens=16, temperature=1.0, ignore_eos=True)
+    batch = engine.generate(
+        ["Tell me a story.", "My favourite food is", "Weather today:"], [others, seeded, others]
+    )
+    assert batch[1].token_ids == alone.token_ids
+    [other_seed] = engine.generate(["My favourite food is"], SamplingParams(max_tokens=16, seed=99, ignore_eos=True))
+    assert other_seed.token_ids != alone.token_ids
+    assert_pool_whole(engine)
+
+
+def test_logprobs_match_a_full_forward(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=4, temperature=0, logprobs=5, ignore_eos=True)
+    [c] = engine.generate(["The capital of France is"], params)
+    assert c.logprobs is not None and len(c.logprobs) == 4
+    for entry in c.logprobs:
+        assert len(entry.top) == 5
+        assert entry.top[0][0] == entry.token_id  # greedy picks the most likely token
+        assert entry.logprob == pytest.approx(entry.top[0][1])
+        assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
+        assert entry.logprob <= 0
+
+
+def test_abort_returns_blocks_at_once(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
+    ids = [engine.add_request("A long story about dragons", params) for _ in range(3)]
+    engine.step()
+    engine.step()
+    assert engine.block_manager.num_free_blocks < engine.block_manager.pool.num_blocks
+    for request_id in ids:
+        engine.abort(request_id)
+        engine.abort(request_id)  # a second abort (racing a finish) is harmless
+    assert_pool_whole(engine)
+
+
+def test_preemption_under_memory_pressure_keeps_tokens() -> None:
+    # 12 blocks of 4 tokens cannot hold 4 sequences of 10 + 16 tokens: the scheduler must
+    # preempt and recompute, and greedy outputs must still equal the unconstrained run.
+    roomy = LLMEngine.from_config(EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, block_size=4))
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = ["Dogs are", "The ocean is deep and", "In 1969, the first", "Python is a language that"]
+    expected = [c.token_ids for c in roomy.generate(prompts, params)]
+    per_block = roomy.kv_cache.storage[:, :, :1].nbytes
+    tight = LLMEngine.from_config(
+        EngineConfig(dtype="float32", kv_cache_memory=12 * per_block, block_size=4)
+    )
+    assert tight.block_manager.pool.num_blocks == 12
+    got = tight.generate(prompts, params)
+    assert [c.token_ids for c in got] == expected
+    assert tight.scheduler.num_preemptions > 0
+    assert_pool_whole(tight)
+
+
+def test_bad_prompts_are_rejected(engine: LLMEngine) -> None:
+    params = SamplingParams(max_tokens=4)
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request([], params)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([1, 10**6], params)
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request([1] * engine.max_model_len, params)
+    with pytest.raises(ValueError, match="KV cache"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=engine.max_model_len - 10))
+    assert_pool_whole(engine)
+
+
+def test_bfloat16_engine_generates_sensible_greedy_text() -> None:
+    bf16 = LLMEngine.from_config(EngineConfig(dtype="bfloat16", kv_cache_memory=32 * 2**20))
+    assert bf16.kv_cache.storage.dtype == torch.bfloat16
+    chat = bf16.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    ids = bf16.tokenizer.encode(chat, add_special_tokens=False)
+    [c] = bf16.generate([ids], SamplingParams(max_tokens=16, temperature=0))
+    assert "Paris" in c.text
