@@ -122,7 +122,10 @@ class LLMEngine:
         checkpoint = load_checkpoint(path, dtype)
         tokenizer = load_tokenizer(path, gguf_metadata=checkpoint.gguf_metadata)
         weights = {name: t.to(device) for name, t in checkpoint.tensors.items()}
-        model = LlamaModel(checkpoint.config, weights, dtype)
+        try:
+            model = LlamaModel(checkpoint.config, weights, dtype)
+        except ModelLoadError as e:
+            raise ModelLoadError(f"{path}: {e}") from None
         log.info("loaded %s (%s, %s) in %.2f s", path, dtype, device, time.perf_counter() - start)
         return cls(model, tokenizer, config)
 

@@ -99,8 +99,8 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
                 self.pos += count * dtype.itemsize
                 return arr.tolist()
-            if count > len(self.buf):
-                raise ModelLoadError(f"{self.path}: corrupt GGUF array length {count}")
+            # every element takes at least 8 bytes (a string's length), so this catches a cut
+            self.need(count * (8 if elem_type == GGUFValueType.STRING else 1))
             return [self.value(elem_type) for _ in range(count)]
         fmt = _SCALARS.get(vtype)
         if fmt is None:

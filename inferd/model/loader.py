@@ -176,7 +176,13 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
 
     index_file = folder / "model.safetensors.index.json"
     if index_file.is_file():
-        weight_map = json.loads(index_file.read_text()).get("weight_map", {})
+        try:
+            index = json.loads(index_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ModelLoadError(f"{index_file}: invalid JSON ({e})") from None
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index_file}: no \"weight_map\" object")
         files = sorted({folder / f for f in weight_map.values()})
     else:
         files = sorted(folder.glob("*.safetensors"))

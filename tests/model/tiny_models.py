@@ -12,12 +12,15 @@ hundred milliseconds from a seed, so a test can afford its own folder or GGUF fi
 NOTE: random tiny models with the default initializer (std 0.02) produce near-ties between
 logits, where float32 summation order decides the argmax; weights drawn with std 0.2 (norms
 around 1) keep the top two logits well apart, so token-exact comparisons are meaningful.
+`greedy_reference` checks it: every chosen token leads the runner-up by >= 1e-4 (inferd's and
+transformers' float32 log-probs differ by ~3e-6).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +145,18 @@ def train_byte_level_bpe(folder: Path, vocab_size: int = 500) -> int:
 # ---------------------------------------------------------------------------------------- models
 
 
+@contextlib.contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """NOTE: one thread for models this small: with another process busy on the 2 cores, two
+    OpenMP threads made transformers' decode steps ~20x slower (spin-waiting for each other)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
     """Well-separated random weights (see the module's NOTE): matrices N(0, std), norms 1 +- 0.1,
     biases N(0, 0.1)."""
@@ -176,7 +191,7 @@ def tiny_qwen2(vocab_size: int, seed: int = 0, **overrides: Any) -> Any:
 
     settings: dict[str, Any] = dict(
         vocab_size=vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256, rope_theta=10000.0,
+        num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256, rope_theta=1e6,
         rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False,
     )
     settings.update(overrides)
@@ -187,8 +202,13 @@ def tiny_qwen2(vocab_size: int, seed: int = 0, **overrides: Any) -> Any:
     return model
 
 
-def greedy_reference(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one at a time, never stopping at EOS."""
+def greedy_reference(
+    model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, min_margin: float = 1e-4
+) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time, never stopping at EOS.
+
+    Fails if any chosen token beat the runner-up by less than `min_margin` (a near-tie that
+    float32 rounding could flip: pick another seed rather than a flaky test)."""
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     out_ids = []
@@ -196,9 +216,13 @@ def greedy_reference(model: Any, prompts: Sequence[Sequence[int]], max_new_token
         with torch.inference_mode():
             out = model.generate(
                 torch.tensor([list(ids)]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                max_new_tokens=max_new_tokens, do_sample=False, output_logits=True, return_dict_in_generate=True,
             )
-        out_ids.append(out[0, len(ids):].tolist())
+        logits = torch.cat(out.logits).float()  # [new tokens, vocab]
+        top2 = logits.topk(2, dim=-1).values
+        margin = (top2[:, 0] - top2[:, 1]).min().item()
+        assert margin >= min_margin, f"near-tie in the reference logits (margin {margin:.2e})"
+        out_ids.append(out.sequences[0, len(ids):].tolist())
     return out_ids
 
 
@@ -211,6 +235,19 @@ def assert_not_trivial(outputs: Sequence[Sequence[int]], length: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------ GGUF
+
+
+def byte_level_bpe_vocab(tokenizer_json: Path) -> dict[str, Any]:
+    """A tokenizer.json's vocabulary as llama.cpp's converter stores a "gpt2" tokenizer."""
+    spec = json.loads(tokenizer_json.read_text(encoding="utf-8"))
+    vocab: dict[str, int] = dict(spec["model"]["vocab"])
+    specials = {t["content"] for t in spec["added_tokens"]}
+    vocab.update({t["content"]: t["id"] for t in spec["added_tokens"]})
+    tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+    assert len(tokens) == len(vocab) and vocab[tokens[-1]] == len(tokens) - 1
+    merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
+    types = [3 if t in specials else 1 for t in tokens]  # CONTROL / NORMAL
+    return {"model": "gpt2", "tokens": tokens, "merges": merges, "types": types}
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -265,17 +302,21 @@ def write_llama_gguf(
     model: Any,
     tokenizer: dict[str, Any],
     qtype: Any = None,
-    arch: str = "llama",
+    raw: dict[str, tuple[np.ndarray, Any]] | None = None,
+    skip: Collection[str] = (),
 ) -> dict[str, np.ndarray]:
-    """Write `model` as a llama.cpp-style GGUF; 2-D weights quantized to `qtype` (None: F32), norms
-    F32. `tokenizer`: {"model": "llama", "tokens", "scores", "types"} or {"model": "gpt2", "tokens",
-    "merges", "types"}. Returns the float32 tensors as stored after quantization (dequantized back)."""
+    """Write `model` as a llama.cpp-style GGUF: 2-D weights quantized to `qtype` (None: F32), norms
+    F32; `raw` replaces named tensors by (bytes, GGMLQuantizationType) as given; `skip` leaves
+named tensors out. `tokenizer`:
+    {"model": "llama", "tokens", "scores", "types"} or {"model": "gpt2", "tokens", "merges",
+    "types"}. Returns the float32 tensors as stored (quantized ones dequantized back)."""
     import gguf
     from gguf.quants import dequantize, quantize
 
+    qtype = qtype or gguf.GGMLQuantizationType.F32
     cfg = model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("tiny-random-llama")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -287,7 +328,7 @@ def write_llama_gguf(
     w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
     w.add_rope_dimension_count(head_dim)
     w.add_vocab_size(cfg.vocab_size)
-    w.add_file_type(int(qtype or gguf.GGMLQuantizationType.F32))
+    w.add_file_type(int(qtype))
 
     w.add_tokenizer_model(tokenizer["model"])
     w.add_token_list(tokenizer["tokens"])
@@ -307,17 +348,16 @@ def write_llama_gguf(
 
     stored: dict[str, np.ndarray] = {}
     for name, array in gguf_tensors(model).items():
-        if array.ndim == 2 and qtype is not None and qtype != gguf.GGMLQuantizationType.F32:
-            if qtype == gguf.GGMLQuantizationType.F16:
-                data = array.astype(np.float16)
-                w.add_tensor(name, data)
-            else:
-                data = quantize(array, qtype)
-                w.add_tensor(name, data, raw_dtype=qtype)
-            stored[name] = dequantize(data, qtype).astype(np.float32)
-        else:
-            w.add_tensor(name, array)
-            stored[name] = array
+        if name in skip:
+            continue
+        if name in (raw or {}):
+            data, dtype = raw[name]  # type: ignore[index]
+            w.add_tensor(name, data, raw_dtype=dtype)
+            continue
+        dtype = qtype if array.ndim == 2 else gguf.GGMLQuantizationType.F32
+        data = quantize(array, dtype)  # F32 / F16: plain arrays; others: uint8 [rows, row bytes]
+        w.add_tensor(name, data, raw_dtype=dtype)
+        stored[name] = dequantize(data, dtype).astype(np.float32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

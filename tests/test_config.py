@@ -1,0 +1,65 @@
+"""Settings: file < environment < flags, validated once with errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from inferd.config import SettingsError, load_settings, parse_memory
+
+REPO_TOML = Path(__file__).resolve().parents[1] / "inferd.toml"
+
+
+def test_repo_inferd_toml_is_valid_and_documents_every_key() -> None:
+    settings = load_settings(REPO_TOML)
+    text = REPO_TOML.read_text()
+    for section, model in settings:
+        assert f"[{section}]" in text
+        for key in type(model).model_fields:
+            assert key in text, f"{section}.{key} is not documented in inferd.toml"
+
+
+def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
+    toml = tmp_path / "inferd.toml"
+    toml.write_text('[cache]\nblock_size = 8\nkv_cache_memory = "1GiB"\n[scheduler]\nmax_num_seqs = 4\n')
+    env = {"INFERD_CACHE_BLOCK_SIZE": "32", "INFERD_SCHEDULER_MAX_NUM_SEQS": "9"}
+    settings = load_settings(toml, {"scheduler": {"max_num_seqs": 12}}, environ=env)
+    assert settings.cache.block_size == 32  # env beats the file
+    assert settings.cache.kv_cache_memory == 2**30  # the file beats the default
+    assert settings.scheduler.max_num_seqs == 12  # flags beat env
+    config = settings.engine_config()
+    assert (config.block_size, config.max_num_seqs, config.kv_cache_memory) == (32, 12, 2**30)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"cache": {"block_size": 12}}, "cache.block_size"),
+        ({"model": {"dtype": "fp8"}}, "model.dtype"),
+        ({"scheduler": {"max_num_seqs": 0}}, "scheduler.max_num_seqs"),
+        ({"cache": {"kv_cache_memory": "lots"}}, "cache.kv_cache_memory"),
+        ({"cache": {"kv_cache_memory": -1}}, "cache.kv_cache_memory"),
+        ({"cache": {"bogus": 1}}, "cache.bogus"),
+    ],
+)
+def test_invalid_values_name_their_key(overrides: dict, needle: str) -> None:
+    with pytest.raises(SettingsError, match=needle.replace(".", r"\.")):
+        load_settings(None, overrides, environ={})
+
+
+def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
+    with pytest.raises(SettingsError, match="cannot read"):
+        load_settings(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cache\nblock_size = ")
+    with pytest.raises(SettingsError, match="invalid TOML"):
+        load_settings(bad)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("2GiB", 2 * 2**30), ("512MB", 512e6), ("0.5", 0.5), (0.25, 0.25), (1048576, 1048576), ("16 KiB", 16384)],
+)
+def test_memory_sizes(value: object, expected: float) -> None:
+    assert parse_memory(value) == expected
