@@ -49,6 +49,8 @@ class EngineConfig:
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} was asked for, but torch sees no CUDA device")
         return torch.device(self.device)
 
     def resolved_dtype(self) -> torch.dtype:
@@ -235,11 +237,3 @@ class LLMEngine:
                     if out.finished:
                         return
 
-
-def load_engine(config: EngineConfig) -> LLMEngine:
-    try:
-        return LLMEngine.from_config(config)
-    except ModelLoadError:
-        raise
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(str(e)) from e
