@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from inferd.model.tokenizer import Tokenizer, load_tokenizer
+from tiny_models import train_sentencepiece
 
 MULTILINGUAL = (
     "The quick brown fox jumps over the lazy dog. It's 2024, and we're testing tokenizers!\n"
@@ -63,24 +64,9 @@ def hf_smollm_tokenizer(default_model_path: str):
 @pytest.fixture(scope="session")
 def spm_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny SentencePiece BPE model (byte fallback, ~600 pieces) in a Llama-style HF folder."""
-    spm = pytest.importorskip("sentencepiece")
+    pytest.importorskip("sentencepiece")
     folder = tmp_path_factory.mktemp("spm")
-    # NOTE: identity normalization and kept whitespace, as Llama's own tokenizer.model has them
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(MULTILINGUAL.splitlines() * 20),
-        model_prefix=str(folder / "m"),
-        vocab_size=600,
-        model_type="bpe",
-        byte_fallback=True,
-        character_coverage=0.98,  # leave rare characters to byte fallback
-        normalization_rule_name="identity",
-        remove_extra_whitespaces=False,
-        split_digits=True,
-        allow_whitespace_only_pieces=True,
-        minloglevel=2,
-    )
-    (folder / "m.model").rename(folder / "tokenizer.model")
-    (folder / "m.vocab").unlink()
+    train_sentencepiece(folder, vocab_size=600, text=MULTILINGUAL)
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "LlamaTokenizer",
         "bos_token": "<s>",

@@ -11,6 +11,7 @@ import pytest
 
 from inferd.model.errors import ModelLoadError
 from inferd.model.tokenizer import Tokenizer, load_tokenizer
+from tiny_models import CHATML_SPECIALS, QWEN2_SPLIT, sentencepiece_vocab
 
 transformers = pytest.importorskip("transformers")
 
@@ -132,15 +133,12 @@ def test_spm_folder_matches_transformers(spm_tokenizer: Tokenizer, hf_spm, multi
 
 
 def _gguf_metadata_from_spm(model_path: Path) -> dict:
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
-    proto = pb.ModelProto()
-    proto.ParseFromString(model_path.read_bytes())
+    tokens, scores, types = sentencepiece_vocab(model_path)
     return {
         "tokenizer.ggml.model": "llama",
-        "tokenizer.ggml.tokens": [p.piece for p in proto.pieces],
-        "tokenizer.ggml.scores": [p.score for p in proto.pieces],
-        "tokenizer.ggml.token_type": [int(p.type) for p in proto.pieces],
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
         "tokenizer.ggml.bos_token_id": 1,
         "tokenizer.ggml.eos_token_id": 2,
         "tokenizer.ggml.unknown_token_id": 0,
@@ -169,9 +167,6 @@ def test_gguf_spm_matches_sentencepiece(spm_folder: Path, multilingual_text: str
 # ---------------------------------------------------------------------------------------------
 # tokenizer.json: a tiny Qwen2-style byte-level BPE
 
-QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 CHATML = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -191,7 +186,7 @@ def json_folder(tmp_path_factory: pytest.TempPathFactory, multilingual_text: str
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
-    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    specials = CHATML_SPECIALS  # first here: ids 0-2, unlike tiny_models' Qwen2-style layout
     trainer = trainers.BpeTrainer(
         vocab_size=500, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )

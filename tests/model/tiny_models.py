@@ -59,14 +59,14 @@ CHATML_TEMPLATE = (
 # ------------------------------------------------------------------------------------ tokenizers
 
 
-def train_sentencepiece(folder: Path, vocab_size: int = 400) -> int:
+def train_sentencepiece(folder: Path, vocab_size: int = 400, text: str = CORPUS) -> int:
     """A SentencePiece BPE (byte fallback) in a Llama-style folder; returns its vocabulary size."""
     import sentencepiece as spm
 
     folder.mkdir(parents=True, exist_ok=True)
     # NOTE: identity normalization and kept whitespace, as Llama's own tokenizer.model has them
     spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(CORPUS.splitlines() * 20),
+        sentence_iterator=iter(text.splitlines() * 20),
         model_prefix=str(folder / "m"),
         vocab_size=vocab_size,
         model_type="bpe",
@@ -108,7 +108,7 @@ QWEN2_SPLIT = (
 CHATML_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def train_byte_level_bpe(folder: Path, vocab_size: int = 500) -> int:
+def train_byte_level_bpe(folder: Path, vocab_size: int = 500, text: str = CORPUS) -> int:
     """A byte-level BPE tokenizer.json (Qwen2 style: ChatML specials after the merges); returns
     the vocabulary size including the special tokens."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -128,7 +128,7 @@ def train_byte_level_bpe(folder: Path, vocab_size: int = 500) -> int:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(CORPUS.splitlines() * 20, trainer)
+    tok.train_from_iterator(text.splitlines() * 20, trainer)
     tok.add_special_tokens(CHATML_SPECIALS)
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({
