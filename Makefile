@@ -28,7 +28,7 @@ setup: $(VENV)/.base
 setup-dev: $(VENV)/.dev
 
 serve: $(VENV)/.base
-	$(VENV)/bin/inferd generate --chat "$(PROMPT)"
+	$(VENV)/bin/inferd generate --chat --temperature 0 "$(PROMPT)"
 
 test: $(VENV)/.dev
 	$(VENV)/bin/pytest -q
