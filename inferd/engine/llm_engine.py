@@ -13,7 +13,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -89,16 +89,6 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
 
 
-@dataclass
-class _Tracking:
-    """Per-request output state that is not the scheduler's."""
-
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[TokenLogprob] | None = None
-    first_token_time: float | None = None
-    outputs: list[RequestOutput] = field(default_factory=list)
-
-
 class LLMEngine:
     def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
         self.model = model
@@ -113,7 +103,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_cache)
         self.requests: dict[int, Request] = {}
-        self._tracking: dict[int, _Tracking] = {}
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}  # per unfinished request
         self._ids = itertools.count()
 
     @classmethod
@@ -151,10 +141,7 @@ class LLMEngine:
                 f"the cache holds {capacity} (raise kv_cache_memory or lower max_tokens)"
             )
         self.requests[request.request_id] = request
-        self._tracking[request.request_id] = _Tracking(
-            IncrementalDetokenizer(self.tokenizer, params, prompt_ids),
-            logprobs=[] if params.logprobs is not None else None,
-        )
+        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, params, prompt_ids)
         self.scheduler.add(request)
         return request.request_id
 
@@ -179,19 +166,17 @@ class LLMEngine:
         for row, request_id in enumerate(result.request_ids):
             request = self.requests[request_id]
             token = sampled.token_ids[row]
-            track = self._tracking[request_id]
-            update = track.detokenizer.step(token)
+            detokenizer = self._detokenizers[request_id]
+            update = detokenizer.step(token)
             out = RequestOutput(request_id, [token], update.text)
-            if track.logprobs is not None:
-                entry = TokenLogprob(token, sampled.logprobs[row], sampled.top_logprobs[row])
-                track.logprobs.append(entry)
-                out.logprobs = [entry]
+            if request.params.logprobs is not None:
+                out.logprobs = [TokenLogprob(token, sampled.logprobs[row], sampled.top_logprobs[row])]
             if update.finished:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 out.stop_reason = update.stop_reason
             elif request.num_tokens >= request.max_total_tokens:
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
-                out.text += track.detokenizer.flush()
+                out.text += detokenizer.flush()
             if request.status.finished:
                 out.finished, out.finish_reason = True, request.status.finish_reason
                 del self.requests[request_id]
@@ -201,7 +186,7 @@ class LLMEngine:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
         self.runner.release(request.request_id)
-        self._tracking.pop(request.request_id, None)
+        self._detokenizers.pop(request.request_id, None)
 
     # ------------------------------------------------------------------------------- offline
 
