@@ -70,9 +70,10 @@ class TokenLogprob:
 class RequestOutput:
     """What one step produced for one request."""
 
-    request_id: int
+    request_id: int  # the id add_request returned
     new_token_ids: list[int]
     text: str  # new text (stop strings and held-back partial characters excluded)
+    index: int = 0  # which of the request's n choices
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length" or "abort"
     stop_reason: str | int | None = None  # the stop string or token id that matched
@@ -87,6 +88,15 @@ class Completion:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+
+
+class RequestError(ValueError):
+    """A request that can never run; `param` names the offending field (OpenAI's error body)."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.code = code
 
 
 class LLMEngine:
@@ -123,32 +133,54 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------ requests
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams) -> int:
-        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams, n: int = 1) -> None:
+        """Raise RequestError if the request can never run; reads only fixed facts, so any
+        thread may call it before handing the request to the engine's owner."""
+        vocab = self.model_config.vocab_size
         if not prompt_ids:
-            raise ValueError("the prompt is empty")
+            raise RequestError("the prompt is empty", param="prompt")
         if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context is {self.max_model_len}")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.model_config.vocab_size})")
-        request = Request(next(self._ids), prompt_ids, params, self.max_model_len)
-        capacity = self.block_manager.pool.num_blocks * self.config.block_size
-        if request.max_total_tokens > capacity:
-            # NOTE: it could never finish: it would preempt itself forever
-            raise ValueError(
-                f"the request needs up to {request.max_total_tokens} tokens of KV cache; "
-                f"the cache holds {capacity} (raise kv_cache_memory or lower max_tokens)"
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens; this model's context is {self.max_model_len} tokens",
+                param="prompt", code="context_length_exceeded",
             )
-        self.requests[request.request_id] = request
-        self._detokenizers[request.request_id] = IncrementalDetokenizer(self.tokenizer, params, prompt_ids)
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
+        if not 1 <= n <= self.config.max_num_seqs:
+            raise RequestError(f"n must be in [1, {self.config.max_num_seqs}], got {n}", param="n")
+        total = min(self.max_model_len, len(prompt_ids) + params.max_tokens)
+        capacity = self.block_manager.pool.num_blocks * self.config.block_size
+        if total > capacity:
+            # NOTE: it could never finish: it would preempt itself forever
+            raise RequestError(
+                f"the request needs up to {total} tokens of KV cache; the cache holds {capacity} "
+                "(lower max_tokens, or raise kv_cache_memory)", param="max_tokens",
+            )
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, n: int = 1) -> int:
+        """Queue a request (n choices sharing the prompt); returns its id."""
+        prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self.check_request(prompt_ids, params, n)
+        request = Request(next(self._ids), prompt_ids, params, self.max_model_len)
+        request.forks = [
+            Request(next(self._ids), prompt_ids, params, self.max_model_len, index=i, group_id=request.request_id)
+            for i in range(1, n)
+        ]
+        for member in (request, *request.forks):
+            self.requests[member.request_id] = member
+            self._detokenizers[member.request_id] = IncrementalDetokenizer(self.tokenizer, params, prompt_ids)
         self.scheduler.add(request)
         return request.request_id
 
     def abort(self, request_id: int) -> None:
-        request = self.requests.pop(request_id, None)
-        if request is not None:
-            self._finish(request, RequestStatus.FINISHED_ABORTED)
+        """Abort a request and all its choices; unknown or finished ids are ignored."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return
+        for member in (request, *request.forks):
+            if self.requests.pop(member.request_id, None) is not None:
+                self._finish(member, RequestStatus.FINISHED_ABORTED)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -168,7 +200,7 @@ class LLMEngine:
             token = sampled.token_ids[row]
             detokenizer = self._detokenizers[request_id]
             update = detokenizer.step(token)
-            out = RequestOutput(request_id, [token], update.text)
+            out = RequestOutput(request.group_id, [token], update.text, index=request.index)
             if request.params.logprobs is not None:
                 out.logprobs = [TokenLogprob(token, sampled.logprobs[row], sampled.top_logprobs[row])]
             if update.finished:

@@ -40,6 +40,20 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_preemptions: int = 0
+    # n > 1: choice 0 is the request itself; choices 1..n-1 wait in `forks` until its prompt is
+    # prefilled, then share its blocks and sample their own first tokens from the same logits
+    index: int = 0  # choice index within the group
+    group_id: int = -1  # the request id of choice 0 (its own id for choice 0)
+    forks: list[Request] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.group_id < 0:
+            self.group_id = self.request_id
+
+    @property
+    def forks_pending(self) -> list[Request]:
+        """The choices that fork from this request at its first sampled token."""
+        return self.forks if not self.output_ids else []
 
     @property
     def num_tokens(self) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from inferd.engine.kv_cache import KVCache
+from inferd.engine.request import Request
 from inferd.engine.scheduler import ScheduledChunk, SchedulerOutput
 from inferd.kernels import reference
 from inferd.model.llama import LlamaModel, StepAttention
@@ -32,25 +33,36 @@ class ModelRunner:
         chunks = out.prefills + out.decodes
         input_ids, positions, attn, logits_indices = self._prepare(out.prefills, out.decodes)
         logits = self.model.forward(input_ids, positions, self.kv_cache.layers, attn, logits_indices)
-        sampling = [c for c in chunks if c.samples]
+        # one row per sampling request, plus one per fork (n > 1) that starts from the same logits
+        rows: list[Request] = []
+        logit_rows: list[int] = []
+        for i, chunk in enumerate(c for c in chunks if c.samples):
+            for request in (chunk.request, *chunk.request.forks_pending):
+                rows.append(request)
+                logit_rows.append(i)
+        if len(logit_rows) != logits.shape[0]:
+            logits = logits[logit_rows]
         sampled = self.sampler(
             logits,
-            [c.request.params for c in sampling],
-            [c.request.output_ids for c in sampling],
-            [self._generator(c.request.request_id, c.request.params.seed) for c in sampling],
+            [r.params for r in rows],
+            [r.output_ids for r in rows],
+            [self._generator(r) for r in rows],
         )
-        return StepResult([c.request.request_id for c in sampling], sampled)
+        return StepResult([r.request_id for r in rows], sampled)
 
     def release(self, request_id: int) -> None:
         """Forget a finished request's sampling state."""
         self._generators.pop(request_id, None)
 
-    def _generator(self, request_id: int, seed: int | None) -> torch.Generator | None:
+    def _generator(self, request: Request) -> torch.Generator | None:
+        seed = request.params.seed
         if seed is None:
             return None
-        gen = self._generators.get(request_id)
+        gen = self._generators.get(request.request_id)
         if gen is None:
-            gen = self._generators[request_id] = torch.Generator(device=self.device).manual_seed(seed)
+            # choice i of a seeded n > 1 request draws from seed + i, so choices differ
+            gen = torch.Generator(device=self.device).manual_seed(seed + request.index)
+            self._generators[request.request_id] = gen
         return gen
 
     def _prepare(

@@ -83,8 +83,10 @@ class Scheduler:
             i += 1
 
         # then admit waiting requests while blocks, sequences and the budget allow
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0:
             req = self.waiting[0]
+            if len(self.running) + 1 + len(req.forks_pending) > self.max_num_seqs:
+                break
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if bm.allocate(req.request_id, n) is None:
                 break
@@ -110,13 +112,24 @@ class Scheduler:
         out.preempted.append(req)
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> None:
-        """Record a finished step: computed counts and the sampled token of each request."""
+        """Record a finished step: computed counts and the sampled token of each request.
+
+        A request with pending forks (n > 1) hands its blocks to them at its first token: each
+        fork shares the prompt's blocks (copy-on-write later) and starts with its own token.
+        """
         for chunk in out.chunks:
             req = chunk.request
             req.num_computed_tokens += chunk.num_tokens
             token = sampled.get(req.request_id)
-            if token is not None:
-                req.output_ids.append(token)
+            if token is None:
+                continue
+            for fork in req.forks_pending:
+                self.block_manager.fork(req.request_id, fork.request_id)
+                fork.num_computed_tokens = req.num_computed_tokens
+                fork.output_ids.append(sampled[fork.request_id])
+                fork.status = RequestStatus.RUNNING
+                self.running.append(fork)
+            req.output_ids.append(token)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request (stopped, length or aborted) and return its blocks at once."""
@@ -125,6 +138,7 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
             self.block_manager.free(req.request_id)
-        else:
+        elif req in self.waiting:
             self.waiting.remove(req)
+        # else: a fork that never started (its group was aborted before the prompt finished)
         req.status = status

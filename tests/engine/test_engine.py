@@ -127,3 +127,50 @@ def test_bfloat16_engine_generates_sensible_greedy_text() -> None:
     ids = bf16.tokenizer.encode(chat, add_special_tokens=False)
     [c] = bf16.generate([ids], SamplingParams(max_tokens=16, temperature=0))
     assert "Paris" in c.text
+
+
+def run_group(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[int, list[int]]:
+    request_id = engine.add_request(prompt_ids, params, n=n)
+    tokens: dict[int, list[int]] = {i: [] for i in range(n)}
+    while engine.has_work():
+        for out in engine.step():
+            assert out.request_id == request_id
+            tokens[out.index] += out.new_token_ids
+    return tokens
+
+
+def test_n_choices_share_the_prompt_blocks(engine: LLMEngine) -> None:
+    prompt_ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 6)
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    [alone] = engine.generate([prompt_ids], greedy)
+    bm = engine.block_manager
+    request_id = engine.add_request(prompt_ids, greedy, n=3)
+    engine.step()  # the prompt's prefill: the two forks take shared copies of its blocks
+    prompt_blocks = bm.blocks_for(len(prompt_ids))
+    used = bm.pool.num_blocks - bm.num_free_blocks
+    assert used == prompt_blocks  # not 3x: the forks share them
+    while engine.has_work():
+        engine.step()
+    assert request_id not in engine.requests
+    assert_pool_whole(engine)
+    tokens = run_group(engine, prompt_ids, greedy, 3)
+    assert all(t == alone.token_ids for t in tokens.values())  # greedy choices are identical
+    assert_pool_whole(engine)
+
+
+def test_n_seeded_choices_differ_and_repeat(engine: LLMEngine) -> None:
+    prompt_ids = engine.tokenizer.encode("Once upon a time")
+    params = SamplingParams(max_tokens=10, temperature=1.0, seed=7, ignore_eos=True)
+    first = run_group(engine, prompt_ids, params, 3)
+    second = run_group(engine, prompt_ids, params, 3)
+    assert first == second
+    assert len({tuple(t) for t in first.values()}) == 3
+    [alone] = engine.generate([prompt_ids], params)
+    assert first[0] == alone.token_ids  # choice 0 samples exactly as n=1 with the same seed
+    assert_pool_whole(engine)
+
+
+def test_abort_of_a_group_before_its_forks_start(engine: LLMEngine) -> None:
+    request_id = engine.add_request("Hello there", SamplingParams(max_tokens=5), n=4)
+    engine.abort(request_id)
+    assert_pool_whole(engine)

@@ -7,6 +7,8 @@ hundred milliseconds from a seed, so a test can afford its own folder or GGUF fi
     train_byte_level_bpe(folder)     tokenizer.json + tokenizer_config.json (Qwen2 / ChatML style)
     tiny_llama(...) / tiny_qwen2(...) a transformers model with well-separated random weights
     write_llama_gguf(path, ...)      the same model as llama.cpp's converter would write it
+    random_kquant(shape, qtype, rng) K-quant blocks (Q2_K..Q6_K) of random bits, for what
+                                     gguf.quants cannot quantize
     greedy_reference(model, prompts) transformers' greedy continuation of each prompt
 
 NOTE: random tiny models with the default initializer (std 0.02) produce near-ties between
@@ -297,6 +299,48 @@ def gguf_tensors(model: Any) -> dict[str, np.ndarray]:
     return out
 
 
+# Byte offsets of the fp16 super-block scale d and of dmin (None: the type has none) in one block of
+# each K-quant, as ggml lays them out (`dequantize_blocks` of gguf.quants' classes), and the dmin / d
+# ratio that centres random weights: dmin * mean(6-bit m) against d * mean(sc) * mean(q).
+_KQUANT_SCALES: dict[str, tuple[int, int | None, float]] = {
+    "Q2_K": (80, 82, 1.5),  # scales[16] (4-bit sc | 4-bit m << 4), qs[64], d, dmin: x = d*sc*q - dmin*m, q 0..3
+    "Q3_K": (108, None, 0.0),  # hmask[32], qs[64], scales[12] (6-bit, signed), d: q -4..3
+    "Q4_K": (0, 2, 7.5),  # d, dmin, scales[12] (6-bit sc, m), qs[128]: q 0..15
+    "Q5_K": (0, 2, 15.5),  # d, dmin, scales[12], qh[32], qs[128]: q 0..31
+    "Q6_K": (208, None, 0.0),  # ql[128], qh[64], int8 scales[16], d: q -32..31
+}
+KQUANT_NAMES = tuple(_KQUANT_SCALES)
+
+
+def random_kquant(shape: tuple[int, int], qtype: Any, rng: np.random.Generator, std: float = 0.2) -> np.ndarray:
+    """A K-quant tensor ([rows, row bytes] uint8) of random bits whose dequantized values have about
+    `std` spread and mean 0: gguf (0.19) dequantizes K-quants but cannot quantize to them.
+
+    Every quant and sub-block scale byte is random; each super-block's fp16 d (and dmin) is set to a
+    random factor in [0.5, 1.5] of the scale that gives `std`, so blocks differ in range and nothing
+    is NaN or inf. Not a quantization of any weights: a random model, read the same by every reader."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf.quants import dequantize
+
+    d_at, dmin_at, centre = _KQUANT_SCALES[qtype.name]
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    assert cols % block == 0, f"{qtype.name} rows must be a multiple of {block} values"
+    blocks = rng.integers(0, 256, (rows * cols // block, type_size), dtype=np.uint8)
+
+    def set_scales(d: np.ndarray) -> None:
+        blocks[:, d_at:d_at + 2] = d.astype(np.float16).reshape(-1, 1).view(np.uint8)
+        if dmin_at is not None:
+            blocks[:, dmin_at:dmin_at + 2] = (centre * d).astype(np.float16).reshape(-1, 1).view(np.uint8)
+
+    set_scales(np.ones(len(blocks)))  # unit scales: measure the spread the random bits give
+    unit = float(dequantize(blocks.reshape(rows, -1), qtype).std())
+    set_scales(std / unit * rng.uniform(0.5, 1.5, len(blocks)))
+    out = blocks.reshape(rows, -1)
+    assert np.isfinite(dequantize(out, qtype)).all()
+    return out
+
+
 def write_llama_gguf(
     path: Path,
     model: Any,
@@ -306,8 +350,9 @@ def write_llama_gguf(
     skip: Collection[str] = (),
 ) -> dict[str, np.ndarray]:
     """Write `model` as a llama.cpp-style GGUF: 2-D weights quantized to `qtype` (None: F32), norms
-    F32; `raw` replaces named tensors by (bytes, GGMLQuantizationType) as given; `skip` leaves
-named tensors out. `tokenizer`:
+    F32 (K-quants, which gguf cannot quantize to: `random_kquant` blocks in place of the model's
+    2-D weights, so the file is a different random model of the same shape); `raw` replaces named
+    tensors by (bytes, GGMLQuantizationType) as given; `skip` leaves named tensors out. `tokenizer`:
     {"model": "llama", "tokens", "scores", "types"} or {"model": "gpt2", "tokens", "merges",
     "types"}. Returns the float32 tensors as stored (quantized ones dequantized back)."""
     import gguf
@@ -347,6 +392,7 @@ named tensors out. `tokenizer`:
         w.add_add_bos_token(False)
 
     stored: dict[str, np.ndarray] = {}
+    rng = np.random.default_rng(0)
     for name, array in gguf_tensors(model).items():
         if name in skip:
             continue
@@ -355,7 +401,10 @@ named tensors out. `tokenizer`:
             w.add_tensor(name, data, raw_dtype=dtype)
             continue
         dtype = qtype if array.ndim == 2 else gguf.GGMLQuantizationType.F32
-        data = quantize(array, dtype)  # F32 / F16: plain arrays; others: uint8 [rows, row bytes]
+        if dtype.name in KQUANT_NAMES:
+            data = random_kquant(array.shape, dtype, rng)
+        else:
+            data = quantize(array, dtype)  # F32 / F16: plain arrays; others: uint8 [rows, row bytes]
         w.add_tensor(name, data, raw_dtype=dtype)
         stored[name] = dequantize(data, dtype).astype(np.float32)
     w.write_header_to_file()
