@@ -74,11 +74,30 @@ class SchedulerSettings(_Section):
     max_num_batched_tokens: int = Field(default=2048, ge=16, le=1 << 20)
 
 
+class ServerSettings(_Section):
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)  # 0: any free port
+    # SHA-256 hex digests of the accepted API keys, one per line ('#' comments allowed); keys
+    # also come from --api-key and INFERD_API_KEYS (comma-separated, in the clear)
+    api_keys_file: str | None = None
+    open_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")  # served without a key
+    keepalive_seconds: float = Field(default=10.0, gt=0, le=300)  # SSE comment while queued
+
+
+class LimitSettings(_Section):
+    max_tokens_default: int = Field(default=256, ge=1)  # when a request names no max_tokens
+    max_tokens_limit: int = Field(default=4096, ge=1)  # a request asking more gets a 400
+    max_n: int = Field(default=8, ge=1, le=128)  # choices per request
+    max_prompts: int = Field(default=64, ge=1)  # prompts in one batched /v1/completions request
+
+
 class RuntimeSettings(_Section):
     threads: int = Field(default=0, ge=0, le=1024)  # torch CPU threads; 0: one per core
 
 
 class Settings(_Section):
+    server: ServerSettings = ServerSettings()
+    limits: LimitSettings = LimitSettings()
     model: ModelSettings = ModelSettings()
     cache: CacheSettings = CacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
@@ -114,10 +133,11 @@ def load_settings(
             raise SettingsError(f"{path}: invalid TOML ({e})") from None
     environ = os.environ if environ is None else environ
     for section, fields in Settings.model_fields.items():
-        for key in fields.annotation.model_fields:  # type: ignore[union-attr]
+        for key, field in fields.annotation.model_fields.items():  # type: ignore[union-attr]
             value = environ.get(f"INFERD_{section}_{key}".upper())
             if value is not None:
-                data.setdefault(section, {})[key] = value
+                is_list = getattr(field.annotation, "__origin__", None) is tuple
+                data.setdefault(section, {})[key] = [v.strip() for v in value.split(",") if v.strip()] if is_list else value
     for section, values in (overrides or {}).items():
         for key, value in values.items():
             if value is not None:

@@ -112,7 +112,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_cache)
-        self.requests: dict[int, Request] = {}
+        self.requests: dict[int, Request] = {}  # every unfinished choice, by its own id
+        self._groups: dict[int, Request] = {}  # request id (as returned by add_request) -> choice 0
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}  # per unfinished request
         self._ids = itertools.count()
 
@@ -158,29 +159,41 @@ class LLMEngine:
                 "(lower max_tokens, or raise kv_cache_memory)", param="max_tokens",
             )
 
-    def add_request(self, prompt: str | Sequence[int], params: SamplingParams, n: int = 1) -> int:
-        """Queue a request (n choices sharing the prompt); returns its id."""
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams, n: int = 1, request_id: int | None = None
+    ) -> int:
+        """Queue a request with n choices sharing the prompt; returns its id (`request_id` if
+        given), which its outputs and `abort` use."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.check_request(prompt_ids, params, n)
-        request = Request(next(self._ids), prompt_ids, params, self.max_model_len)
-        request.forks = [
-            Request(next(self._ids), prompt_ids, params, self.max_model_len, index=i, group_id=request.request_id)
+        if request_id is not None and request_id in self._groups:
+            raise ValueError(f"request id {request_id} is in use")
+        root = Request(next(self._ids), prompt_ids, params, self.max_model_len)
+        group_id = root.request_id if request_id is None else request_id
+        root.group_id = group_id
+        root.forks = [
+            Request(next(self._ids), prompt_ids, params, self.max_model_len, index=i, group_id=group_id)
             for i in range(1, n)
         ]
-        for member in (request, *request.forks):
+        self._groups[group_id] = root
+        for member in (root, *root.forks):
             self.requests[member.request_id] = member
             self._detokenizers[member.request_id] = IncrementalDetokenizer(self.tokenizer, params, prompt_ids)
-        self.scheduler.add(request)
-        return request.request_id
+        self.scheduler.add(root)
+        return group_id
 
     def abort(self, request_id: int) -> None:
         """Abort a request and all its choices; unknown or finished ids are ignored."""
-        request = self.requests.get(request_id)
-        if request is None:
+        root = self._groups.pop(request_id, None)
+        if root is None:
             return
-        for member in (request, *request.forks):
+        for member in (root, *root.forks):
             if self.requests.pop(member.request_id, None) is not None:
                 self._finish(member, RequestStatus.FINISHED_ABORTED)
+
+    def request_ids(self) -> list[int]:
+        """The ids of the requests not finished yet."""
+        return list(self._groups)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -212,6 +225,9 @@ class LLMEngine:
             if request.status.finished:
                 out.finished, out.finish_reason = True, request.status.finish_reason
                 del self.requests[request_id]
+                root = self._groups.get(request.group_id)
+                if root is not None and all(m.status.finished for m in (root, *root.forks)):
+                    del self._groups[request.group_id]
             outputs.append(out)
         return outputs
 
