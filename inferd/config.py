@@ -71,7 +71,7 @@ class CacheSettings(_Section):
 
 class SchedulerSettings(_Section):
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
-    max_num_batched_tokens: int = Field(default=2048, ge=16, le=1 << 20)
+    max_num_batched_tokens: int = Field(default=512, ge=16, le=1 << 20)
 
 
 class ServerSettings(_Section):

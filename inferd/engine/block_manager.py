@@ -154,6 +154,16 @@ class BlockManager:
         KV cache before writing the new tokens: at most one, when the partly filled last block is
         shared with a fork.
         """
+        table = self._tables.get(seq_id)
+        if table is not None and num_new_tokens >= 0:
+            # NOTE: the common decode case, kept cheap: the tokens fit in the room left in the last
+            # block and that block is not shared, so no block is allocated or copied.
+            total = self._num_tokens[seq_id] + num_new_tokens
+            if total <= len(table) * self.block_size and (
+                num_new_tokens == 0 or self.pool._refcounts[table[-1]] == 1
+            ):
+                self._num_tokens[seq_id] = total
+                return []
         need, cow = self._append_need(seq_id, num_new_tokens)
         if not self.pool.can_allocate(need):
             return None

@@ -43,7 +43,7 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory: float = 2 * 1024**3  # bytes, or a fraction (0, 1] of free memory
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's context length
 
     def resolved_device(self) -> torch.device:

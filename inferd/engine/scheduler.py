@@ -66,18 +66,21 @@ class Scheduler:
         bm = self.block_manager
 
         # running requests first, oldest first, so a preemption hits the newest
+        running = self.running
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            while not bm.can_append(req.request_id, n):
-                victim = self.running[-1]
+            # append is check-then-act in one call: None (nothing changed) when blocks are short
+            while (copies := bm.append(req.request_id, n)) is None:
+                victim = running[-1]
                 self._preempt(victim, out)
                 if victim is req:
                     break
-            if req.status != RequestStatus.RUNNING:
+            if copies is None:
                 break  # req itself was preempted: nothing after it is left
-            out.block_copies += bm.append(req.request_id, n) or []
+            if copies:
+                out.block_copies += copies
             self._add_chunk(out, req, n)
             budget -= n
             i += 1
@@ -117,19 +120,21 @@ class Scheduler:
         A request with pending forks (n > 1) hands its blocks to them at its first token: each
         fork shares the prompt's blocks (copy-on-write later) and starts with its own token.
         """
-        for chunk in out.chunks:
-            req = chunk.request
-            req.num_computed_tokens += chunk.num_tokens
-            token = sampled.get(req.request_id)
-            if token is None:
-                continue
-            for fork in req.forks_pending:
-                self.block_manager.fork(req.request_id, fork.request_id)
-                fork.num_computed_tokens = req.num_computed_tokens
-                fork.output_ids.append(sampled[fork.request_id])
-                fork.status = RequestStatus.RUNNING
-                self.running.append(fork)
-            req.output_ids.append(token)
+        for chunks in (out.prefills, out.decodes):  # out.chunks' order, without the copy
+            for chunk in chunks:
+                req = chunk.request
+                req.num_computed_tokens += chunk.num_tokens
+                token = sampled.get(req.request_id)
+                if token is None:
+                    continue
+                if req.forks and not req.output_ids:  # req.forks_pending, without a list per call
+                    for fork in req.forks:
+                        self.block_manager.fork(req.request_id, fork.request_id)
+                        fork.num_computed_tokens = req.num_computed_tokens
+                        fork.output_ids.append(sampled[fork.request_id])
+                        fork.status = RequestStatus.RUNNING
+                        self.running.append(fork)
+                req.output_ids.append(token)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request (stopped, length or aborted) and return its blocks at once."""

@@ -1,0 +1,113 @@
+"""The one place where errors become HTTP responses, all in OpenAI's shape:
+
+    {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
+
+Handlers raise `APIError` (or let a domain error through: pydantic's ValidationError, a JSON
+decode error, the engine's RequestError / EngineDeadError); `error_middleware` renders them.
+Anything else is a bug: a 500 in the same shape, logged with its traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from inferd.engine.engine import EngineDeadError
+from inferd.engine.llm_engine import RequestError
+
+log = logging.getLogger(__name__)
+
+RETRY_AFTER_SECONDS = 5
+_TYPES = {401: "authentication_error", 503: "service_unavailable"}
+# pydantic's union-member and validator tags in an error location ("str", "list[int]", ...)
+_TAG = re.compile(r".*[\[\]].*|str|int|float|bool|none")
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str | None = None,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type or _TYPES.get(status) or ("server_error" if status >= 500 else "invalid_request_error")
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict[str, dict[str, str | None]]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_validation_error(e: ValidationError) -> APIError:
+    """400 naming the first offending field as a dotted path ("messages.0.role")."""
+    errors = e.errors(include_url=False)
+    messages: list[str] = []
+    param = None
+    for err in errors:
+        path = ".".join(str(part) for part in err["loc"] if not (isinstance(part, str) and _TAG.fullmatch(part)))
+        param = param or path or None
+        text = f"{path}: {err['msg']}" if path else err["msg"]
+        if text not in messages:
+            messages.append(text)
+    more = f" (and {len(messages) - 3} more)" if len(messages) > 3 else ""
+    return bad_request("; ".join(messages[:3]) + more, param=param)
+
+
+def to_api_error(e: BaseException) -> APIError:
+    """The HTTP form of any exception a handler let through."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ValidationError):
+        return from_validation_error(e)
+    if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
+        return bad_request(f"invalid JSON in the request body: {e}")
+    if isinstance(e, RequestError):
+        return bad_request(str(e), param=e.param, code=e.code)
+    if isinstance(e, EngineDeadError):
+        return APIError(503, f"the model is not available: {e}", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    if isinstance(e, web.HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status)
+        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        return APIError(e.status, e.reason if e.status == 405 else (e.text or e.reason), code=code, headers=headers)
+    return APIError(500, "internal server error", type="server_error")
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        error = to_api_error(e)
+        if e.status == 404:
+            error.message = f"no such path: {request.method} {request.path}"
+        elif e.status == 405:
+            error.message = f"method {request.method} is not allowed on {request.path}"
+    except Exception as e:  # noqa: BLE001 - every error leaves in the OpenAI shape
+        error = to_api_error(e)
+        if error.status >= 500 and not isinstance(e, (APIError, EngineDeadError)):
+            log.exception("unhandled error in %s %s", request.method, request.path)
+    return error.response()

@@ -1,0 +1,248 @@
+"""`inferd serve` as a real subprocess, driven over real sockets by the official `openai` client.
+
+One server (float32, so greedy text is batch-invariant; a 48-token step budget, so prefill is
+chunked) serves every test in this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+
+from inferd.model.loader import default_model_path
+from inferd.model.tokenizer import Tokenizer, load_tokenizer
+
+MODEL = "smollm2"
+STEP_BUDGET = 48
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str  # http://127.0.0.1:PORT
+    log: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+
+def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Server:
+    """Start `inferd serve` on a free port; return once its start-up line names the port."""
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "inferd.cli", "serve", "--port", "0", *args],
+        stdout=subprocess.DEVNULL, stderr=open(log, "w"), cwd=tmp_path, env={**os.environ, **(env or {})},
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        match = re.search(r"inferd serving .* on (http://[\d.]+:\d+)", log.read_text())
+        if match:
+            return Server(proc, match.group(1), log)
+        if proc.poll() is not None:
+            raise AssertionError(f"inferd serve exited with {proc.returncode}:\n{log.read_text()}")
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"inferd serve did not start:\n{log.read_text()}")
+
+
+def stop_server(server: Server) -> None:
+    server.proc.terminate()
+    try:
+        assert server.proc.wait(timeout=30) == 0, server.log.read_text()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(
+        tmp_path_factory.mktemp("serve"),
+        "--dtype", "float32", "--served-model-name", MODEL, "--kv-cache-memory", "512MiB",
+        "--max-num-seqs", "128", "--max-num-batched-tokens", str(STEP_BUDGET),
+    )
+    yield srv
+    stop_server(srv)
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return load_tokenizer(default_model_path())
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def kv_blocks_used(server: Server) -> int:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{server.url}/v1/status", timeout=10) as response:
+        return json.load(response)["kv_blocks_used"]
+
+
+def wait_for_empty_cache(server: Server, timeout: float = 15.0) -> int:
+    deadline = time.monotonic() + timeout
+    used = kv_blocks_used(server)
+    while used and time.monotonic() < deadline:
+        time.sleep(0.05)
+        used = kv_blocks_used(server)
+    return used
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def test_completions_stream_equals_non_stream(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    prompt = "The three most important inventions in history are"
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=20, temperature=0.9, seed=1234)
+    full = client.completions.create(**kwargs)
+    chunks = list(client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert streamed == full.choices[0].text and streamed
+    usage = chunks[-1].usage
+    assert usage is not None and not chunks[-1].choices
+    assert usage.prompt_tokens == full.usage.prompt_tokens == len(tokenizer.encode(prompt))
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    if full.choices[0].finish_reason == "length":
+        assert full.usage.completion_tokens == 20
+
+
+def test_chat_stream_equals_non_stream(client: openai.OpenAI, tokenizer: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three rivers."}]
+    kwargs = dict(model=MODEL, messages=messages, max_tokens=24, temperature=0.7, seed=99)
+    full = client.chat.completions.create(**kwargs)
+    chunks = list(client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert full.choices[0].message.role == "assistant"
+    assert streamed == full.choices[0].message.content and streamed
+    prompt_ids = tokenizer.encode(tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens == len(prompt_ids)
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finish == [full.choices[0].finish_reason]
+
+
+def test_sse_framing_ids_and_done(server: Server) -> None:
+    async def fetch() -> tuple[dict, str]:
+        async with aiohttp.ClientSession() as session:
+            body = {"model": MODEL, "prompt": "Hello", "max_tokens": 5, "stream": True, "temperature": 0}
+            async with session.post(f"{server.base_url}/completions", json=body) as response:
+                return dict(response.headers), await response.text()
+
+    headers, text = asyncio.run(fetch())
+    assert headers["Content-Type"].startswith("text/event-stream")
+    assert headers["Cache-Control"] == "no-cache" and headers["X-Accel-Buffering"] == "no"
+    events = [e for e in text.split("\n\n") if e.strip() and not e.startswith(":")]
+    assert events[-1] == "data: [DONE]"
+    for event in events[:-1]:
+        lines = event.split("\n")
+        assert lines[0].startswith("id: ") and lines[1].startswith("data: {")
+        json.loads(lines[1][len("data: "):])
+
+
+def test_64_concurrent_streams_equal_each_request_alone(client: openai.OpenAI, server: Server) -> None:
+    topics = ["cats", "the moon", "bread", "rain", "chess", "music", "trains", "glaciers"]
+    requests = [
+        (f"Write a sentence about {topics[i % 8]}." + " Please." * (i % 5), 3 + (i * 7) % 14) for i in range(64)
+    ]
+
+    async def run_all() -> list[str]:
+        async_client = openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=300)
+
+        async def one(prompt: str, max_tokens: int) -> str:
+            stream = await async_client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+            )
+            return "".join([c.choices[0].text async for c in stream if c.choices])
+
+        try:
+            return await asyncio.gather(*(one(p, m) for p, m in requests))
+        finally:
+            await async_client.close()
+
+    concurrent = asyncio.run(run_all())
+    for (prompt, max_tokens), text in zip(requests, concurrent):
+        alone = client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+        assert text == alone.choices[0].text, prompt
+    assert wait_for_empty_cache(server) == 0
+
+
+def test_closed_streams_return_every_kv_block(server: Server) -> None:
+    async def run() -> list[int]:
+        async with aiohttp.ClientSession() as session:
+
+            async def one(i: int) -> int:
+                body = {"model": MODEL, "prompt": f"Story number {i}:", "max_tokens": 24, "stream": True,
+                        "temperature": 0.8, "seed": i, "ignore_eos": True}
+                events = 0
+                async with session.post(f"{server.base_url}/completions", json=body) as response:
+                    async for line in response.content:
+                        if line.startswith(b"data: {"):
+                            events += 1
+                            if i % 2 and events == 2:
+                                return events  # leaves the block: the connection is closed mid-stream
+                return events
+
+            return await asyncio.gather(*(one(i) for i in range(100)))
+
+    counts = asyncio.run(run())
+    assert all(counts[i] == 2 for i in range(1, 100, 2))
+    assert all(counts[i] >= 24 for i in range(0, 100, 2))  # 24 tokens (+ a final chunk)
+    assert wait_for_empty_cache(server) == 0
+
+
+def test_long_prompt_prefill_does_not_stall_running_streams(server: Server) -> None:
+    long_prompt = " ".join(f"word{i}" for i in range(1000))  # ~2,000 tokens
+
+    async def run() -> tuple[list[list[float]], float, float]:
+        async with aiohttp.ClientSession() as session:
+            arrivals: list[list[float]] = [[] for _ in range(8)]
+            started = asyncio.Event()
+
+            async def stream(i: int) -> None:
+                body = {"model": MODEL, "prompt": f"Count slowly, step {i}:", "max_tokens": 120, "stream": True,
+                        "temperature": 0, "ignore_eos": True}
+                async with session.post(f"{server.base_url}/completions", json=body) as response:
+                    async for line in response.content:
+                        if line.startswith(b"data: {"):
+                            arrivals[i].append(time.monotonic())
+                            if all(len(a) >= 10 for a in arrivals):
+                                started.set()
+
+            async def long_request() -> tuple[float, float]:
+                await started.wait()
+                t0 = time.monotonic()
+                body = {"model": MODEL, "prompt": long_prompt, "max_tokens": 1, "stream": True}
+                async with session.post(f"{server.base_url}/completions", json=body) as response:
+                    async for line in response.content:
+                        if line.startswith(b"data: {"):
+                            return t0, time.monotonic()
+                return t0, time.monotonic()
+
+            *_, (t0, t1) = await asyncio.gather(*(stream(i) for i in range(8)), long_request())
+            return arrivals, t0, t1
+
+    arrivals, t0, t1 = asyncio.run(run())
+    assert t1 - t0 > 1.0  # the prefill really took many steps
+    for times in arrivals:
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        during = [b - a for a, b in zip(times, times[1:]) if a >= t0 and b <= t1]
+        assert len(during) >= 5, "the stream should keep flowing while the long prompt is prefilled"
+        assert max(during) < 3 * statistics.median(gaps), (max(during), statistics.median(gaps))
