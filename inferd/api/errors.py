@@ -9,6 +9,7 @@ Anything else is a bug: a 500 in the same shape, logged with its traceback.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
@@ -58,18 +59,28 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 
 def from_validation_error(e: ValidationError) -> APIError:
-    """400 naming the first offending field as a dotted path ("messages.0.role")."""
-    errors = e.errors(include_url=False)
+    """400 naming the offending field as a dotted path ("messages.0.role").
+
+    A union reports one error per member; `param` is the path they share, and an error whose
+    path is a prefix of another's (a string was expected, a list came) is left out of the text.
+    """
+    paths = [
+        tuple(str(part) for part in err["loc"] if not (isinstance(part, str) and _TAG.fullmatch(part)))
+        for err in e.errors(include_url=False)
+    ]
+    shared = paths[0]
+    for path in paths[1:]:
+        shared = tuple(a for a, b in itertools.takewhile(lambda ab: ab[0] == ab[1], zip(shared, path)))
     messages: list[str] = []
-    param = None
-    for err in errors:
-        path = ".".join(str(part) for part in err["loc"] if not (isinstance(part, str) and _TAG.fullmatch(part)))
-        param = param or path or None
-        text = f"{path}: {err['msg']}" if path else err["msg"]
+    for path, err in zip(paths, e.errors(include_url=False)):
+        if any(len(other) > len(path) and other[: len(path)] == path for other in paths):
+            continue
+        reason = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+        text = f"{'.'.join(path)}: {reason}" if path else reason
         if text not in messages:
             messages.append(text)
     more = f" (and {len(messages) - 3} more)" if len(messages) > 3 else ""
-    return bad_request("; ".join(messages[:3]) + more, param=param)
+    return bad_request("; ".join(messages[:3]) + more, param=".".join(shared) or None)
 
 
 def to_api_error(e: BaseException) -> APIError:

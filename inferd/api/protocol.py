@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+)
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - 128  # torch generator range, less room for seed + choice
 
@@ -32,7 +40,7 @@ class StreamOptions(_Request):
 StopField = Annotated[str | Annotated[list[str], Field(max_length=4)] | None, Field(default=None)]
 
 
-class _SamplingFields(_Request):
+class SamplingFields(_Request):
     """The fields both endpoints share, OpenAI's and the extensions (top_k, min_p, ...)."""
 
     model: str
@@ -67,12 +75,22 @@ class _SamplingFields(_Request):
 # ------------------------------------------------------------------------------ completions
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     # a string, token ids, or a batch of either; each prompt becomes its own engine request
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
+
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError:  # one error per union member: say what is allowed instead
+            raise ValueError(
+                "must be a string, a list of strings, a list of token ids, or a list of lists of token ids"
+            ) from None
 
     @field_validator("echo")
     @classmethod
@@ -150,7 +168,7 @@ class ChatMessage(_Request):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)  # overrides max_tokens
     logprobs: bool = False

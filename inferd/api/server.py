@@ -29,7 +29,10 @@ def served_name(settings: Settings) -> str:
 async def serve(settings: Settings, api_keys: frozenset[str]) -> None:
     llm = LLMEngine.from_config(settings.engine_config())
     engine = AsyncEngine(llm, served_name(settings))
-    runner = web.AppRunner(create_app(engine, settings, api_keys), access_log=None, handle_signals=False)
+    # handler_cancellation: a non-streaming request whose client left is aborted at once
+    runner = web.AppRunner(
+        create_app(engine, settings, api_keys), access_log=None, handle_signals=False, handler_cancellation=True
+    )
     await runner.setup()
     site = web.TCPSite(runner, settings.server.host, settings.server.port)
     await site.start()

@@ -54,20 +54,21 @@ class RequestStream:
         self.request_id = request_id
         self.n = n
         self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._open_choices = n
+        self.open_choices = set(range(n))  # choices without a finished output yet
         self.aborted = False
 
     @property
     def finished(self) -> bool:
-        return self._open_choices == 0
+        return not self.open_choices
 
     def _put(self, output: RequestOutput) -> None:
         if output.finished:
-            self._open_choices -= 1
+            self.open_choices.discard(output.index)
         self._queue.put_nowait(output)
 
     async def get(self) -> RequestOutput:
-        """The next output of any choice; raises EngineDeadError if the engine stops first."""
+        """The next output of any choice (if the engine stops, each open choice gets a final
+        output with finish_reason "abort" and the reason in stop_reason)."""
         return await self._queue.get()
 
     def get_nowait(self) -> RequestOutput | None:
@@ -136,6 +137,7 @@ class AsyncEngine:
         return stream
 
     def _abort(self, request_id: int) -> None:
+        self._streams.pop(request_id, None)  # nobody reads its outputs any more
         self._inbox.append(("abort", request_id))
         self._wakeup.set()
 
@@ -152,7 +154,7 @@ class AsyncEngine:
         """End streams (all of them by default) with an abort carrying `message`."""
         for request_id in list(self._streams) if request_ids is None else request_ids:
             stream = self._streams.pop(request_id, None)
-            for index in range(stream.n if stream else 0):
+            for index in sorted(stream.open_choices) if stream else ():
                 stream._put(RequestOutput(request_id, [], "", index=index, finished=True,
                                           finish_reason="abort", stop_reason=message))
 
@@ -173,6 +175,7 @@ class AsyncEngine:
                     else:
                         engine.abort(payload)  # type: ignore[arg-type]
                 if not engine.has_work():
+                    self.stats = self._snapshot(0.0, self.stats.steps)  # e.g. blocks an abort freed
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue

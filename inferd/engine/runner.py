@@ -68,40 +68,56 @@ class ModelRunner:
     def _prepare(
         self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]
     ) -> tuple[torch.Tensor, torch.Tensor, StepAttention, torch.Tensor]:
+        # NOTE: built in plain Python, then one torch.tensor per buffer: every torch op releases
+        # the GIL, and while the event loop thread is busy streaming, each re-acquisition can
+        # wait a whole switch interval (5 ms), so a few dozen small ops cost more than the lists.
         chunks = prefills + decodes
-        block_size = self.kv_cache.block_size
+        bs = self.kv_cache.block_size
         device = self.device
-        ids: list[int] = []
+        ids: list[int] = []  # [T]
+        positions: list[int] = []  # [T]
+        slot_mapping: list[int] = []  # [T]
+        logits_indices: list[int] = []  # [S]
+        seq_lens: list[int] = []  # [N]
+        query_lens: list[int] = []  # [N]
         for c in chunks:
-            ids += c.request.token_ids(c.start, c.start + c.num_tokens)
-        starts = torch.tensor([c.start for c in chunks], dtype=torch.int64)  # [N]
-        query_lens = torch.tensor([c.num_tokens for c in chunks], dtype=torch.int64)  # [N]
-        seq_lens = starts + query_lens  # [N]
-        max_blocks = max(-(-int(n) // block_size) for n in seq_lens.tolist())
-        rows = []
-        for c in chunks:
-            table = c.block_table[: -(-(c.start + c.num_tokens) // block_size)]
-            rows.append(table + [0] * (max_blocks - len(table)))
-        tables = torch.tensor(rows, dtype=torch.int64)  # [N, max_blocks]
-
-        # per token: its chunk, position and cache slot
-        chunk_of_token = torch.repeat_interleave(torch.arange(len(chunks)), query_lens)  # [T]
-        first_token = torch.cumsum(query_lens, 0) - query_lens  # [N]
-        positions = starts[chunk_of_token] + torch.arange(len(ids)) - first_token[chunk_of_token]  # [T]
-        slot_mapping = tables[chunk_of_token, positions // block_size] * block_size + positions % block_size
-        last_tokens = first_token + query_lens - 1  # [N]
-        logits_indices = last_tokens[[i for i, c in enumerate(chunks) if c.samples]]
+            start, n = c.start, c.num_tokens
+            end = start + n
+            ids += c.request.token_ids(start, end)
+            table = c.block_table
+            if n == 1:
+                positions.append(start)
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, end)
+                slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            if c.samples:
+                logits_indices.append(len(ids) - 1)
+            seq_lens.append(end)
+            query_lens.append(n)
+        # block tables cut to each chunk's context and padded with block 0 to the widest
+        widths = [-(-n // bs) for n in seq_lens]
+        max_blocks = max(widths)
+        rows = [c.block_table[:w] + [0] * (max_blocks - w) for c, w in zip(chunks, widths)]  # [N, max_blocks]
 
         p = len(prefills)
-        num_prefill_tokens = int(query_lens[:p].sum())
-        tables, seq_lens, query_lens = tables.to(device), seq_lens.to(device), query_lens.to(device)
         attn = StepAttention(
-            slot_mapping=slot_mapping.to(device),
-            num_prefill_tokens=num_prefill_tokens,
-            prefill=reference.plan_attention(tables[:p], seq_lens[:p], query_lens[:p], block_size) if p else None,
-            decode=(
-                reference.plan_attention(tables[p:], seq_lens[p:], query_lens[p:], block_size) if decodes else None
-            ),
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            num_prefill_tokens=sum(query_lens[:p]),
+            prefill=self._plan(rows[:p], seq_lens[:p], query_lens[:p]) if p else None,
+            decode=self._plan(rows[p:], seq_lens[p:], query_lens[p:]) if decodes else None,
         )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=device)
-        return input_ids, positions.to(device), attn, logits_indices.to(device)
+        return (
+            torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            attn,
+            torch.tensor(logits_indices, dtype=torch.int64, device=device),
+        )
+
+    def _plan(self, rows: list[list[int]], seq_lens: list[int], query_lens: list[int]) -> reference.AttentionPlan:
+        return reference.plan_attention(
+            torch.tensor(rows, dtype=torch.int64, device=self.device),  # [n, max_blocks]
+            torch.tensor(seq_lens, dtype=torch.int64, device=self.device),  # [n]
+            torch.tensor(query_lens, dtype=torch.int64, device=self.device),  # [n]
+            self.kv_cache.block_size,
+        )

@@ -20,6 +20,7 @@ longest suffix of `pending` that begins some stop string is emitted.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,11 @@ from inferd.model.tokenizer import Tokenizer
 
 # prompt tokens decoded as context before the first generated one (vLLM uses the same 5)
 _PROMPT_CONTEXT = 5
+
+# decode([id]) per tokenizer, keyed by (id, skip_special_tokens) and shared by every sequence.
+# NOTE: after a token is emitted the window is usually that one token, so the new prefix text is
+# a lookup here instead of a second decode per step; bounded by twice the vocabulary.
+_ONE_TOKEN_TEXT: weakref.WeakKeyDictionary[Tokenizer, dict[tuple[int, bool], str]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -52,6 +58,10 @@ class IncrementalDetokenizer:
         self._pending = ""  # decoded text held back: it may be the start of a stop string
         self._chunks: list[str] = []  # emitted text
         self._output: str | None = ""  # cache of "".join(_chunks)
+        one = _ONE_TOKEN_TEXT.get(tokenizer)
+        if one is None:
+            one = _ONE_TOKEN_TEXT.setdefault(tokenizer, {})
+        self._one_token_text = one
 
     @property
     def output_text(self) -> str:
@@ -87,7 +97,14 @@ class IncrementalDetokenizer:
         new_text = full_text[len(self._prefix_text) :]
         del self._ids[: self._read]
         self._read = len(self._ids)
-        self._prefix_text = self._decode(self._ids)
+        if self._read == 1:
+            key = (self._ids[0], self.skip_special)
+            prefix_text = self._one_token_text.get(key)
+            if prefix_text is None:
+                prefix_text = self._one_token_text[key] = self._decode(self._ids)
+            self._prefix_text = prefix_text
+        else:
+            self._prefix_text = self._decode(self._ids)
         if not self.stops:
             return self._emit(new_text)
 

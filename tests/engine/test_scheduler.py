@@ -106,9 +106,8 @@ def test_a_blocked_head_of_queue_is_not_overtaken() -> None:
     assert layout(plan.prefills) == [(0, 0, 8)]
     assert ids(s.waiting) == [1, 2]
     s.finish(r0, RequestStatus.FINISHED_STOPPED)
-    plan = step(s)
-    assert layout(plan.prefills) == [(1, 0, 12)]  # not enough left for request 2 (4 - 3 = 1 ... fits)
-    assert layout(plan.chunks) == [(1, 0, 12), (2, 0, 2)]
+    plan = step(s)  # the head first, then request 2 in the block left over
+    assert layout(plan.prefills) == [(1, 0, 12), (2, 0, 2)]
     for r in (r1, r2):
         s.finish(r, RequestStatus.FINISHED_STOPPED)
     assert_pool_whole(s)
@@ -164,11 +163,12 @@ def test_long_prompt_is_chunked_by_the_token_budget_alongside_decodes() -> None:
     # budget 8 per step: 1 decode token + 7 prompt tokens, until the prompt's last 6
     expected = [(1, 0, 7), (1, 7, 7), (1, 14, 6)]
     for k, chunk in enumerate(expected):
-        plan = step(s)
+        plan = s.schedule()
         assert layout(plan.decodes) == [(0, 3 + k, 1)]
         assert layout(plan.prefills) == [chunk]
         last = k == len(expected) - 1
-        assert plan.prefills[0].samples == last
+        assert plan.prefills[0].samples == last  # (asked before update: it reads live counts)
+        s.update(plan, fabricate(plan))
         assert long.output_ids == ([20_000] if last else [])  # no token from a partial prompt
         assert long.num_computed_tokens == chunk[1] + chunk[2]
         assert plan.num_tokens == 1 + chunk[2]
@@ -230,10 +230,11 @@ def test_preemption_hits_the_newest_and_requeues_it_first() -> None:
     s.block_manager.check_invariants()
 
     s.finish(r0, RequestStatus.FINISHED_STOPPED)
-    plan = step(s)  # r1 recomputes prompt + its 5 outputs in one chunk, then samples on
-    assert layout(plan.prefills) == [(1, 0, 13)] and plan.prefills[0].samples
-    assert ids(s.running) == [1] and ids(s.waiting) == [2]  # max_num_seqs 2, but r2 needs
-    assert r1.output_ids == [20_000 + i for i in range(6)]  # 2 blocks and 6 - 4 = 2 ... see below
+    plan = s.schedule()  # r1 recomputes prompt + its 5 outputs in one chunk and samples on; then r2
+    assert layout(plan.prefills) == [(1, 0, 13), (2, 0, 8)] and plan.prefills[0].samples
+    s.update(plan, fabricate(plan))
+    assert ids(s.running) == [1, 2] and not s.waiting
+    assert r1.output_ids == [20_000 + i for i in range(6)]  # no token lost or sampled twice
     s.finish(r1, RequestStatus.FINISHED_LENGTH)
     s.finish(r2, RequestStatus.FINISHED_ABORTED)
     assert_pool_whole(s)
@@ -320,8 +321,9 @@ def test_fork_of_a_chunked_prompt_happens_at_the_first_token_only() -> None:
     root = make_request(0, 6, n=2)
     [fork] = root.forks
     s.add(root)
-    plan = step(s)
+    plan = s.schedule()
     assert layout(plan.prefills) == [(0, 0, 4)] and not plan.prefills[0].samples
+    s.update(plan, fabricate(plan))
     assert ids(s.running) == [0] and fork.status == RequestStatus.WAITING
     plan = step(s)
     assert layout(plan.prefills) == [(0, 4, 2)]

@@ -1,0 +1,401 @@
+"""The serving layer's own cost: HTTP + SSE + engine loop + scheduler + detokenizer, no model.
+
+`SyntheticZeroCostModel` stands in for the transformer: it returns precomputed logits, so
+every step's model time is ~0 and what is measured is everything around it. The tokenizer is
+the real SmolLM2 one, so prompts are really encoded and outputs really detokenized.
+
+    launcher ──spawns──> server process: AsyncEngine(LLMEngine(zero-cost model)) + create_app
+        │                  on 127.0.0.1:<free port>, uvloop, engine on its own thread
+        └── client (this process): aiohttp, --concurrency streaming /v1/completions at once,
+            counts SSE `data:` events (one per streamed chunk; the usage event is checked
+            once per stream, so no JSON in the hot loop)
+
+Streamed tokens/s = completion tokens of all streams / wall time from the first request to the
+last stream's end, median of --runs runs. The server also reports its engine-side cost per
+step (schedule+update, and the whole `LLMEngine.step`). `--engine-only` runs the same load
+through `LLMEngine.step()` in-process (no HTTP, no thread), the ceiling for the server.
+`--profile` prints cProfile's top functions of the engine thread and of the event loop.
+
+    python bench/serve_overhead.py [--concurrency 256] [--max-tokens 200] [--runs 3]
+    python bench/serve_overhead.py --engine-only [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import cProfile
+import io
+import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from inferd.engine.llm_engine import EngineConfig, LLMEngine
+from inferd.model.config import ModelConfig
+from inferd.model.loader import default_model_path
+from inferd.model.sampling_params import SamplingParams
+from inferd.model.tokenizer import Tokenizer, load_tokenizer
+
+MODEL_NAME = "synthetic-zero-cost"
+# ordinary word pieces of the SmolLM2 vocabulary: row r of every step samples WORDS[r % 8]
+WORDS = (" the", " quick", " brown", " fox", " jumps", " over", " a", " dog")
+PROMPT = "Write a long story about a quick brown fox and a lazy dog in a small village."
+
+
+# ------------------------------------------------------------------------------ the model
+
+class SyntheticZeroCostModel:
+    """A zero-cost stand-in for `LlamaModel`, used only by this benchmark.
+
+    It has the surface `LLMEngine` and `ModelRunner` use (`cfg`, `dtype`, `device`, `forward`)
+    and a tiny config (1 layer, 1 KV head, head_dim 8), so the KV cache is negligible. `forward`
+    does no arithmetic: it returns the first S rows of logits computed once at start-up, where
+    row r peaks (by 30 nats, so sampling at temperature 1 picks it too) at one of a few
+    ordinary word-piece tokens. The vocabulary is the real tokenizer's, so the sampler does
+    its real work over [S, vocab].
+    """
+
+    def __init__(self, tokenizer: Tokenizer, max_rows: int) -> None:
+        vocab = tokenizer.vocab_size
+        self.cfg = ModelConfig(
+            architecture="llama", vocab_size=vocab, hidden_size=8, intermediate_size=8, num_layers=1,
+            num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
+            max_position_embeddings=8192, tie_word_embeddings=True, name="synthetic",
+        )
+        self.dtype = torch.float32
+        self.device = torch.device("cpu")
+        tokens = []
+        for word in WORDS:
+            [token] = tokenizer.encode(word)  # one ordinary token each
+            tokens.append(token)
+        self.tokens = tokens
+        rows = torch.arange(max_rows)
+        self._logits = torch.zeros(max_rows, vocab)  # [max_rows, vocab] float32
+        self._logits[rows, torch.tensor(tokens)[rows % len(tokens)]] = 30.0
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        attn: Any,
+        logits_indices: torch.Tensor,  # [S] int64
+    ) -> torch.Tensor:  # [S, vocab] float32, a view: no copy, no matmul
+        return self._logits[: logits_indices.shape[0]]
+
+
+def thread_cpu_seconds() -> dict[int, float]:
+    """CPU seconds (user + system) of each thread of this process, by native thread id."""
+    tick = os.sysconf("SC_CLK_TCK")
+    result = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        result[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+    return result
+
+
+def build_engine(max_num_seqs: int) -> LLMEngine:
+    tokenizer = load_tokenizer(default_model_path())
+    model = SyntheticZeroCostModel(tokenizer, max_rows=max_num_seqs)
+    config = EngineConfig(device="cpu", dtype="float32", kv_cache_memory=64 * 2**20,
+                          max_num_seqs=max_num_seqs, max_num_batched_tokens=8192)
+    return LLMEngine(model, tokenizer, config)  # type: ignore[arg-type]
+
+
+class StepTimer:
+    """Wraps one engine's schedule/update/step (on the instances) to time them per step."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.scheduler: list[float] = []  # seconds of schedule + update per step
+        self.steps: list[float] = []  # seconds of the whole LLMEngine.step
+        self.batch: list[int] = []  # decode chunks per step
+        self.engine_tid = 0  # the native id of the thread that runs step()
+        sched = engine.scheduler
+        schedule, update, step = sched.schedule, sched.update, engine.step
+        pending = [0.0]
+
+        def timed_schedule() -> Any:
+            t = time.perf_counter()
+            out = schedule()
+            pending[0] = time.perf_counter() - t
+            self.batch.append(len(out.decodes))
+            return out
+
+        def timed_update(out: Any, sampled: dict[int, int]) -> None:
+            t = time.perf_counter()
+            update(out, sampled)
+            self.scheduler.append(pending[0] + time.perf_counter() - t)
+
+        def timed_step() -> Any:
+            self.engine_tid = threading.get_native_id()
+            t = time.perf_counter()
+            out = step()
+            self.steps.append(time.perf_counter() - t)
+            return out
+
+        sched.schedule, sched.update, engine.step = timed_schedule, timed_update, timed_step  # type: ignore[method-assign]
+
+    def summary(self, min_batch: int) -> dict[str, float]:
+        """Medians over the steps that decoded at least `min_batch` sequences (steady state)."""
+        keep = [i for i, b in enumerate(self.batch[: len(self.scheduler)]) if b >= min_batch]
+        sched = [self.scheduler[i] for i in keep]
+        steps = [self.steps[i] for i in keep if i < len(self.steps)]
+        result = {
+            "steps": len(keep),
+            "scheduler_ms": statistics.median(sched) * 1e3 if sched else float("nan"),
+            "step_ms": statistics.median(steps) * 1e3 if steps else float("nan"),
+        }
+        self.scheduler.clear(), self.steps.clear(), self.batch.clear()
+        return result
+
+
+# ------------------------------------------------------------------------------ engine only
+
+def engine_only(args: argparse.Namespace) -> None:
+    engine = build_engine(args.concurrency)
+    timer = StepTimer(engine)
+    prompt_ids = engine.tokenizer.encode(PROMPT)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
+    profile = cProfile.Profile() if args.profile else None
+    rates = []
+    for run in range(args.runs):
+        for _ in range(args.concurrency):
+            engine.add_request(prompt_ids, params)
+        tokens, chars = 0, 0
+        start = time.perf_counter()
+        if profile and run == 0:
+            profile.enable()
+        while engine.has_work():
+            for out in engine.step():
+                tokens += len(out.new_token_ids)
+                chars += len(out.text)
+        if profile and run == 0:
+            profile.disable()
+        elapsed = time.perf_counter() - start
+        assert tokens == args.concurrency * args.max_tokens, tokens
+        rates.append(tokens / elapsed)
+        s = timer.summary(args.concurrency)
+        print(f"run {run}: {tokens / elapsed:,.0f} tok/s ({elapsed:.2f} s, {chars / tokens:.1f} chars/token), "
+              f"per {args.concurrency}-seq step: LLMEngine.step {s['step_ms']:.2f} ms, "
+              f"schedule+update {s['scheduler_ms']:.3f} ms", flush=True)
+    print(f"engine only: median {statistics.median(rates):,.0f} tokens/s")
+    if profile:
+        print_profile("LLMEngine.step (run 0)", profile)
+
+
+def print_profile(title: str, profile: cProfile.Profile, limit: int = 25) -> None:
+    buf = io.StringIO()
+    pstats.Stats(profile, stream=buf).sort_stats("tottime").print_stats(limit)
+    print(f"\n==== profile: {title} (by own time) ====")
+    print("\n".join(buf.getvalue().splitlines()[4:]))
+
+
+# ------------------------------------------------------------------------------ server
+
+def serve(args: argparse.Namespace) -> None:
+    """The server process: prints `PORT <n>`, then answers `stats` / `profile` lines on stdin."""
+    import uvloop
+    from aiohttp import web
+
+    from inferd.api.app import create_app
+    from inferd.config import load_settings
+    from inferd.engine.engine import AsyncEngine
+
+    torch.set_num_threads(args.threads)
+    llm = build_engine(args.concurrency)
+    timer = StepTimer(llm)
+    engine = AsyncEngine(llm, MODEL_NAME)
+    settings = load_settings(None, {
+        "scheduler": {"max_num_seqs": args.concurrency},
+        "limits": {"max_tokens_limit": max(4096, args.max_tokens)},
+        "model": {"name": MODEL_NAME},
+    }, environ={})
+    app = create_app(engine, settings)
+    profiles: dict[str, cProfile.Profile] = {}
+
+    async def main() -> None:
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        loop = asyncio.get_running_loop()
+        print(f"PORT {runner.addresses[0][1]}", flush=True)
+        done = asyncio.Event()
+
+        cpu_before = [thread_cpu_seconds()]
+
+        def command(line: str) -> None:
+            if line == "stats":
+                # CPU seconds since the last `stats`: the loop thread, the engine thread, the rest
+                now, before = thread_cpu_seconds(), cpu_before[0]
+                delta = {tid: t - before.get(tid, 0.0) for tid, t in now.items()}
+                cpu_before[0] = now
+                loop_tid = threading.get_native_id()
+                stats = timer.summary(args.concurrency)
+                stats["cpu_loop"] = delta.pop(loop_tid, 0.0)
+                stats["cpu_engine"] = delta.pop(timer.engine_tid, 0.0)
+                stats["cpu_other"] = sum(delta.values())
+                print("STATS " + json.dumps(stats), flush=True)
+            elif line == "profile":  # profile the next run: the loop thread and the engine thread
+                start_profiles(llm, profiles)
+                print("OK", flush=True)
+            elif line == "report":
+                for name, p in profiles.items():
+                    p.disable()
+                    print_profile(name, p)
+                profiles.clear()
+                print("OK", flush=True)
+            else:
+                done.set()
+
+        def read_stdin() -> None:
+            for line in sys.stdin:
+                loop.call_soon_threadsafe(command, line.strip())
+            loop.call_soon_threadsafe(done.set)
+
+        threading.Thread(target=read_stdin, daemon=True).start()
+        await done.wait()
+        await runner.cleanup()
+
+    uvloop.run(main())
+
+
+def start_profiles(llm: LLMEngine, profiles: dict[str, cProfile.Profile]) -> None:
+    """cProfile sees one thread: one profiler here (the loop), one inside the engine's step."""
+    loop_profile, engine_profile = cProfile.Profile(), cProfile.Profile()
+    profiles["event loop thread (HTTP, SSE, streams)"] = loop_profile
+    profiles["engine thread (LLMEngine.step)"] = engine_profile
+    step = llm.step
+
+    def profiled_step() -> Any:
+        engine_profile.enable()
+        try:
+            return step()
+        finally:
+            engine_profile.disable()
+
+    llm.step = profiled_step  # type: ignore[method-assign]
+    loop_profile.enable()
+
+
+# ------------------------------------------------------------------------------ client
+
+async def one_stream(session: Any, url: str, body: bytes) -> tuple[int, int]:
+    """(data events, completion tokens from the usage event) of one streamed completion."""
+    events, usage = 0, 0
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
+        async for line in resp.content:
+            if line.startswith(b"data:"):
+                if b'"usage":{' in line:  # the one usage event: parsed once per stream
+                    usage = json.loads(line[5:])["usage"]["completion_tokens"]
+                elif line.startswith(b"data: [DONE]"):
+                    break
+                else:
+                    events += 1
+    return events, usage
+
+
+async def client_run(port: int, args: argparse.Namespace, concurrency: int) -> tuple[float, int, int, float]:
+    """(tokens/s, data events, completion tokens, seconds) of `concurrency` concurrent streams."""
+    import aiohttp
+
+    body = json.dumps({
+        "model": MODEL_NAME, "prompt": PROMPT, "max_tokens": args.max_tokens, "temperature": args.temperature,
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+    }).encode()
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as session:
+        start = time.perf_counter()
+        results = await asyncio.gather(*(one_stream(session, url, body) for _ in range(concurrency)))
+        elapsed = time.perf_counter() - start
+    events = sum(e for e, _ in results)
+    tokens = sum(u for _, u in results)
+    return tokens / elapsed, events, tokens, elapsed
+
+
+def launch(args: argparse.Namespace) -> None:
+    cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--concurrency", str(args.concurrency),
+           "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
+    server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    try:
+        port = int(expect(server, "PORT"))
+        asyncio.run(client_run(port, args, 8))  # warm-up: connections, first-request paths
+        ask(server, "stats")
+        rates = []
+        for run in range(args.runs):
+            if args.profile and run == args.runs - 1:
+                ask(server, "profile", "OK")
+            cpu = time.process_time()
+            rate, events, tokens, elapsed = asyncio.run(client_run(port, args, args.concurrency))
+            cpu_client = time.process_time() - cpu
+            stats = json.loads(ask(server, "stats"))
+            expected = args.concurrency * args.max_tokens
+            assert tokens == expected, f"{tokens} completion tokens, expected {expected}"
+            rates.append(rate)
+            print(f"run {run}: {rate:,.0f} streamed tokens/s ({tokens} tokens in {events} data events, "
+                  f"{elapsed:.2f} s); server, per {args.concurrency}-seq step ({stats['steps']} steps): "
+                  f"LLMEngine.step {stats['step_ms']:.2f} ms, schedule+update {stats['scheduler_ms']:.3f} ms",
+                  flush=True)
+            print(f"       CPU s: server event loop {stats['cpu_loop']:.2f}, engine thread {stats['cpu_engine']:.2f}, "
+                  f"other server threads {stats['cpu_other']:.2f}, client {cpu_client:.2f}", flush=True)
+        print(f"\nserved: median {statistics.median(rates):,.0f} streamed tokens/s "
+              f"({args.concurrency} streams x {args.max_tokens} tokens, median of {args.runs})")
+        if args.profile:
+            server.stdin.write("report\n")  # type: ignore[union-attr]
+            server.stdin.flush()  # type: ignore[union-attr]
+            for line in server.stdout:  # type: ignore[union-attr]
+                if line.strip() == "OK":
+                    break
+                print(line, end="")
+    finally:
+        server.stdin.close()  # type: ignore[union-attr]
+        server.wait(timeout=30)
+
+
+def expect(server: subprocess.Popen, tag: str) -> str:
+    for line in server.stdout:  # type: ignore[union-attr]
+        if line.startswith(tag):
+            return line[len(tag):].strip()
+        print(line, end="", file=sys.stderr)
+    raise RuntimeError(f"the server exited before printing {tag}")
+
+
+def ask(server: subprocess.Popen, command: str, reply: str = "STATS") -> str:
+    server.stdin.write(command + "\n")  # type: ignore[union-attr]
+    server.stdin.flush()  # type: ignore[union-attr]
+    return expect(server, reply)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", type=int, default=256, help="concurrent streams (= max_num_seqs)")
+    parser.add_argument("--max-tokens", type=int, default=200)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="the server's torch threads")
+    parser.add_argument("--engine-only", action="store_true", help="LLMEngine.step in-process, no HTTP")
+    parser.add_argument("--profile", action="store_true", help="cProfile the last run")
+    parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process
+    args = parser.parse_args()
+    run: Callable[[argparse.Namespace], None] = serve if args.serve else engine_only if args.engine_only else launch
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

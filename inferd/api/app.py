@@ -1,0 +1,67 @@
+"""The aiohttp application: keys, middlewares, routes and the engine's lifecycle.
+
+    startup   cleanup_ctx: engine.start()               (the engine thread runs)
+    shutdown  on_shutdown: engine.stop(), then wait     (every open stream ends with an abort:
+              for the open SSE responses to end          handlers write an error event and [DONE])
+    cleanup   cleanup_ctx: engine.stop()                (a no-op by then; the same path on a
+                                                         failed startup)
+
+aiohttp runs on_shutdown before it waits for handlers, so streams end at once instead of
+holding the shutdown until their last token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from inferd.api.auth import auth_middleware
+from inferd.api.errors import error_middleware
+from inferd.api.routes import add_routes
+from inferd.api.serving import ENGINE, SETTINGS, SSE_RESPONSES, TOKEN_TEXTS, TokenTexts
+from inferd.config import Settings
+from inferd.engine.engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 32 * 2**20  # a batch of long token-id prompts is large JSON
+STREAMS_END_SECONDS = 5.0  # how long shutdown waits for open streams to write their last event
+
+
+def create_app(engine: AsyncEngine, settings: Settings, api_keys: frozenset[str] = frozenset()) -> web.Application:
+    middlewares = [error_middleware]  # first: it renders what the others raise
+    if api_keys:
+        middlewares.append(auth_middleware(api_keys, settings.server.open_paths))
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    app[ENGINE] = engine
+    app[SETTINGS] = settings
+    app[TOKEN_TEXTS] = TokenTexts(engine.tokenizer)
+    app[SSE_RESPONSES] = set()
+    add_routes(app)
+    app.cleanup_ctx.append(_engine_lifecycle)
+    app.on_shutdown.append(_end_streams)
+    return app
+
+
+async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    engine = app[ENGINE]
+    await engine.start()
+    log.info("serving %s (context %d tokens)", engine.model_name, engine.max_model_len)
+    yield
+    await engine.stop()
+
+
+async def _end_streams(app: web.Application) -> None:
+    open_streams = app[SSE_RESPONSES]
+    if open_streams:
+        log.info("shutting down: ending %d open streams", len(open_streams))
+    await app[ENGINE].stop()  # every unfinished request gets an abort output
+    deadline = time.monotonic() + STREAMS_END_SECONDS
+    while open_streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    if open_streams:
+        log.warning("%d streams did not end within %.0f s", len(open_streams), STREAMS_END_SECONDS)

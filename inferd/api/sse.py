@@ -1,0 +1,127 @@
+"""Server-sent events by hand, and the batching of engine outputs that feeds them.
+
+    engine thread --step--> RequestStream queues --OutputQueue.next_batch()--> [(prompt, output), ...]
+                                                         one write() per batch <--'
+
+A step delivers the outputs of every request at once; when the HTTP side falls behind, several
+outputs wait in a stream's queue. `next_batch` takes all of them, so the handler writes one
+chunk of events per wake-up instead of one per token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from inferd.engine.engine import RequestStream
+from inferd.engine.llm_engine import RequestOutput
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",  # nginx: do not buffer the stream
+}
+KEEPALIVE = b": keep-alive\n\n"
+DONE = "data: [DONE]\n\n"
+
+
+def dumps(payload: Any) -> str:
+    """Compact JSON for the hot path (plain dicts, stdlib json)."""
+    return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+
+
+class EventStream:
+    """An SSE response: numbered `data:` events, buffered until `flush()` writes them at once."""
+
+    def __init__(self) -> None:
+        self.response = web.StreamResponse(headers=SSE_HEADERS)
+        self._next_id = 0
+        self._pending: list[str] = []
+
+    async def open(self, request: web.Request) -> None:
+        self.response.enable_chunked_encoding()
+        await self.response.prepare(request)
+
+    def add(self, payload: dict[str, Any]) -> None:
+        self._pending.append(f"id: {self._next_id}\ndata: {dumps(payload)}\n\n")
+        self._next_id += 1
+
+    async def flush(self) -> None:
+        """Write what was added in one write(); raises ConnectionResetError if the client left."""
+        if self._pending:
+            data = "".join(self._pending).encode()
+            self._pending.clear()
+            await self.response.write(data)
+
+    async def keepalive(self) -> None:
+        await self.response.write(KEEPALIVE)
+
+    async def close(self) -> None:
+        """Flush, then `data: [DONE]` and the end of the body."""
+        self._pending.append(DONE)
+        await self.flush()
+        await self.response.write_eof()
+
+
+class OutputQueue:
+    """The outputs of one HTTP request's engine requests (one per prompt), in batches.
+
+    Tracks which choices have finished, so `done` is exact even when the engine ends a stream
+    with extra abort outputs (on shutdown it aborts every choice, finished or not); outputs for
+    a choice that already finished are dropped.
+    """
+
+    def __init__(self, streams: Sequence[RequestStream]) -> None:
+        self._streams = list(streams)
+        self._open: set[tuple[int, int]] = {(p, i) for p, s in enumerate(streams) for i in range(s.n)}
+        self._merged: asyncio.Queue[tuple[int, RequestOutput]] | None = None
+        self._forwarders: list[asyncio.Task[None]] = []
+        if len(self._streams) > 1:
+            # NOTE: one forwarding task per prompt; the single-prompt case reads its stream directly
+            self._merged = asyncio.Queue()
+            self._forwarders = [asyncio.ensure_future(self._forward(p, s)) for p, s in enumerate(streams)]
+
+    @property
+    def done(self) -> bool:
+        return not self._open
+
+    async def _forward(self, prompt: int, stream: RequestStream) -> None:
+        assert self._merged is not None
+        while True:
+            self._merged.put_nowait((prompt, await stream.get()))
+
+    async def next_batch(self, timeout: float | None) -> list[tuple[int, RequestOutput]]:
+        """Wait for at least one output and take everything queued; [] after `timeout` seconds
+        without any (time for a keep-alive)."""
+        batch: list[tuple[int, RequestOutput]] = []
+        try:
+            async with asyncio.timeout(timeout):
+                if self._merged is None:
+                    stream = self._streams[0]
+                    out: RequestOutput | None = await stream.get()
+                    while out is not None:
+                        self._take(batch, 0, out)
+                        out = stream.get_nowait()
+                else:
+                    self._take(batch, *await self._merged.get())
+                    while not self._merged.empty():
+                        self._take(batch, *self._merged.get_nowait())
+        except TimeoutError:
+            pass
+        return batch
+
+    def _take(self, batch: list[tuple[int, RequestOutput]], prompt: int, out: RequestOutput) -> None:
+        key = (prompt, out.index)
+        if key not in self._open:
+            return
+        if out.finished:
+            self._open.discard(key)
+        batch.append((prompt, out))
+
+    def close(self) -> None:
+        for task in self._forwarders:
+            task.cancel()

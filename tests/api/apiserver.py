@@ -1,0 +1,79 @@
+"""A real server on a real socket for the API tests (imported by conftest.py and the tests)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp.test_utils import TestServer
+
+from inferd.api.app import create_app
+from inferd.config import Settings
+from inferd.engine.engine import AsyncEngine
+from inferd.engine.llm_engine import LLMEngine
+
+MODEL = "smollm2"
+
+
+@dataclass
+class Server:
+    engine: AsyncEngine
+    session: aiohttp.ClientSession
+    test_server: TestServer
+
+    async def post(self, path: str, body: Any, **kwargs: Any) -> tuple[int, Any]:
+        async with self.session.post(path, json=body, **kwargs) as r:
+            return r.status, await r.json(content_type=None)
+
+    async def get(self, path: str, **kwargs: Any) -> tuple[int, Any]:
+        async with self.session.get(path, **kwargs) as r:
+            return r.status, await r.json(content_type=None)
+
+    async def stream(self, path: str, body: Any, **kwargs: Any) -> tuple[aiohttp.ClientResponse, list[str]]:
+        """POST with stream=true; the response and its raw body split into events."""
+        async with self.session.post(path, json={**body, "stream": True}, **kwargs) as r:
+            text = await r.text()
+        return r, [e for e in text.split("\n\n") if e]
+
+
+def data_events(events: list[str]) -> list[Any]:
+    """The JSON payloads of `id: N\\ndata: ...` events ([DONE] excluded)."""
+    out = []
+    for event in events:
+        data = next(line[6:] for line in event.split("\n") if line.startswith("data: "))
+        if data != "[DONE]":
+            out.append(json.loads(data))
+    return out
+
+
+@asynccontextmanager
+async def serve(llm: LLMEngine, settings: Settings | None = None, api_keys: frozenset[str] = frozenset()) -> AsyncIterator[Server]:
+    engine = AsyncEngine(llm, model_name=MODEL)
+    app = create_app(engine, settings or Settings(), api_keys)
+    test_server = TestServer(app)
+    await test_server.start_server()
+    try:
+        async with aiohttp.ClientSession(base_url=test_server.make_url("")) as session:
+            yield Server(engine, session, test_server)
+    finally:
+        await test_server.close()
+
+
+def assert_error(status: int, body: Any, expected_status: int, param: str | None = None, code: str | None = None) -> None:
+    assert status == expected_status, body
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    expected_type = "invalid_request_error" if expected_status < 500 else error["type"]
+    if expected_status == 401:
+        expected_type = "authentication_error"
+    assert error["type"] == expected_type, error
+    if param is not None:
+        assert error["param"] == param, error
+    if code is not None:
+        assert error["code"] == code, error

@@ -1,0 +1,196 @@
+"""Bad input gets a 4xx in OpenAI's error shape, naming the offending field; never a 500."""
+
+from __future__ import annotations
+
+import pytest
+from apiserver import MODEL, Server, assert_error, serve
+
+from inferd.engine.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.asyncio
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+PROMPT = {"model": MODEL, "prompt": "Hello", "max_tokens": 1}
+CHAT_BODY = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}
+
+
+# ------------------------------------------------------------------------- the request body
+
+
+async def test_malformed_json(server: Server) -> None:
+    async with server.session.post(COMPLETIONS, data=b'{"model": "smollm2", "prompt": ', headers={"Content-Type": "application/json"}) as r:
+        body = await r.json()
+    assert_error(r.status, body, 400)
+    assert "JSON" in body["error"]["message"]
+
+
+async def test_body_not_an_object(server: Server) -> None:
+    assert_error(*await server.post(COMPLETIONS, [1, 2, 3]), 400)
+
+
+async def test_nan_is_not_json(server: Server) -> None:
+    async with server.session.post(CHAT, data=b'{"model": "smollm2", "messages": [], "temperature": NaN}') as r:
+        assert_error(r.status, await r.json(), 400)
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "param"),
+    [
+        # wrong types
+        (COMPLETIONS, {"max_tokens": "ten"}, "max_tokens"),
+        (COMPLETIONS, {"max_tokens": True}, "max_tokens"),
+        (COMPLETIONS, {"max_tokens": 1.5}, "max_tokens"),
+        (COMPLETIONS, {"prompt": 42}, "prompt"),
+        (COMPLETIONS, {"prompt": [1, "a"]}, "prompt"),
+        (COMPLETIONS, {"stream": "yes"}, "stream"),
+        (CHAT, {"messages": "Hi"}, "messages"),
+        (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages.0.content"),
+        (CHAT, {"stream_options": {"include_usage": "no"}}, "stream_options.include_usage"),
+        (CHAT, {"logprobs": 1}, "logprobs"),
+        # out of range
+        (COMPLETIONS, {"temperature": 3}, "temperature"),
+        (COMPLETIONS, {"temperature": -0.5}, "temperature"),
+        (COMPLETIONS, {"top_p": 0}, "top_p"),
+        (COMPLETIONS, {"n": 0}, "n"),
+        (COMPLETIONS, {"n": 9}, "n"),
+        (CHAT, {"n": 100}, "n"),
+        (COMPLETIONS, {"presence_penalty": 5}, "presence_penalty"),
+        (CHAT, {"frequency_penalty": -2.5}, "frequency_penalty"),
+        (COMPLETIONS, {"logprobs": 99}, "logprobs"),
+        (COMPLETIONS, {"max_tokens": 0}, "max_tokens"),
+        (COMPLETIONS, {"top_k": -2}, "top_k"),
+        (COMPLETIONS, {"min_p": 1.5}, "min_p"),
+        (COMPLETIONS, {"seed": 2**70}, "seed"),
+        (COMPLETIONS, {"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        (CHAT, {"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        (CHAT, {"top_logprobs": 2}, "top_logprobs"),  # needs logprobs=true
+        (CHAT, {"max_completion_tokens": 0}, "max_completion_tokens"),
+        # missing or unsupported
+        (COMPLETIONS, {"model": None}, "model"),
+        (COMPLETIONS, {"echo": True}, "echo"),
+        (COMPLETIONS, {"suffix": "end"}, "suffix"),
+        (CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages.0.role"),
+        (CHAT, {"messages": [{"content": "Hi"}]}, "messages.0.role"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and not v.startswith("/") else None,
+)
+async def test_invalid_field(server: Server, path: str, change: dict, param: str) -> None:
+    body = {**(PROMPT if path == COMPLETIONS else CHAT_BODY), **change}
+    body = {k: v for k, v in body.items() if v is not None}
+    status, error = await server.post(path, body)
+    assert_error(status, error, 400, param=param)
+
+
+async def test_unknown_fields_are_ignored(server: Server) -> None:
+    status, body = await server.post(CHAT, {**CHAT_BODY, "parallel_tool_calls": False, "metadata": {"a": 1}})
+    assert status == 200, body
+
+
+async def test_unknown_model_is_404(server: Server) -> None:
+    status, body = await server.post(CHAT, {**CHAT_BODY, "model": "gpt-4"})
+    assert_error(status, body, 404, param="model", code="model_not_found")
+
+
+# ------------------------------------------------------------------- prompts and lengths
+
+
+async def test_prompt_longer_than_context(server: Server) -> None:
+    ids = [100] * server.engine.max_model_len
+    status, body = await server.post(COMPLETIONS, {**PROMPT, "prompt": ids})
+    assert_error(status, body, 400, param="prompt", code="context_length_exceeded")
+    assert str(server.engine.max_model_len) in body["error"]["message"]
+
+
+async def test_max_tokens_past_context(server: Server) -> None:
+    context = server.engine.max_model_len
+    ids = [100] * (context - 100)
+    status, body = await server.post(COMPLETIONS, {**PROMPT, "prompt": ids, "max_tokens": 200})
+    assert_error(status, body, 400, param="max_tokens", code="context_length_exceeded")
+    assert str(context - 100) in body["error"]["message"] and "200" in body["error"]["message"]
+
+
+async def test_max_tokens_past_limit(server: Server) -> None:
+    status, body = await server.post(CHAT, {**CHAT_BODY, "max_tokens": 5000})
+    assert_error(status, body, 400, param="max_tokens")
+    assert "4096" in body["error"]["message"]
+
+
+async def test_request_bigger_than_kv_cache(server: Server) -> None:
+    # fits the context, but not the KV cache: the engine's own check, mapped by errors.py
+    capacity = server.engine.stats.kv_blocks_total * server.engine.engine.config.block_size
+    ids = [100] * (capacity - 10)
+    status, body = await server.post(COMPLETIONS, {**PROMPT, "prompt": ids, "max_tokens": 100})
+    assert_error(status, body, 400, param="max_tokens")
+
+
+@pytest.mark.parametrize("bad_id", [-1, 10**9], ids=["negative", "past_vocab"])
+async def test_invalid_token_ids(server: Server, bad_id: int) -> None:
+    status, body = await server.post(COMPLETIONS, {**PROMPT, "prompt": [1, 2, bad_id]})
+    assert_error(status, body, 400, param="prompt")
+
+
+async def test_token_id_at_vocab_size(server: Server, llm: LLMEngine) -> None:
+    status, body = await server.post(COMPLETIONS, {**PROMPT, "prompt": [[5], [llm.model_config.vocab_size]]})
+    assert_error(status, body, 400, param="prompt")
+    assert server.engine.stats.running == 0 and server.engine.stats.waiting == 0
+
+
+@pytest.mark.parametrize("prompt", ["", [], [[]], ["ok", ""]], ids=["string", "list", "nested", "one_of_batch"])
+async def test_empty_prompt(server: Server, prompt: object) -> None:
+    assert_error(*await server.post(COMPLETIONS, {**PROMPT, "prompt": prompt}), 400, param="prompt")
+
+
+async def test_too_many_prompts(server: Server) -> None:
+    assert_error(*await server.post(COMPLETIONS, {**PROMPT, "prompt": ["a"] * 65}), 400, param="prompt")
+
+
+async def test_empty_messages(server: Server) -> None:
+    assert_error(*await server.post(CHAT, {**CHAT_BODY, "messages": []}), 400, param="messages")
+
+
+async def test_chat_template_raise_exception(server: Server, llm: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    template = (
+        "{% for m in messages %}{% if m['role'] == 'system' and not loop.first %}"
+        "{{ raise_exception('System message must be first') }}{% endif %}"
+        "{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+    )
+    monkeypatch.setattr(llm.tokenizer, "chat_template", template)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "late"}]
+    status, body = await server.post(CHAT, {**CHAT_BODY, "messages": messages})
+    assert_error(status, body, 400, param="messages")
+    assert "System message must be first" in body["error"]["message"]
+
+
+async def test_chat_template_type_error(server: Server, llm: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a template doing arithmetic on client input: not a jinja error, still the client's 400
+    monkeypatch.setattr(llm.tokenizer, "chat_template", "{{ messages[0]['content'] + 1 }}")
+    assert_error(*await server.post(CHAT, CHAT_BODY), 400, param="messages")
+
+
+# ---------------------------------------------------------------------------------- routing
+
+
+async def test_unknown_path_is_json_404(server: Server) -> None:
+    status, body = await server.get("/v1/nothing")
+    assert_error(status, body, 404)
+
+
+async def test_wrong_method_is_json_405(server: Server) -> None:
+    async with server.session.get(COMPLETIONS) as r:
+        body = await r.json()
+        assert "POST" in r.headers["Allow"]
+    assert_error(r.status, body, 405)
+
+
+
+async def test_a_bug_is_a_500_in_the_same_shape(server: Server, monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(server.engine, "submit", broken)
+    status, body = await server.post(COMPLETIONS, PROMPT)
+    assert status == 500 and body["error"]["type"] == "server_error" and "boom" not in body["error"]["message"]
+    assert "boom" in caplog.text  # logged with its traceback
