@@ -70,9 +70,8 @@ class EventStream:
 class OutputQueue:
     """The outputs of one HTTP request's engine requests (one per prompt), in batches.
 
-    Tracks which choices have finished, so `done` is exact even when the engine ends a stream
-    with extra abort outputs (on shutdown it aborts every choice, finished or not); outputs for
-    a choice that already finished are dropped.
+    Tracks which choices have finished, so `done` is exact; an output for a choice that already
+    finished is dropped.
     """
 
     def __init__(self, streams: Sequence[RequestStream]) -> None:

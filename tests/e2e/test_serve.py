@@ -246,3 +246,22 @@ def test_long_prompt_prefill_does_not_stall_running_streams(server: Server) -> N
         during = [b - a for a, b in zip(times, times[1:]) if a >= t0 and b <= t1]
         assert len(during) >= 5, "the stream should keep flowing while the long prompt is prefilled"
         assert max(during) < 3 * statistics.median(gaps), (max(during), statistics.median(gaps))
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "key"),
+    [
+        (["--block-size", "12"], {}, "cache.block_size"),
+        (["--dtype", "fp8"], {}, "model.dtype"),
+        ([], {"INFERD_SCHEDULER_MAX_NUM_SEQS": "0"}, "scheduler.max_num_seqs"),
+    ],
+)
+def test_invalid_settings_exit_before_binding(tmp_path: Path, args: list[str], env: dict[str, str], key: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "inferd.cli", "serve", "--port", "0", *args],
+        capture_output=True, text=True, timeout=60, cwd=tmp_path, env={**os.environ, **env},
+    )
+    assert proc.returncode != 0
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("inferd: error:") and key in lines[0], proc.stderr
+    assert "inferd serving" not in proc.stderr
