@@ -11,13 +11,17 @@ the real SmolLM2 one, so prompts are really encoded and outputs really detokeniz
             once per stream, so no JSON in the hot loop)
 
 Streamed tokens/s = completion tokens of all streams / wall time from the first request to the
-last stream's end, median of --runs runs. The server also reports its engine-side cost per
-step (schedule+update, and the whole `LLMEngine.step`). `--engine-only` runs the same load
-through `LLMEngine.step()` in-process (no HTTP, no thread), the ceiling for the server.
-`--profile` prints cProfile's top functions of the engine thread and of the event loop.
+last stream's end, median of --runs runs (greedy by default, EOS ignored). The server also
+reports its cost per steady-state step (schedule+update, and the whole `LLMEngine.step`) and
+the CPU seconds of its event-loop thread, its engine thread and its other (torch) threads.
+`--engine-only` runs the same load through `LLMEngine.step()` in-process (no HTTP, no thread):
+the ceiling for the server. `--profile` prints cProfile's top functions of the engine thread
+and of the event loop for the last run. `--vocab-size 1024` shrinks the model's vocabulary (the
+prompt and the sampled words all have ids below 1024), which takes the sampler's [S, vocab]
+work out of the picture.
 
     python bench/serve_overhead.py [--concurrency 256] [--max-tokens 200] [--runs 3]
-    python bench/serve_overhead.py --engine-only [--profile]
+    python bench/serve_overhead.py --engine-only [--profile] [--vocab-size 1024]
 """
 
 from __future__ import annotations
@@ -46,9 +50,10 @@ from inferd.model.sampling_params import SamplingParams
 from inferd.model.tokenizer import Tokenizer, load_tokenizer
 
 MODEL_NAME = "synthetic-zero-cost"
-# ordinary word pieces of the SmolLM2 vocabulary: row r of every step samples WORDS[r % 8]
-WORDS = (" the", " quick", " brown", " fox", " jumps", " over", " a", " dog")
-PROMPT = "Write a long story about a quick brown fox and a lazy dog in a small village."
+# ordinary one-token words of the SmolLM2 vocabulary: row r of every step samples WORDS[r % 8]
+WORDS = (" the", " and", " of", " to", " in", " is", " that", " for")
+# 32 tokens; every id is below 1024, so --vocab-size 1024 can serve the same prompt
+PROMPT = "The way we can have more of this and that: it is not for you or for them, and you can see it as it is, at all."
 
 
 # ------------------------------------------------------------------------------ the model
@@ -64,8 +69,8 @@ class SyntheticZeroCostModel:
     its real work over [S, vocab].
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_rows: int) -> None:
-        vocab = tokenizer.vocab_size
+    def __init__(self, tokenizer: Tokenizer, max_rows: int, vocab_size: int = 0) -> None:
+        vocab = vocab_size or tokenizer.vocab_size  # smaller: a cheaper sampler (diagnostic)
         self.cfg = ModelConfig(
             architecture="llama", vocab_size=vocab, hidden_size=8, intermediate_size=8, num_layers=1,
             num_heads=1, num_kv_heads=1, head_dim=8, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -107,9 +112,10 @@ def thread_cpu_seconds() -> dict[int, float]:
     return result
 
 
-def build_engine(max_num_seqs: int) -> LLMEngine:
+def build_engine(max_num_seqs: int, vocab_size: int = 0) -> LLMEngine:
     tokenizer = load_tokenizer(default_model_path())
-    model = SyntheticZeroCostModel(tokenizer, max_rows=max_num_seqs)
+    model = SyntheticZeroCostModel(tokenizer, max_num_seqs, vocab_size)
+    assert max(tokenizer.encode(PROMPT)) < model.cfg.vocab_size, "the prompt must fit the vocabulary"
     config = EngineConfig(device="cpu", dtype="float32", kv_cache_memory=64 * 2**20,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=8192)
     return LLMEngine(model, tokenizer, config)  # type: ignore[arg-type]
@@ -119,53 +125,49 @@ class StepTimer:
     """Wraps one engine's schedule/update/step (on the instances) to time them per step."""
 
     def __init__(self, engine: LLMEngine) -> None:
-        self.scheduler: list[float] = []  # seconds of schedule + update per step
-        self.steps: list[float] = []  # seconds of the whole LLMEngine.step
-        self.batch: list[int] = []  # decode chunks per step
+        self.records: list[tuple[int, float, float]] = []  # per step: (decodes, schedule+update s, step s)
         self.engine_tid = 0  # the native id of the thread that runs step()
+        self._decodes, self._scheduler = 0, 0.0  # of the step in progress
         sched = engine.scheduler
         schedule, update, step = sched.schedule, sched.update, engine.step
-        pending = [0.0]
 
         def timed_schedule() -> Any:
             t = time.perf_counter()
             out = schedule()
-            pending[0] = time.perf_counter() - t
-            self.batch.append(len(out.decodes))
+            self._scheduler += time.perf_counter() - t
+            self._decodes = len(out.decodes)
             return out
 
         def timed_update(out: Any, sampled: dict[int, int]) -> None:
             t = time.perf_counter()
             update(out, sampled)
-            self.scheduler.append(pending[0] + time.perf_counter() - t)
+            self._scheduler += time.perf_counter() - t
 
         def timed_step() -> Any:
             self.engine_tid = threading.get_native_id()
+            self._decodes, self._scheduler = 0, 0.0
             t = time.perf_counter()
             out = step()
-            self.steps.append(time.perf_counter() - t)
+            self.records.append((self._decodes, self._scheduler, time.perf_counter() - t))
             return out
 
         sched.schedule, sched.update, engine.step = timed_schedule, timed_update, timed_step  # type: ignore[method-assign]
 
-    def summary(self, min_batch: int) -> dict[str, float]:
-        """Medians over the steps that decoded at least `min_batch` sequences (steady state)."""
-        keep = [i for i, b in enumerate(self.batch[: len(self.scheduler)]) if b >= min_batch]
-        sched = [self.scheduler[i] for i in keep]
-        steps = [self.steps[i] for i in keep if i < len(self.steps)]
-        result = {
+    def summary(self, min_decodes: int) -> dict[str, float]:
+        """Medians over the steps that decoded at least `min_decodes` sequences, then a reset."""
+        keep = [r for r in self.records if r[0] >= min_decodes]
+        self.records = []
+        return {
             "steps": len(keep),
-            "scheduler_ms": statistics.median(sched) * 1e3 if sched else float("nan"),
-            "step_ms": statistics.median(steps) * 1e3 if steps else float("nan"),
+            "scheduler_ms": statistics.median(r[1] for r in keep) * 1e3 if keep else float("nan"),
+            "step_ms": statistics.median(r[2] for r in keep) * 1e3 if keep else float("nan"),
         }
-        self.scheduler.clear(), self.steps.clear(), self.batch.clear()
-        return result
 
 
 # ------------------------------------------------------------------------------ engine only
 
 def engine_only(args: argparse.Namespace) -> None:
-    engine = build_engine(args.concurrency)
+    engine = build_engine(args.concurrency, args.vocab_size)
     timer = StepTimer(engine)
     prompt_ids = engine.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, ignore_eos=True)
@@ -215,7 +217,9 @@ def serve(args: argparse.Namespace) -> None:
     from inferd.engine.engine import AsyncEngine
 
     torch.set_num_threads(args.threads)
-    llm = build_engine(args.concurrency)
+    if args.switch_interval:
+        sys.setswitchinterval(args.switch_interval)
+    llm = build_engine(args.concurrency, args.vocab_size)
     timer = StepTimer(llm)
     engine = AsyncEngine(llm, MODEL_NAME)
     settings = load_settings(None, {
@@ -294,20 +298,23 @@ def start_profiles(llm: LLMEngine, profiles: dict[str, cProfile.Profile]) -> Non
 # ------------------------------------------------------------------------------ client
 
 async def one_stream(session: Any, url: str, body: bytes) -> tuple[int, int]:
-    """(data events, completion tokens from the usage event) of one streamed completion."""
-    events, usage = 0, 0
+    """(data events, completion tokens from the usage event) of one streamed completion.
+
+    NOTE: the hot loop only counts b"data:" in raw chunks (the 4 bytes carried over cannot
+    hold a whole match, so none is counted twice); the usage event is parsed once at the end.
+    """
+    count, tail, last = 0, b"", b""
     async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as resp:
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {await resp.text()}")
-        async for line in resp.content:
-            if line.startswith(b"data:"):
-                if b'"usage":{' in line:  # the one usage event: parsed once per stream
-                    usage = json.loads(line[5:])["usage"]["completion_tokens"]
-                elif line.startswith(b"data: [DONE]"):
-                    break
-                else:
-                    events += 1
-    return events, usage
+        async for chunk in resp.content.iter_any():
+            count += (tail + chunk).count(b"data:")
+            tail = chunk[-4:]
+            last = (last + chunk)[-4096:]
+    data = [line for line in last.split(b"\n") if line.startswith(b"data:")]
+    assert data[-1] == b"data: [DONE]", data[-1:]
+    usage = json.loads(data[-2][5:])["usage"]
+    return count - 2, usage["completion_tokens"]  # less the usage event and [DONE]
 
 
 async def client_run(port: int, args: argparse.Namespace, concurrency: int) -> tuple[float, int, int, float]:
@@ -330,19 +337,21 @@ async def client_run(port: int, args: argparse.Namespace, concurrency: int) -> t
 
 
 def launch(args: argparse.Namespace) -> None:
+    import uvloop  # noqa: PLC0415 - the client runs on uvloop, as the server does
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--concurrency", str(args.concurrency),
-           "--max-tokens", str(args.max_tokens), "--threads", str(args.threads)]
+           "--max-tokens", str(args.max_tokens), "--threads", str(args.threads),
+           "--vocab-size", str(args.vocab_size), "--switch-interval", str(args.switch_interval)]
     server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
     try:
         port = int(expect(server, "PORT"))
-        asyncio.run(client_run(port, args, 8))  # warm-up: connections, first-request paths
+        uvloop.run(client_run(port, args, 8))  # warm-up: connections, first-request paths
         ask(server, "stats")
         rates = []
         for run in range(args.runs):
             if args.profile and run == args.runs - 1:
                 ask(server, "profile", "OK")
             cpu = time.process_time()
-            rate, events, tokens, elapsed = asyncio.run(client_run(port, args, args.concurrency))
+            rate, events, tokens, elapsed = uvloop.run(client_run(port, args, args.concurrency))
             cpu_client = time.process_time() - cpu
             stats = json.loads(ask(server, "stats"))
             expected = args.concurrency * args.max_tokens
@@ -389,6 +398,10 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="the server's torch threads")
+    parser.add_argument("--vocab-size", type=int, default=0,
+                        help="the synthetic model's vocabulary; 0: the tokenizer's (a smaller one isolates the sampler)")
+    parser.add_argument("--switch-interval", type=float, default=0.0,
+                        help="the server's sys.setswitchinterval (GIL hand-over); 0: Python's 5 ms")
     parser.add_argument("--engine-only", action="store_true", help="LLMEngine.step in-process, no HTTP")
     parser.add_argument("--profile", action="store_true", help="cProfile the last run")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)  # the server process
