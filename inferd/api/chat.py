@@ -29,6 +29,7 @@ from inferd.api.serving import (
     resolve_max_tokens,
     sampling_params,
 )
+from inferd.api.sse import dumps
 from inferd.engine.engine import AsyncEngine
 from inferd.engine.llm_engine import RequestOutput
 from inferd.model.chat_template import ChatTemplateError
@@ -88,9 +89,15 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                 payload["usage"] = usage
             return payload
 
-        def render(prompt: int, out: RequestOutput) -> dict[str, Any]:
+        # the per-token event without logprobs, as a template: only the delta and finish vary
+        fast_head = dumps(event([]))[: -len("[]}")] + '[{"index":'
+
+        def render(prompt: int, out: RequestOutput) -> dict[str, Any] | str:
             delta = {"content": out.text} if out.text or not out.finished else {}
-            logprobs = chat_logprobs(token_text, out.logprobs or []) if body.logprobs else None
+            if not body.logprobs:
+                return (f'{fast_head}{out.index},"delta":{dumps(delta)},"logprobs":null,'
+                        f'"finish_reason":{dumps(out.finish_reason)}}}]}}')
+            logprobs = chat_logprobs(token_text, out.logprobs or [])
             return event([{"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": out.finish_reason}])
 
         head = [

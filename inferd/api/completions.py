@@ -22,6 +22,7 @@ from inferd.api.serving import (
     resolve_max_tokens,
     sampling_params,
 )
+from inferd.api.sse import dumps
 from inferd.engine.engine import AsyncEngine
 from inferd.engine.llm_engine import RequestOutput
 
@@ -83,8 +84,14 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
                 payload["usage"] = usage
             return payload
 
-        def render(prompt: int, out: RequestOutput) -> dict[str, Any]:
+        # the per-token event without logprobs, as a template: only text and finish vary
+        fast_head = dumps(event([]))[: -len("[]}")] + '[{"index":'
+
+        def render(prompt: int, out: RequestOutput) -> dict[str, Any] | str:
             index = prompt * body.n + out.index
+            if body.logprobs is None:
+                return (f'{fast_head}{index},"text":{dumps(out.text)},"logprobs":null,'
+                        f'"finish_reason":{dumps(out.finish_reason)}}}]}}')
             logprobs = None
             if body.logprobs is not None:
                 logprobs = completion_logprobs(token_text, out.logprobs or [], offsets.get(index, 0))

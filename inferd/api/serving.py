@@ -220,7 +220,7 @@ class Generation:
         self,
         request: web.Request,
         head: list[dict[str, Any]],
-        render: Callable[[int, RequestOutput], dict[str, Any]],
+        render: Callable[[int, RequestOutput], dict[str, Any] | str],
         tail: Callable[[], list[dict[str, Any]]],
     ) -> web.StreamResponse:
         """Answer with SSE: the `head` events, one `render(prompt, output)` event per output

@@ -46,8 +46,10 @@ class EventStream:
         self.response.enable_chunked_encoding()
         await self.response.prepare(request)
 
-    def add(self, payload: dict[str, Any]) -> None:
-        self._pending.append(f"id: {self._next_id}\ndata: {dumps(payload)}\n\n")
+    def add(self, payload: dict[str, Any] | str) -> None:
+        """One event; a str payload is JSON already (the per-token fast path)."""
+        data = payload if isinstance(payload, str) else dumps(payload)
+        self._pending.append(f"id: {self._next_id}\ndata: {data}\n\n")
         self._next_id += 1
 
     async def flush(self) -> None:
@@ -97,18 +99,15 @@ class OutputQueue:
         """Wait for at least one output and take everything queued; [] after `timeout` seconds
         without any (time for a keep-alive)."""
         batch: list[tuple[int, RequestOutput]] = []
+        if self._merged is None:  # the common case, kept cheap: it runs per token per stream
+            for out in await self._streams[0].get_batch(timeout):
+                self._take(batch, 0, out)
+            return batch
         try:
             async with asyncio.timeout(timeout):
-                if self._merged is None:
-                    stream = self._streams[0]
-                    out: RequestOutput | None = await stream.get()
-                    while out is not None:
-                        self._take(batch, 0, out)
-                        out = stream.get_nowait()
-                else:
-                    self._take(batch, *await self._merged.get())
-                    while not self._merged.empty():
-                        self._take(batch, *self._merged.get_nowait())
+                self._take(batch, *await self._merged.get())
+                while not self._merged.empty():
+                    self._take(batch, *self._merged.get_nowait())
         except TimeoutError:
             pass
         return batch

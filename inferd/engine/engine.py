@@ -53,7 +53,8 @@ class RequestStream:
         self._engine = engine
         self.request_id = request_id
         self.n = n
-        self._queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._items: deque[RequestOutput] = deque()
+        self._waiter: asyncio.Future[None] | None = None  # set while a reader waits for items
         self.open_choices = set(range(n))  # choices without a finished output yet
         self.aborted = False
 
@@ -64,25 +65,61 @@ class RequestStream:
     def _put(self, output: RequestOutput) -> None:
         if output.finished:
             self.open_choices.discard(output.index)
-        self._queue.put_nowait(output)
+        self._items.append(output)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get_batch(self, timeout: float | None = None) -> list[RequestOutput]:
+        """Every output queued now, waiting up to `timeout` seconds for the first one ([] then).
+
+        If the engine stops, each open choice gets a final output with finish_reason "abort"
+        and the reason in stop_reason.
+        """
+        await self._wait(timeout)
+        items = list(self._items)
+        self._items.clear()
+        return items
 
     async def get(self) -> RequestOutput:
-        """The next output of any choice (if the engine stops, each open choice gets a final
-        output with finish_reason "abort" and the reason in stop_reason)."""
-        return await self._queue.get()
+        """The next output of any choice."""
+        while not self._items:
+            await self._wait(None)
+        return self._items.popleft()
+
+    async def _wait(self, timeout: float | None) -> None:
+        """Until an item is queued or `timeout` seconds pass."""
+        # NOTE: a bare future and one timer per wait, not asyncio.Queue + asyncio.timeout: this
+        # runs once per token per stream, and those cost ~3x more on the event loop.
+        if self._items:
+            return
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
     def get_nowait(self) -> RequestOutput | None:
-        return None if self._queue.empty() else self._queue.get_nowait()
+        return self._items.popleft() if self._items else None
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
-        while not (self.finished and self._queue.empty()):
-            yield await self.get()
+        while not (self.finished and not self._items):
+            for output in await self.get_batch():
+                yield output
 
     def abort(self) -> None:
         """Cancel the request (client gone, stream closed); idempotent, safe after it finished."""
         if not self.finished and not self.aborted:
             self.aborted = True
             self._engine._abort(self.request_id)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
 
 
 class AsyncEngine:

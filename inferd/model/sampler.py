@@ -17,9 +17,17 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from inferd.model.sampling_params import SamplingParams
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:  # [B, V] float32 -> [B] long, ties to the lowest id
+    # NOTE: torch's CPU argmax over [256, 49152] took 19 ms here, numpy's 2.3 ms (same ties rule)
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(np.argmax(x.contiguous().numpy(), axis=-1))
+    return x.argmax(dim=-1)
 
 
 @dataclass
@@ -143,7 +151,7 @@ class Sampler:
     ) -> torch.Tensor:  # [B] long
         greedy = [p.greedy for p in params]
         if all(greedy):
-            return logits.argmax(dim=-1)
+            return _argmax(logits)
         probs = self.filter(logits, params).softmax(dim=-1)  # [B, V]
         q = torch.empty_like(probs)  # [B, V] ~ Exp(1)
         sampled_rows = [i for i, g in enumerate(greedy) if not g]
@@ -152,10 +160,10 @@ class Sampler:
         for i in sampled_rows:
             if generators[i] is not None:
                 q[i].exponential_(generator=generators[i])
-        token_ids = (probs / q).argmax(dim=-1)  # [B]
+        token_ids = _argmax(probs / q)  # [B]
         if any(greedy):
             mask = torch.tensor(greedy, device=logits.device)  # [B] bool
-            token_ids = torch.where(mask, logits.argmax(dim=-1), token_ids)
+            token_ids = torch.where(mask, _argmax(logits), token_ids)
         return token_ids
 
     def _output(
