@@ -17,6 +17,7 @@ from inferd.api.protocol import (
     Usage,
 )
 from inferd.api.serving import (
+    StreamEvents,
     ENGINE,
     SETTINGS,
     TOKEN_TEXTS,
@@ -82,15 +83,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                                               choices=choices, usage=Usage(**gen.usage()))
             return web.json_response(response.model_dump(mode="json"))
 
-        def event(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
-            payload = {"id": completion_id, "object": "chat.completion.chunk", "created": gen.created,
-                       "model": engine.model_name, "choices": choices}
-            if usage is not None:
-                payload["usage"] = usage
-            return payload
-
-        # the per-token event without logprobs, as a template: only the delta and finish vary
-        fast_head = dumps(event([]))[: -len("[]}")] + '[{"index":'
+        events = StreamEvents("chat.completion.chunk", completion_id, gen.created, engine.model_name)
+        event, fast_head = events.event, events.token_head  # per-token events: only the delta and finish vary
 
         def render(prompt: int, out: RequestOutput) -> dict[str, Any] | str:
             delta = {"content": out.text} if out.text or not out.finished else {}

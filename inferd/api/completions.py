@@ -10,6 +10,7 @@ from aiohttp import web
 from inferd.api.errors import bad_request
 from inferd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from inferd.api.serving import (
+    StreamEvents,
     ENGINE,
     SETTINGS,
     TOKEN_TEXTS,
@@ -77,25 +78,16 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
 
         offsets: dict[int, int] = {}  # choice -> length of its text so far (logprobs text_offset)
 
-        def event(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
-            payload = {"id": completion_id, "object": "text_completion", "created": gen.created,
-                       "model": engine.model_name, "choices": choices}
-            if usage is not None:
-                payload["usage"] = usage
-            return payload
-
-        # the per-token event without logprobs, as a template: only text and finish vary
-        fast_head = dumps(event([]))[: -len("[]}")] + '[{"index":'
+        events = StreamEvents("text_completion", completion_id, gen.created, engine.model_name)
+        event, fast_head = events.event, events.token_head  # per-token events: only text and finish vary
 
         def render(prompt: int, out: RequestOutput) -> dict[str, Any] | str:
             index = prompt * body.n + out.index
             if body.logprobs is None:
                 return (f'{fast_head}{index},"text":{dumps(out.text)},"logprobs":null,'
                         f'"finish_reason":{dumps(out.finish_reason)}}}]}}')
-            logprobs = None
-            if body.logprobs is not None:
-                logprobs = completion_logprobs(token_text, out.logprobs or [], offsets.get(index, 0))
-                offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+            logprobs = completion_logprobs(token_text, out.logprobs or [], offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
             return event([{"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason}])
 
         def tail() -> list[dict[str, Any]]:

@@ -21,7 +21,7 @@ from aiohttp import ClientConnectionResetError, web
 
 from inferd.api.errors import APIError, bad_request
 from inferd.api.protocol import SamplingFields
-from inferd.api.sse import EventStream, OutputQueue
+from inferd.api.sse import EventStream, OutputQueue, dumps
 from inferd.config import Settings
 from inferd.engine.engine import AsyncEngine, RequestStream
 from inferd.engine.llm_engine import RequestOutput, TokenLogprob
@@ -268,6 +268,21 @@ class Generation:
             outputs.close()
             open_streams.discard(events.response)
         return events.response
+
+
+class StreamEvents:
+    """The payloads of one streamed response: whole events, and the JSON head that per-token
+    events are written from (only the choice's fields after it vary)."""
+
+    def __init__(self, object_name: str, completion_id: str, created: int, model: str) -> None:
+        self._base = {"id": completion_id, "object": object_name, "created": created, "model": model}
+        self.token_head = dumps({**self._base, "choices": []})[: -len("[]}")] + '[{"index":'
+
+    def event(self, choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> dict[str, Any]:
+        payload = {**self._base, "choices": choices}
+        if usage is not None:
+            payload["usage"] = usage
+        return payload
 
 
 def client_gone(request: web.Request) -> bool:
