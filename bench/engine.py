@@ -72,7 +72,10 @@ def main() -> None:
 
     dtype = getattr(torch, args.dtype)
     path = default_model_path()
-    engine = LLMEngine.from_config(EngineConfig(dtype=args.dtype, kv_cache_memory=2 * 2**30, max_num_seqs=256))
+    # offline: larger prefill chunks than the server's latency-minded default
+    engine = LLMEngine.from_config(
+        EngineConfig(dtype=args.dtype, kv_cache_memory=2 * 2**30, max_num_seqs=256, max_num_batched_tokens=2048)
+    )
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     model.eval()
     print(f"model {path.name}, dtype {args.dtype}, {args.threads} threads, torch {torch.__version__}, "

@@ -128,7 +128,8 @@ class AsyncEngine:
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
-        self._inbox: deque[tuple[str, object]] = deque()  # ("add", (stream, ids, params)) / ("abort", id)
+        # ("add", (request_id, prompt_ids, params, n)) or ("abort", request_id), oldest first
+        self._inbox: deque[tuple[str, object]] = deque()
         self._wakeup = threading.Event()
         self._streams: dict[int, RequestStream] = {}  # touched on the event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
