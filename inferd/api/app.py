@@ -50,7 +50,6 @@ def create_app(engine: AsyncEngine, settings: Settings, api_keys: frozenset[str]
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     engine = app[ENGINE]
     await engine.start()
-    log.info("serving %s (context %d tokens)", engine.model_name, engine.max_model_len)
     yield
     await engine.stop()
 
