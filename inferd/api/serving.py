@@ -140,7 +140,6 @@ class ChoiceResult:
     """One choice, gathered for a non-streaming reply."""
 
     texts: list[str] = field(default_factory=list)
-    num_tokens: int = 0
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
 
@@ -206,7 +205,6 @@ class Generation:
                         raise engine_abort_error(out)
                     result = results[prompt * self.n + out.index]
                     result.texts.append(out.text)
-                    result.num_tokens += len(out.new_token_ids)
                     self.completion_tokens += len(out.new_token_ids)
                     if out.logprobs:
                         result.logprobs += out.logprobs

@@ -39,7 +39,6 @@ class EngineStats:
     steps: int
     preemptions: int
     last_step_seconds: float
-    last_step_time: float  # time.monotonic() of the last finished step
 
 
 class EngineDeadError(RuntimeError):
@@ -102,9 +101,6 @@ class RequestStream:
             if timer is not None:
                 timer.cancel()
 
-    def get_nowait(self) -> RequestOutput | None:
-        return self._items.popleft() if self._items else None
-
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not (self.finished and not self._items):
             for output in await self.get_batch():
@@ -136,7 +132,6 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._next_id = 0
-        self.error: BaseException | None = None
         self.stats = self._snapshot(0.0, 0)
 
     # ------------------------------------------------------------------------ lifecycle
@@ -224,7 +219,6 @@ class AsyncEngine:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)  # type: ignore[union-attr]
         except BaseException as e:  # noqa: BLE001 - a dead engine must fail its streams, not hang them
             log.exception("the engine loop failed")
-            self.error = e
             self._stopping = True
             self._loop.call_soon_threadsafe(self._fail, f"engine failure: {e}")  # type: ignore[union-attr]
             return
@@ -244,5 +238,4 @@ class AsyncEngine:
             steps=steps,
             preemptions=engine.scheduler.num_preemptions,
             last_step_seconds=step_seconds,
-            last_step_time=time.monotonic(),
         )
