@@ -12,9 +12,10 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from inferd.engine.llm_engine import EngineConfig
+from inferd.engine.policy import DEFAULT_CLASSES, PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -55,6 +56,8 @@ class ModelSettings(_Section):
 class CacheSettings(_Section):
     block_size: int = Field(default=16, ge=1, le=128)
     kv_cache_memory: float = 2 * 2**30
+    prefix_caching: bool = True
+    swap_space: float = 2**30  # host memory for swapped-out blocks (scheduler.preemption_mode "swap")
 
     @field_validator("block_size")
     @classmethod
@@ -63,7 +66,7 @@ class CacheSettings(_Section):
             raise ValueError("must be a power of two in [1, 128]")
         return value
 
-    @field_validator("kv_cache_memory", mode="before")
+    @field_validator("kv_cache_memory", "swap_space", mode="before")
     @classmethod
     def _memory(cls, value: Any) -> float:
         return parse_memory(value)
@@ -72,6 +75,64 @@ class CacheSettings(_Section):
 class SchedulerSettings(_Section):
     max_num_seqs: int = Field(default=64, ge=1, le=4096)
     max_num_batched_tokens: int = Field(default=512, ge=16, le=1 << 20)
+    default_class: str = SchedulingPolicy().default_class
+    aging_seconds: float = Field(default=SchedulingPolicy().aging_seconds, ge=0)
+    preemption_mode: Literal["recompute", "swap"] = "recompute"
+
+
+_SHED = ShedConfig()  # the defaults
+
+
+class SheddingSettings(_Section):
+    enabled: bool = _SHED.enabled
+    margin: float = Field(default=_SHED.margin, ge=0, lt=1)
+    window_seconds: float = Field(default=_SHED.window_seconds, gt=0)
+    min_samples: int = Field(default=_SHED.min_samples, ge=1)
+    escalate_seconds: float = Field(default=_SHED.escalate_seconds, ge=0)
+    recover_seconds: float = Field(default=_SHED.recover_seconds, ge=0)
+    max_running: int = Field(default=_SHED.max_running, ge=0)
+    max_tokens: int = Field(default=_SHED.max_tokens, ge=1)
+
+
+class ClassSettings(_Section):
+    """One priority class; timeouts in seconds, 0 meaning none."""
+
+    priority: int = Field(ge=0, le=1000)
+    max_waiting: int = Field(default=256, ge=1)
+    max_queued_tokens: int = Field(default=65536, ge=1)
+    ttft_target: float = Field(default=2.0, gt=0)
+    tpot_target: float = Field(default=0.5, gt=0)
+    queue_timeout: float = Field(default=0.0, ge=0)
+    ttft_timeout: float = Field(default=0.0, ge=0)
+    token_timeout: float = Field(default=0.0, ge=0)
+    total_timeout: float = Field(default=0.0, ge=0)
+    max_tokens: int = Field(default=4096, ge=1)
+    kv_reserve: float = Field(default=0.0, ge=0, lt=1)
+    sheddable: bool = False
+
+    def priority_class(self, name: str) -> PriorityClass:
+        def limit(seconds: float) -> float | None:
+            return seconds or None
+
+        return PriorityClass(
+            name=name, priority=self.priority, max_waiting=self.max_waiting, max_queued_tokens=self.max_queued_tokens,
+            ttft_target=self.ttft_target, tpot_target=self.tpot_target,
+            timeouts=Timeouts(limit(self.queue_timeout), limit(self.ttft_timeout), limit(self.token_timeout),
+                              limit(self.total_timeout)),
+            max_tokens=self.max_tokens, kv_reserve=self.kv_reserve, sheddable=self.sheddable,
+        )
+
+
+def _class_table(c: PriorityClass) -> dict[str, Any]:
+    """A built-in class as the keys of a [classes.NAME] table."""
+    t = c.timeouts
+    return {"priority": c.priority, "max_waiting": c.max_waiting, "max_queued_tokens": c.max_queued_tokens,
+            "ttft_target": c.ttft_target, "tpot_target": c.tpot_target, "queue_timeout": t.queue or 0.0,
+            "ttft_timeout": t.ttft or 0.0, "token_timeout": t.token or 0.0, "total_timeout": t.total or 0.0,
+            "max_tokens": c.max_tokens, "kv_reserve": c.kv_reserve, "sheddable": c.sheddable}
+
+
+_BUILTIN_CLASSES = {c.name: _class_table(c) for c in DEFAULT_CLASSES}
 
 
 class ServerSettings(_Section):
@@ -101,7 +162,41 @@ class Settings(_Section):
     model: ModelSettings = ModelSettings()
     cache: CacheSettings = CacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
+    shedding: SheddingSettings = SheddingSettings()
+    # [classes.NAME] tables replace the built-in classes; a table named like a built-in class
+    # (interactive, batch) starts from that class's values
+    classes: dict[str, ClassSettings] = Field(
+        default_factory=lambda: {name: ClassSettings(**t) for name, t in _BUILTIN_CLASSES.items()})
     runtime: RuntimeSettings = RuntimeSettings()
+
+    @field_validator("classes", mode="before")
+    @classmethod
+    def _start_from_builtins(cls, value: Any) -> Any:
+        if not isinstance(value, dict):
+            return value
+        if not value:
+            raise ValueError("at least one class is needed")
+        return {name: {**_BUILTIN_CLASSES.get(name, {}), **table} if isinstance(table, dict) else table
+                for name, table in value.items()}
+
+    @model_validator(mode="after")
+    def _valid_policy(self) -> Settings:
+        self.policy()  # raises ValueError naming what is wrong (duplicate priority, default_class)
+        return self
+
+    def policy(self) -> SchedulingPolicy:
+        sched, shed = self.scheduler, self.shedding
+        return SchedulingPolicy(
+            classes=tuple(c.priority_class(name) for name, c in self.classes.items()),
+            default_class=sched.default_class,
+            aging_seconds=sched.aging_seconds,
+            preemption_mode=sched.preemption_mode,
+            shedding=ShedConfig(
+                enabled=shed.enabled, margin=shed.margin, window_seconds=shed.window_seconds,
+                min_samples=shed.min_samples, escalate_seconds=shed.escalate_seconds,
+                recover_seconds=shed.recover_seconds, max_running=shed.max_running, max_tokens=shed.max_tokens,
+            ),
+        )
 
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
@@ -113,6 +208,9 @@ class Settings(_Section):
             max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             max_model_len=self.model.max_model_len,
+            policy=self.policy(),
+            enable_prefix_caching=self.cache.prefix_caching,
+            swap_space=self.cache.swap_space,
         )
 
 
@@ -133,6 +231,8 @@ def load_settings(
             raise SettingsError(f"{path}: invalid TOML ({e})") from None
     environ = os.environ if environ is None else environ
     for section, fields in Settings.model_fields.items():
+        if section == "classes":
+            continue  # tables of tables: the file only
         for key, field in fields.annotation.model_fields.items():  # type: ignore[union-attr]
             value = environ.get(f"INFERD_{section}_{key}".upper())
             if value is not None:
@@ -152,4 +252,8 @@ def _describe(err: Any) -> str:
     key = ".".join(str(part) for part in err["loc"])
     if err["type"] == "extra_forbidden":
         return f"unknown setting {key!r}"
+    if not key:  # a rule across keys (the scheduling policy)
+        return f"invalid settings: {err['msg']}"
+    if err["type"] == "missing":
+        return f"missing setting {key}"
     return f"invalid setting {key} = {err.get('input')!r}: {err['msg']}"

@@ -15,9 +15,16 @@ def test_repo_inferd_toml_is_valid_and_documents_every_key() -> None:
     settings = load_settings(REPO_TOML)
     text = REPO_TOML.read_text()
     for section, model in settings:
+        if section == "classes":
+            continue
         assert f"[{section}]" in text
         for key in type(model).model_fields:
             assert key in text, f"{section}.{key} is not documented in inferd.toml"
+    for name, cls in settings.classes.items():
+        assert f"[classes.{name}]" in text
+        for key in type(cls).model_fields:
+            assert key in text, f"classes.{name}.{key} is not documented in inferd.toml"
+    assert settings.policy() == load_settings(None, environ={}).policy()  # the file shows the defaults
 
 
 def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
@@ -46,6 +53,35 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
 def test_invalid_values_name_their_key(overrides: dict, needle: str) -> None:
     with pytest.raises(SettingsError, match=needle.replace(".", r"\.")):
         load_settings(None, overrides, environ={})
+
+
+def test_classes_start_from_the_builtin_ones_and_replace_them(tmp_path: Path) -> None:
+    toml = tmp_path / "inferd.toml"
+    toml.write_text('[scheduler]\ndefault_class = "batch"\n[classes.batch]\nttft_target = 9.5\n'
+                    '[classes.bulk]\npriority = 7\nqueue_timeout = 30\n')
+    policy = load_settings(toml, environ={}).policy()
+    assert [c.name for c in policy.ranked] == ["batch", "bulk"]  # interactive is gone
+    batch, bulk = policy.ranked
+    assert batch.ttft_target == 9.5 and batch.sheddable and batch.kv_reserve == 0.1  # the rest built in
+    assert bulk.timeouts.queue == 30 and bulk.timeouts.total is None  # 0 (the default) means none
+    assert policy.lookup(7) is bulk and policy.lookup(None) is batch
+
+
+@pytest.mark.parametrize(
+    ("toml", "needle"),
+    [
+        ('[classes.a]\npriority = 0\n[classes.b]\npriority = 0\n', "numbers must be unique"),
+        ('[scheduler]\ndefault_class = "nope"\n', "default_class 'nope'"),
+        ('[classes.x]\nttft_target = 1\n', "missing setting classes.x.priority"),
+        ('[classes.interactive]\nkv_reserve = 1.5\n', "classes.interactive.kv_reserve"),
+        ('[scheduler]\npreemption_mode = "drop"\n', "scheduler.preemption_mode"),
+    ],
+)
+def test_invalid_classes_are_named(tmp_path: Path, toml: str, needle: str) -> None:
+    path = tmp_path / "inferd.toml"
+    path.write_text(toml)
+    with pytest.raises(SettingsError, match=needle):
+        load_settings(path, environ={})
 
 
 def test_unreadable_and_invalid_files(tmp_path: Path) -> None:

@@ -58,6 +58,7 @@ async def _end_streams(app: web.Application) -> None:
     open_streams = app[SSE_RESPONSES]
     if open_streams:
         log.info("shutting down: ending %d open streams", len(open_streams))
+    app[ENGINE].engine.admission.start_draining()  # new requests: 503 with a Retry-After
     await app[ENGINE].stop()  # every unfinished request gets an abort output
     deadline = time.monotonic() + STREAMS_END_SECONDS
     while open_streams and time.monotonic() < deadline:

@@ -26,7 +26,9 @@ from inferd.api.serving import (
     check_model,
     check_n,
     no_answer,
+    priority_class,
     read_json,
+    request_timeouts,
     resolve_max_tokens,
     sampling_params,
 )
@@ -58,13 +60,14 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = ChatCompletionRequest.model_validate(await read_json(request))
     check_model(engine, body.model)
     check_n(settings, body.n)
+    cls = priority_class(engine, body)
     prompt = render_messages(engine, body)
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     max_tokens = resolve_max_tokens(requested, len(prompt), engine.max_model_len, settings,
-                                    fit_default=True, prompt_param="messages")
+                                    fit_default=True, prompt_param="messages", cls=cls)
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     token_text = request.app[TOKEN_TEXTS]
-    with Generation(engine, [prompt], params, body.n) as gen:
+    with Generation(engine, [prompt], params, body.n, cls, request_timeouts(body)) as gen:
         completion_id = f"chatcmpl-{gen.id_suffix}"
         if not body.stream:
             results = await gen.gather(request)

@@ -19,7 +19,9 @@ from inferd.api.serving import (
     check_n,
     completion_logprobs,
     no_answer,
+    priority_class,
     read_json,
+    request_timeouts,
     resolve_max_tokens,
     sampling_params,
 )
@@ -48,15 +50,17 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     body = CompletionRequest.model_validate(await read_json(request))
     check_model(engine, body.model)
     check_n(settings, body.n)
+    cls = priority_class(engine, body)
     prompts = prompt_ids(engine, body.prompt, settings.limits.max_prompts)
     max_tokens = [
-        resolve_max_tokens(body.max_tokens, len(p), engine.max_model_len, settings, fit_default=False, prompt_param="prompt")
+        resolve_max_tokens(body.max_tokens, len(p), engine.max_model_len, settings, fit_default=False,
+                           prompt_param="prompt", cls=cls)
         for p in prompts
     ]
     # NOTE: explicit or default, max_tokens is the same for every prompt once it fits them all
     params = sampling_params(body, max_tokens[0], body.logprobs)
     token_text = request.app[TOKEN_TEXTS]
-    with Generation(engine, prompts, params, body.n) as gen:
+    with Generation(engine, prompts, params, body.n, cls, request_timeouts(body)) as gen:
         completion_id = f"cmpl-{gen.id_suffix}"
         if not body.stream:
             results = await gen.gather(request)

@@ -59,7 +59,13 @@ class SamplingFields(_Request):
     top_k: int = Field(default=-1, ge=-1)  # -1 or 0: off
     min_p: float = Field(default=0.0, ge=0, le=1)
     ignore_eos: bool = False
-    priority: str | int | None = None  # accepted and stored; the scheduler does not use it yet
+    # inferd's scheduling: a priority class (name or number; unset: the default class) and
+    # timeouts in seconds that may tighten the class's own, never loosen them
+    priority: str | int | None = None
+    queue_timeout: float | None = Field(default=None, gt=0)
+    ttft_timeout: float | None = Field(default=None, gt=0)
+    token_timeout: float | None = Field(default=None, gt=0)
+    total_timeout: float | None = Field(default=None, gt=0)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -118,7 +124,7 @@ class CompletionChoice(_Response):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "timeout"] | None
 
 
 class Usage(_Response):
@@ -208,7 +214,7 @@ class ChatChoice(_Response):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "timeout"] | None
 
 
 class ChatCompletionResponse(_Response):
@@ -229,7 +235,7 @@ class ChatChunkChoice(_Response):
     index: int
     delta: ChatDelta
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length"] | None
+    finish_reason: Literal["stop", "length", "timeout"] | None
 
 
 class ChatCompletionChunk(_Response):
@@ -274,14 +280,45 @@ class HealthResponse(_Response):
     status: Literal["ok", "unavailable"]
 
 
+class ClassStatus(_Response):
+    name: str
+    priority: int
+    waiting: int
+    queued_tokens: int
+    oldest_wait_seconds: float
+    running: int
+    kv_blocks_used: int
+    queued_token_seconds: float
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generation_tokens: int
+    ttft_p50_seconds: float | None
+    ttft_p95_seconds: float | None
+    tpot_p50_seconds: float | None
+    queue_time_p95_seconds: float | None
+    finished: dict[str, int]
+    preemptions: dict[str, int]
+    timeouts: dict[str, int]
+    rejections: dict[str, int]
+    deadline_misses: dict[str, int]
+
+
 class StatusResponse(_Response):
     model: str
     max_model_len: int
     kv_blocks_total: int
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by requests
+    kv_blocks_cached: int  # prefix-cache blocks no request holds (evictable)
     running: int
     waiting: int
     steps: int
+    preemptions: dict[str, int]  # by mode
+    timeouts: dict[str, int]  # by kind
+    rejections: dict[str, int]  # by reason
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    shed_level: int
+    classes: list[ClassStatus]
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

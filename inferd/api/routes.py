@@ -38,14 +38,37 @@ async def health(request: web.Request) -> web.Response:
 async def status(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     stats = engine.stats
+    rejections: dict[str, dict[str, int]] = {}
+    for (name, reason), count in engine.engine.admission.rejections.items():
+        rejections.setdefault(name, {})[reason] = count
+    classes = [
+        p.ClassStatus(
+            name=c.name, priority=c.priority, waiting=c.waiting, queued_tokens=c.queued_tokens,
+            oldest_wait_seconds=c.oldest_wait, running=c.running, kv_blocks_used=c.kv_blocks_used,
+            queued_token_seconds=c.queued_token_seconds, prompt_tokens=c.prompt_tokens,
+            cached_prompt_tokens=c.cached_prompt_tokens, generation_tokens=c.generation_tokens,
+            ttft_p50_seconds=c.ttft_p50, ttft_p95_seconds=c.ttft_p95, tpot_p50_seconds=c.tpot_p50,
+            queue_time_p95_seconds=c.queue_time_p95, finished=c.finished, preemptions=c.preemptions,
+            timeouts=c.timeouts, rejections=rejections.get(c.name, {}), deadline_misses=c.deadline_misses,
+        )
+        for c in stats.classes
+    ]
     body = p.StatusResponse(
         model=engine.model_name,
         max_model_len=engine.max_model_len,
         kv_blocks_total=stats.kv_blocks_total,
         kv_blocks_used=stats.kv_blocks_used,
+        kv_blocks_cached=stats.kv_blocks_cached,
         running=stats.running,
         waiting=stats.waiting,
         steps=stats.steps,
+        preemptions=stats.preemptions,
+        timeouts=stats.timeouts,
+        rejections=stats.rejections,
+        prefix_cache_queries=stats.prefix_queries,
+        prefix_cache_hits=stats.prefix_hits,
+        shed_level=stats.shed_level,
+        classes=classes,
     )
     return web.json_response(p.dump(body))
 
@@ -69,7 +92,7 @@ _REQUESTS: tuple[type[BaseModel], ...] = (p.CompletionRequest, p.ChatCompletionR
 _SCHEMAS: list[type[BaseModel]] = [
     *_REQUESTS,
     p.CompletionResponse, p.CompletionStreamResponse, p.ChatCompletionResponse, p.ChatCompletionChunk,
-    p.ModelList, p.ErrorResponse, p.HealthResponse, p.StatusResponse,
+    p.ModelList, p.ErrorResponse, p.HealthResponse, p.StatusResponse, p.ClassStatus,
 ]
 
 
@@ -85,7 +108,10 @@ _ERRORS = {
     "400": _json(p.ErrorResponse, "invalid request"),
     "401": _json(p.ErrorResponse, "missing or wrong API key"),
     "404": _json(p.ErrorResponse, "unknown model"),
-    "503": _json(p.ErrorResponse, "the engine is not running"),
+    "429": _json(p.ErrorResponse, "the class's queue is full, it is being shed, or the request would miss its "
+                                  "TTFT deadline; Retry-After says when to come back"),
+    "503": _json(p.ErrorResponse, "the engine is not running, the server is draining, or the request timed out "
+                                  "before its first token; Retry-After says when to come back"),
 }
 
 

@@ -23,8 +23,10 @@ from inferd.api.errors import APIError, bad_request
 from inferd.api.protocol import SamplingFields
 from inferd.api.sse import EventStream, OutputQueue, dumps
 from inferd.config import Settings
+from inferd.engine.admission import AdmissionError
 from inferd.engine.engine import AsyncEngine, RequestStream
-from inferd.engine.llm_engine import RequestOutput, TokenLogprob
+from inferd.engine.llm_engine import RequestError, RequestOutput, TokenLogprob
+from inferd.engine.policy import PriorityClass, Timeouts
 from inferd.model.sampling_params import SamplingParams
 from inferd.model.tokenizer import Tokenizer
 
@@ -85,13 +87,28 @@ def check_n(settings: Settings, n: int) -> None:
         raise bad_request(f"n must be in [1, {settings.limits.max_n}], got {n}", param="n")
 
 
+def priority_class(engine: AsyncEngine, body: SamplingFields) -> PriorityClass:
+    """The request's class (400 for a name or number no class has)."""
+    try:
+        return engine.engine.resolve_class(body.priority)
+    except RequestError as e:
+        raise bad_request(str(e), param="priority", code="unknown_priority") from None
+
+
+def request_timeouts(body: SamplingFields) -> Timeouts:
+    return Timeouts(queue=body.queue_timeout, ttft=body.ttft_timeout, token=body.token_timeout,
+                    total=body.total_timeout)
+
+
 def resolve_max_tokens(
-    requested: int | None, prompt_len: int, context: int, settings: Settings, *, fit_default: bool, prompt_param: str
+    requested: int | None, prompt_len: int, context: int, settings: Settings, *, fit_default: bool,
+    prompt_param: str, cls: PriorityClass,
 ) -> int:
     """The max_tokens to run with, or a 400 naming the numbers that do not fit.
 
-    A default (no max_tokens in the request) is limits.max_tokens_default, clipped to what is
-    left of the context when `fit_default` (chat); an explicit one must fit as asked.
+    A default (no max_tokens in the request) is limits.max_tokens_default, at most the class's
+    ceiling, clipped to what is left of the context when `fit_default` (chat); an explicit one
+    must fit as asked.
     """
     if prompt_len == 0:
         raise bad_request(f"the {prompt_param} is empty", param=prompt_param)
@@ -101,7 +118,10 @@ def resolve_max_tokens(
     limit = settings.limits.max_tokens_limit
     if requested is not None and requested > limit:
         raise bad_request(f"max_tokens must be at most {limit}, got {requested}", param="max_tokens")
-    max_tokens = requested if requested is not None else settings.limits.max_tokens_default
+    if requested is not None and requested > cls.max_tokens:
+        raise bad_request(f"max_tokens must be at most {cls.max_tokens} in the {cls.name!r} class, got {requested}",
+                          param="max_tokens")
+    max_tokens = requested if requested is not None else min(settings.limits.max_tokens_default, cls.max_tokens)
     if requested is None and fit_default:
         max_tokens = min(max_tokens, context - prompt_len)
     if prompt_len + max_tokens > context:
@@ -151,15 +171,21 @@ class ChoiceResult:
 class Generation:
     """The engine requests of one HTTP request: one per prompt, each with n choices.
 
-    `with Generation(...) as gen:` checks every prompt, then submits them all; leaving the
-    block, however it is left, aborts what has not finished.
+    `with Generation(...) as gen:` checks every prompt, admits them all into their class's
+    queue (or none: 429 / 503), then submits them; leaving the block, however it is left,
+    aborts what has not finished.
     """
 
-    def __init__(self, engine: AsyncEngine, prompts: Sequence[list[int]], params: SamplingParams, n: int) -> None:
+    def __init__(
+        self, engine: AsyncEngine, prompts: Sequence[list[int]], params: SamplingParams, n: int,
+        cls: PriorityClass, timeouts: Timeouts,
+    ) -> None:
         self.engine = engine
         self.prompts = prompts
         self.params = params
         self.n = n
+        self.cls = cls
+        self.timeouts = timeouts
         self.id_suffix = uuid.uuid4().hex
         self.created = int(time.time())
         self.streams: list[RequestStream] = []
@@ -175,11 +201,17 @@ class Generation:
 
     def __enter__(self) -> Generation:
         for prompt in self.prompts:  # all checked before any runs
-            self.engine.engine.check_request(prompt, self.params, self.n)
+            self.engine.engine.check_request(prompt, self.params, self.n, self.cls)
+        try:
+            self.engine.admit(self.cls, self.prompts, self.timeouts)
+        except AdmissionError as e:
+            raise admission_error(e) from None
         try:
             for prompt in self.prompts:
-                self.streams.append(self.engine.submit(prompt, self.params, self.n))
+                self.streams.append(self.engine.submit(prompt, self.params, self.n, priority_class=self.cls,
+                                                       timeouts=self.timeouts, admitted=True))
         except BaseException:
+            self.engine.release(self.cls, self.prompts[len(self.streams):])
             self.abort()
             raise
         return self
@@ -204,6 +236,8 @@ class Generation:
                     if out.finish_reason == "abort":
                         raise engine_abort_error(out)
                     result = results[prompt * self.n + out.index]
+                    if out.finish_reason == "timeout" and not result.texts and not out.text:
+                        raise timeout_error(out)  # nothing to show for it: an error, not a reply
                     result.texts.append(out.text)
                     self.completion_tokens += len(out.new_token_ids)
                     if out.logprobs:
@@ -246,6 +280,8 @@ class Generation:
                         return events.response
                     self.completion_tokens += len(out.new_token_ids)
                     events.add(render(prompt, out))
+                    if out.finish_reason == "timeout":  # after the choice's last chunk, say which
+                        events.add(timeout_error(out).body())
                 await events.flush()
             for payload in tail():
                 events.add(payload)
@@ -293,6 +329,31 @@ def engine_abort_error(out: RequestOutput) -> APIError:
     reason = out.stop_reason if isinstance(out.stop_reason, str) else "the request was aborted"
     return APIError(503, f"generation stopped: {reason}", code="service_unavailable",
                     headers={"Retry-After": "5"})
+
+
+def admission_error(e: AdmissionError) -> APIError:
+    """A refusal at the door: 429 (queue full, shed, predicted deadline miss) or 503 (draining),
+    with when to come back; 400 for a request too large for its class's queue ever to hold."""
+    if e.oversized:
+        return bad_request(e.message, param="prompt", code="queue_too_small")
+    return APIError(e.status, e.message, type="rate_limit_error" if e.status == 429 else None,
+                    code=e.reason, headers={"Retry-After": str(e.retry_after)})
+
+
+TIMEOUT_MESSAGES = {
+    "queue": "waited longer than its queue timeout to be scheduled",
+    "ttft": "got no first token within its TTFT timeout",
+    "token": "waited longer than its per-token timeout for the next token",
+    "total": "ran longer than its total timeout",
+}
+
+
+def timeout_error(out: RequestOutput) -> APIError:
+    """The error that names which timeout ended a request (an SSE event, or the 503 of a
+    non-streaming request that timed out before its first token)."""
+    kind = str(out.stop_reason)
+    return APIError(503, f"the request {TIMEOUT_MESSAGES.get(kind, 'timed out')}", type="timeout_error",
+                    code=f"{kind}_timeout", headers={"Retry-After": "1"})
 
 
 def clamp_logprob(value: float) -> float:

@@ -1,4 +1,5 @@
-"""Paged KV block allocator: refcounted blocks and per-sequence block tables (no tensors here).
+"""Paged KV block allocator: refcounted blocks, per-sequence block tables, a prefix cache over
+full blocks, and host copies of swapped-out sequences (no tensors here).
 
 The KV cache (allocated elsewhere, once) is, per layer, `[num_blocks, block_size, n_kv_heads,
 head_dim]`. A sequence owns a *block table*: the list of block ids that hold its tokens in order.
@@ -24,43 +25,91 @@ filled; the first sequence that appends to a *shared* partial block gets a fresh
     KV cache, then writes position 10 into block 4.
     parent [7, 2, 5]   child [7, 2, 4]
 
-Check, then act: `can_allocate` / `can_append` answer whether memory suffices; `allocate` and
-`append` return None when it does not, and then nothing has changed, so the scheduler can pick a
-sequence to preempt and try again.
+Prefix caching: once a block is full and computed, `commit` files it under a key that hashes its
+tokens and, through the parent key, every token before it. A later sequence whose prompt starts
+with the same tokens reuses those blocks instead of computing them again:
+
+    block_size = 4     a: [1 2 3 4 | 5 6 7 8 | 9 .  .  . ]   keys k0 = H(b"", 1234), k1 = H(k0, 5678)
+                       b: [1 2 3 4 | 5 6 7 8 | 9 9 .  . ]   allocate(b, 10, token_ids=b) -> 8
+                           ^ same block ^ same block  ^ fresh block, computed from position 8
+
+A freed block that is still in the cache is *evictable*: it keeps its contents until the free
+list runs dry, then the least recently freed one is taken (and dropped from the cache).
+
+    used       refcount > 0, in one or more block tables
+    free       refcount 0, on the free list
+    evictable  refcount 0, in the cache, in LRU order; allocatable like a free block
+
+Swap: `swap_out` gives a sequence's blocks host copies and frees its device blocks; `swap_in`
+brings them back into fresh device blocks. The caller copies the returned pairs, in one step, in
+this order: swap-out pairs, swap-in pairs, copy-on-write pairs, then runs the model.
+
+Check, then act: `can_allocate` / `can_append` / `can_swap_in` / `can_swap_out` answer whether
+memory suffices; `allocate`, `append`, `swap_in` and `swap_out` return None when it does not, and
+then nothing has changed, so the scheduler can pick a sequence to preempt and try again.
 """
 
 from __future__ import annotations
 
-from collections import Counter, deque
+import struct
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from hashlib import blake2b
 
 
 class BlockError(RuntimeError):
     """A misuse of the allocator (double free, unknown sequence) or a broken invariant."""
 
 
+def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
+    """The prefix-cache key of a full block: its tokens, chained to every block before it.
+
+    NOTE: a cryptographic hash, not Python's `hash()`: a client can craft prompts whose int tuples
+    collide under `hash()`, and a collision hands one tenant another's KV (wrong output, and a
+    data leak). `parent_key` is b"" for a sequence's first block.
+    """
+    return blake2b(parent_key + struct.pack(f"<{len(token_ids)}i", *token_ids), digest_size=16).digest()
+
+
 class BlockPool:
-    """`num_blocks` refcounted blocks; a free block has refcount 0 and sits on the free list."""
+    """`num_blocks` refcounted blocks, each used, free or evictable (see the module docstring)."""
 
     def __init__(self, num_blocks: int) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
         self._refcounts = [0] * num_blocks
-        # NOTE: FIFO reuse (oldest freed block first) keeps recently freed blocks intact longest,
-        # which a prefix cache can later exploit; any order is correct.
+        # NOTE: FIFO reuse (oldest freed block first) keeps recently freed blocks intact longest;
+        # any order is correct.
         self._free: deque[int] = deque(range(num_blocks))
+        self._keys: list[bytes | None] = [None] * num_blocks  # each block's prefix-cache key
+        self._cached: dict[bytes, int] = {}  # key -> block id; used or evictable blocks only
+        # refcount-0 cached blocks, least recently freed first (values unused)
+        self._evictable: OrderedDict[int, None] = OrderedDict()
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks that `allocate` can hand out now: free plus evictable."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= len(self._free) + len(self._evictable)
 
     def allocate(self) -> int | None:
-        if not self._free:
+        """A block with refcount 1: from the free list, else the least recently freed evictable."""
+        if self._free:
+            block_id = self._free.popleft()
+        elif self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+            del self._cached[self._keys[block_id]]  # type: ignore[index]
+            self._keys[block_id] = None
+        else:
             return None
-        block_id = self._free.popleft()
         self._refcounts[block_id] = 1
         return block_id
 
@@ -75,22 +124,73 @@ class BlockPool:
             raise BlockError(f"double free of block {block_id}")
         self._refcounts[block_id] = rc - 1
         if rc == 1:
-            self._free.append(block_id)
+            if self._keys[block_id] is None:
+                self._free.append(block_id)
+            else:
+                self._evictable[block_id] = None
 
     def refcount(self, block_id: int) -> int:
         return self._refcounts[block_id]
+
+    # ---- prefix cache ----
+
+    def key(self, block_id: int) -> bytes | None:
+        return self._keys[block_id]
+
+    def lookup(self, key: bytes) -> int | None:
+        return self._cached.get(key)
+
+    def register(self, block_id: int, key: bytes) -> bool:
+        """File a used block under `key`; False (and nothing changes) if the key is taken or the
+        block already has a key."""
+        if self._refcounts[block_id] == 0:
+            raise BlockError(f"register of free block {block_id}")
+        if key in self._cached or self._keys[block_id] is not None:
+            return False
+        self._cached[key] = block_id
+        self._keys[block_id] = key
+        return True
+
+    def acquire(self, block_id: int) -> None:
+        """Take one more reference to a cached block, which may be evictable (refcount 0)."""
+        if self._keys[block_id] is None:
+            raise BlockError(f"acquire of uncached block {block_id}")
+        if self._refcounts[block_id] == 0:
+            del self._evictable[block_id]
+        self._refcounts[block_id] += 1
+
+
+@dataclass(slots=True)
+class SwappedSeq:
+    """What a swapped-out sequence needs to come back: its host blocks, in table order."""
+
+    host_table: list[int]
+    num_tokens: int
+    keys: list[bytes]  # the keys of its full computed blocks, for chaining later commits
 
 
 class BlockManager:
     """Block tables of all live sequences over one `BlockPool`; the only writer of both."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
+                 enable_prefix_caching: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         self.pool = BlockPool(num_blocks)
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
+        # per live sequence: the keys of its first len(keys) blocks, all full and computed
+        self._keys: dict[int, list[bytes]] = {}
+        self.num_host_blocks = num_host_blocks
+        self._host_free: deque[int] = deque(range(num_host_blocks))
+        self._swapped: dict[int, SwappedSeq] = {}
+        # metrics: prompt tokens looked up in, and served from, the prefix cache by `allocate`
+        self.prefix_queries = 0
+        self.prefix_hits = 0
 
     # ---- queries ----
 
@@ -99,7 +199,21 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks allocatable now: free plus evictable."""
         return self.pool.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Evictable blocks: freed, but still holding a cached prefix."""
+        return self.pool.num_evictable
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_blocks - self.pool.num_free
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return len(self._host_free)
 
     def block_table(self, seq_id: int) -> list[int]:
         """The live table (not a copy): callers read it, never change it."""
@@ -108,6 +222,9 @@ class BlockManager:
     def num_tokens(self, seq_id: int) -> int:
         self._table(seq_id)
         return self._num_tokens[seq_id]
+
+    def is_swapped(self, seq_id: int) -> bool:
+        return seq_id in self._swapped
 
     def slot(self, seq_id: int, position: int) -> int:
         table = self._table(seq_id)
@@ -125,29 +242,56 @@ class BlockManager:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
+    def cached_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many leading tokens cached blocks hold: a multiple of block_size, at most
+        len(token_ids) - 1 (the last token is always computed, for its logits). Changes nothing."""
+        if not self.enable_prefix_caching:
+            return 0
+        return len(self._match(token_ids, len(token_ids) - 1)[0]) * self.block_size
+
     # ---- check ----
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self.pool.can_allocate(self.blocks_for(num_tokens))
+    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None, reserve: int = 0) -> bool:
+        return self._fits(self._allocate_plan(num_tokens, token_ids)[2], reserve)
 
-    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
-        return self.pool.can_allocate(self._append_need(seq_id, num_new_tokens)[0])
+    def can_append(self, seq_id: int, num_new_tokens: int, reserve: int = 0) -> bool:
+        return self._fits(self._append_need(seq_id, num_new_tokens)[0], reserve)
+
+    def can_swap_out(self, seq_id: int) -> bool:
+        return len(self._table(seq_id)) <= len(self._host_free)
+
+    def can_swap_in(self, seq_id: int, reserve: int = 0) -> bool:
+        return self._fits(len(self._swapped_seq(seq_id).host_table), reserve)
 
     # ---- act ----
 
-    def allocate(self, seq_id: int, num_tokens: int) -> list[int] | None:
-        """A fresh table for a new sequence of `num_tokens` (the prompt); None if short."""
-        if seq_id in self._tables:
-            raise BlockError(f"seq {seq_id} already has a block table")
-        n = self.blocks_for(num_tokens)
-        if not self.pool.can_allocate(n):
+    def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None,
+                 reserve: int = 0) -> int | None:
+        """A fresh table covering the first `num_tokens` tokens of a new sequence.
+
+        With `token_ids` (the prompt) and prefix caching on, the leading cached blocks are reused,
+        up to `num_tokens` and len(token_ids) - 1 tokens. Returns how many tokens the reused blocks
+        hold (0 without a hit; the caller computes from there), or None if fewer than
+        `reserve` blocks would be left allocatable (then nothing changed).
+        """
+        self._check_new(seq_id)
+        hit_blocks, hit_keys, need = self._allocate_plan(num_tokens, token_ids)
+        if not self._fits(need, reserve):
             return None
-        table = [self._alloc() for _ in range(n)]
+        # NOTE: hits first, so that the fresh allocations below cannot evict them.
+        for block_id in hit_blocks:
+            self.pool.acquire(block_id)
+        table = hit_blocks + [self._alloc() for _ in range(self.blocks_for(num_tokens) - len(hit_blocks))]
         self._tables[seq_id] = table
         self._num_tokens[seq_id] = num_tokens
-        return table
+        self._keys[seq_id] = hit_keys
+        hit_tokens = len(hit_blocks) * self.block_size
+        if token_ids is not None:
+            self.prefix_queries += len(token_ids)
+            self.prefix_hits += hit_tokens
+        return hit_tokens
 
-    def append(self, seq_id: int, num_new_tokens: int) -> list[tuple[int, int]] | None:
+    def append(self, seq_id: int, num_new_tokens: int, reserve: int = 0) -> list[tuple[int, int]] | None:
         """Make room for `num_new_tokens` more tokens; None if short (then nothing changed).
 
         Returns the copy-on-write pairs (src_block, dst_block) that the caller must copy in the
@@ -157,7 +301,8 @@ class BlockManager:
         table = self._tables.get(seq_id)
         if table is not None and num_new_tokens >= 0:
             # NOTE: the common decode case, kept cheap: the tokens fit in the room left in the last
-            # block and that block is not shared, so no block is allocated or copied.
+            # block and that block is not shared, so no block is allocated or copied (and so the
+            # reserve, which only limits taking blocks, cannot refuse it).
             total = self._num_tokens[seq_id] + num_new_tokens
             if total <= len(table) * self.block_size and (
                 num_new_tokens == 0 or self.pool._refcounts[table[-1]] == 1
@@ -165,7 +310,7 @@ class BlockManager:
                 self._num_tokens[seq_id] = total
                 return []
         need, cow = self._append_need(seq_id, num_new_tokens)
-        if not self.pool.can_allocate(need):
+        if not self._fits(need, reserve):
             return None
         table = self._tables[seq_id]
         pairs: list[tuple[int, int]] = []
@@ -181,47 +326,154 @@ class BlockManager:
         self._num_tokens[seq_id] = total
         return pairs
 
+    def commit(self, seq_id: int, num_computed_tokens: int, tokens: Callable[[int, int], Sequence[int]]) -> None:
+        """Cache every block that the first `num_computed_tokens` tokens now fill.
+
+        `tokens(start, end)` returns the sequence's token ids [start, end); it is called once per
+        newly full block, so calling commit after every step costs O(1) when none became full.
+        A block whose key another block already holds stays uncached (and is freed as usual).
+        """
+        keys = self._keys.get(seq_id)
+        if keys is None:
+            raise BlockError(f"unknown seq {seq_id}")
+        bs = self.block_size
+        num_full = num_computed_tokens // bs
+        if not self.enable_prefix_caching or num_full <= len(keys):
+            return
+        if num_computed_tokens > self._num_tokens[seq_id]:
+            raise BlockError(f"seq {seq_id}: {num_computed_tokens} computed tokens but room "
+                             f"for {self._num_tokens[seq_id]}")
+        table = self._tables[seq_id]
+        parent = keys[-1] if keys else b""
+        for i in range(len(keys), num_full):
+            block_tokens = tokens(i * bs, (i + 1) * bs)
+            if len(block_tokens) != bs:
+                raise ValueError(f"tokens({i * bs}, {(i + 1) * bs}) gave {len(block_tokens)} tokens")
+            parent = block_key(parent, block_tokens)
+            # NOTE: the key goes on the sequence's list even when register refuses it (another
+            # block holds it): the next block's key chains from it either way.
+            self.pool.register(table[i], parent)
+            keys.append(parent)
+
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares all the parent's blocks and has the same token count."""
         table = self._table(parent_id)
-        if child_id in self._tables:
-            raise BlockError(f"seq {child_id} already has a block table")
+        self._check_new(child_id)
         for block_id in table:
             self.pool.incref(block_id)
         self._tables[child_id] = list(table)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
+        self._keys[child_id] = list(self._keys[parent_id])
 
     def free(self, seq_id: int) -> None:
         table = self._table(seq_id)
-        # NOTE: tail first, so that with FIFO reuse a sequence's prefix blocks are reused last.
+        # NOTE: tail first: with FIFO reuse a sequence's prefix blocks are reused last, and the
+        # tail of a cached prefix is evicted before its head (a tail is no use without its head).
         for block_id in reversed(table):
             self.pool.decref(block_id)
         del self._tables[seq_id]
         del self._num_tokens[seq_id]
+        del self._keys[seq_id]
+
+    def swap_out(self, seq_id: int) -> list[tuple[int, int]] | None:
+        """Copy a sequence to host blocks and free its device blocks; None if host blocks are short.
+
+        Returns the (device_block, host_block) pairs the caller copies before anything else this
+        step. The freed device blocks may be handed out again in the same step.
+        """
+        table = self._table(seq_id)
+        if len(table) > len(self._host_free):
+            return None
+        host_table = [self._host_free.popleft() for _ in table]
+        pairs = list(zip(table, host_table))
+        self._swapped[seq_id] = SwappedSeq(host_table, self._num_tokens[seq_id], self._keys[seq_id])
+        self.free(seq_id)
+        return pairs
+
+    def swap_in(self, seq_id: int, reserve: int = 0) -> list[tuple[int, int]] | None:
+        """Bring a swapped-out sequence back into fresh device blocks; None if short.
+
+        Returns the (host_block, device_block) pairs to copy (after the swap-out pairs). The new
+        blocks are not cached again, even where the old ones were.
+        """
+        swapped = self._swapped_seq(seq_id)
+        if not self._fits(len(swapped.host_table), reserve):
+            return None
+        table = [self._alloc() for _ in swapped.host_table]
+        del self._swapped[seq_id]
+        self._host_free.extend(swapped.host_table)
+        self._tables[seq_id] = table
+        self._num_tokens[seq_id] = swapped.num_tokens
+        self._keys[seq_id] = swapped.keys
+        return list(zip(swapped.host_table, table))
+
+    def free_swapped(self, seq_id: int) -> None:
+        """Drop a sequence that finished (or was aborted) while swapped out."""
+        swapped = self._swapped_seq(seq_id)
+        del self._swapped[seq_id]
+        self._host_free.extend(swapped.host_table)
 
     def check_invariants(self) -> None:
-        """Raise BlockError if a block is lost, free twice, or refcounted wrongly. O(blocks)."""
+        """Raise BlockError if a block is lost, misfiled or refcounted wrongly, the cache map and
+        the blocks' keys disagree, or a host block is lost or held twice. O(blocks)."""
         pool = self.pool
+        bs = self.block_size
+        if self._keys.keys() != self._tables.keys():
+            raise BlockError("sequences with keys and with tables differ")
         refs: Counter[int] = Counter()
         for seq_id, table in self._tables.items():
-            if len(table) != self.blocks_for(self._num_tokens[seq_id]):
-                raise BlockError(f"seq {seq_id}: {len(table)} blocks for "
-                                 f"{self._num_tokens[seq_id]} tokens")
+            n = self._num_tokens[seq_id]
+            if len(table) != self.blocks_for(n):
+                raise BlockError(f"seq {seq_id}: {len(table)} blocks for {n} tokens")
+            if len(self._keys[seq_id]) > n // bs:
+                raise BlockError(f"seq {seq_id}: {len(self._keys[seq_id])} keys for {n} tokens")
             refs.update(table)
+        if not self.enable_prefix_caching and (pool._cached or any(self._keys.values())):
+            raise BlockError("prefix caching is off but blocks are cached")
         free = Counter(pool._free)
         for block_id in range(pool.num_blocks):
             rc = pool.refcount(block_id)
             on_free = free[block_id]
+            evictable = block_id in pool._evictable
+            key = pool.key(block_id)
             if on_free > 1:
                 raise BlockError(f"block {block_id} is {on_free} times on the free list")
             if rc != refs[block_id]:
                 raise BlockError(f"block {block_id}: refcount {rc} != {refs[block_id]} references")
-            if (rc == 0) != (on_free == 1):
-                state = "free" if on_free else "not free"
-                raise BlockError(f"block {block_id}: refcount {rc} but {state} (lost or misfiled)")
-        unknown = [b for b in free if not 0 <= b < pool.num_blocks]
+            states = (rc > 0) + on_free + evictable
+            if states != 1:
+                raise BlockError(f"block {block_id}: refcount {rc}, free {bool(on_free)}, "
+                                 f"evictable {evictable}: lost or misfiled")
+            if evictable and key is None:
+                raise BlockError(f"evictable block {block_id} is not cached")
+            if on_free and key is not None:
+                raise BlockError(f"free block {block_id} is still cached")
+            if key is not None and pool._cached.get(key) != block_id:
+                raise BlockError(f"block {block_id}: its key maps to {pool._cached.get(key)}")
+        for key, block_id in pool._cached.items():
+            if not 0 <= block_id < pool.num_blocks or pool.key(block_id) != key:
+                raise BlockError(f"cache maps a key to block {block_id}, which has another key")
+        unknown = [b for b in [*free, *pool._evictable] if not 0 <= b < pool.num_blocks]
         if unknown:
-            raise BlockError(f"free list holds unknown block ids {unknown}")
+            raise BlockError(f"free or evictable lists hold unknown block ids {unknown}")
+
+        if self._swapped.keys() & self._tables.keys():
+            raise BlockError(f"seqs {self._swapped.keys() & self._tables.keys()} are live and swapped")
+        host_refs = Counter(self._host_free)
+        for seq_id, swapped in self._swapped.items():
+            if len(swapped.host_table) != self.blocks_for(swapped.num_tokens):
+                raise BlockError(f"swapped seq {seq_id}: {len(swapped.host_table)} host blocks "
+                                 f"for {swapped.num_tokens} tokens")
+            if len(swapped.keys) > swapped.num_tokens // bs:
+                raise BlockError(f"swapped seq {seq_id}: {len(swapped.keys)} keys "
+                                 f"for {swapped.num_tokens} tokens")
+            host_refs.update(swapped.host_table)
+        for host_id in range(self.num_host_blocks):
+            if host_refs[host_id] != 1:
+                raise BlockError(f"host block {host_id} is held {host_refs[host_id]} times (free or swapped)")
+        unknown = [h for h in host_refs if not 0 <= h < self.num_host_blocks]
+        if unknown:
+            raise BlockError(f"unknown host block ids {unknown}")
 
     # ---- internals ----
 
@@ -229,12 +481,58 @@ class BlockManager:
         try:
             return self._tables[seq_id]
         except KeyError:
-            raise BlockError(f"unknown seq {seq_id}") from None
+            state = " (swapped out)" if seq_id in self._swapped else ""
+            raise BlockError(f"unknown seq {seq_id}{state}") from None
+
+    def _swapped_seq(self, seq_id: int) -> SwappedSeq:
+        try:
+            return self._swapped[seq_id]
+        except KeyError:
+            raise BlockError(f"seq {seq_id} is not swapped out") from None
+
+    def _check_new(self, seq_id: int) -> None:
+        if seq_id in self._tables or seq_id in self._swapped:
+            raise BlockError(f"seq {seq_id} already has a block table")
 
     def _alloc(self) -> int:
         block_id = self.pool.allocate()
         assert block_id is not None, "caller checked can_allocate"
         return block_id
+
+    def _fits(self, need: int, reserve: int) -> bool:
+        """Whether `need` blocks can be taken leaving `reserve` allocatable. Taking none always
+        fits: the reserve limits what an allocation takes, not what others left."""
+        return need <= 0 or need + reserve <= self.pool.num_free
+
+    def _match(self, token_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[bytes]]:
+        """The cached blocks (and their keys) holding the leading full blocks of `token_ids`, at
+        most `max_tokens` tokens' worth."""
+        bs = self.block_size
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        parent = b""
+        for i in range(max(max_tokens, 0) // bs):
+            parent = block_key(parent, token_ids[i * bs:(i + 1) * bs])
+            block_id = self.pool.lookup(parent)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+            keys.append(parent)
+        return blocks, keys
+
+    def _allocate_plan(self, num_tokens: int,
+                       token_ids: Sequence[int] | None) -> tuple[list[int], list[bytes], int]:
+        """(cached blocks to reuse, their keys, blocks the allocation takes from the allocatable
+        ones): fresh blocks, plus reused blocks that were evictable."""
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        if token_ids is not None and self.enable_prefix_caching:
+            blocks, keys = self._match(token_ids, min(len(token_ids) - 1, num_tokens))
+        refcount = self.pool.refcount
+        need = self.blocks_for(num_tokens) - len(blocks) + sum(refcount(b) == 0 for b in blocks)
+        return blocks, keys, need
 
     def _append_need(self, seq_id: int, num_new_tokens: int) -> tuple[int, bool]:
         """(blocks to allocate, whether the last block needs copy-on-write) for an append."""

@@ -18,14 +18,18 @@ import asyncio
 import logging
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from inferd.engine.accounting import ClassSnapshot
 from inferd.engine.llm_engine import LLMEngine, RequestOutput
+from inferd.engine.policy import PriorityClass, Timeouts
 from inferd.model.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+
+IDLE_POLL_SECONDS = 0.005  # how soon the loop looks again when work waits but none could run
 
 
 @dataclass(frozen=True)
@@ -33,12 +37,19 @@ class EngineStats:
     """A snapshot the engine thread publishes after every step (read from any thread)."""
 
     kv_blocks_total: int
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by requests
+    kv_blocks_cached: int  # prefix-cache blocks no request holds (evictable, so free in effect)
     running: int
     waiting: int
     steps: int
-    preemptions: int
+    preemptions: dict[str, int]  # by mode
+    timeouts: dict[str, int]  # by kind
+    rejections: dict[str, int]  # at the door, by reason
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of which found
+    shed_level: int
     last_step_seconds: float
+    classes: tuple[ClassSnapshot, ...]  # most important first
 
 
 class EngineDeadError(RuntimeError):
@@ -137,6 +148,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
+        self.engine.admission.open()
         self._loop = asyncio.get_running_loop()
         self._thread = threading.Thread(target=self._run, name="inferd-engine", daemon=True)
         self._thread.start()
@@ -155,17 +167,44 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------- event-loop side
 
-    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, n: int = 1) -> RequestStream:
-        """Queue a request; raises RequestError (never runnable) or EngineDeadError at once."""
+    def admit(self, priority_class: PriorityClass, prompts: Sequence[Sequence[int]], timeouts: Timeouts) -> None:
+        """Count one HTTP request's prompts into its class's bounded queue, all or none; raises
+        AdmissionError (429 / 503 with a Retry-After) when the queue, the load shedder or a
+        predicted TTFT past the deadline says no."""
+        ttft = priority_class.timeouts.tightened(timeouts).ttft
+        self.engine.admission.admit(
+            priority_class.name, len(prompts), sum(len(p) for p in prompts),
+            shed_level=self.engine.scheduler.shedder.level, ttft_deadline=ttft,
+            recover_seconds=self.engine.policy.shedding.recover_seconds,
+        )
+
+    def release(self, priority_class: PriorityClass, prompts: Sequence[Sequence[int]]) -> None:
+        """Undo `admit` for prompts that were never submitted."""
+        self.engine.admission.leave(priority_class.name, len(prompts), sum(len(p) for p in prompts))
+
+    def submit(
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        n: int = 1,
+        *,
+        priority_class: PriorityClass | None = None,
+        timeouts: Timeouts | None = None,
+        admitted: bool = False,
+    ) -> RequestStream:
+        """Queue a request; raises RequestError (never runnable) or EngineDeadError at once.
+        `admitted`: `admit` counted it, and the engine releases it from the queue bound."""
         if not self.alive:
             raise EngineDeadError("the engine is not running")
-        self.engine.check_request(prompt_ids, params, n)
+        self.engine.check_request(prompt_ids, params, n, priority_class)
         # ids are handed out here, on the loop, so the stream exists before any output does
         request_id = self._next_id
         self._next_id += 1
         stream = RequestStream(self, request_id, n)
         self._streams[request_id] = stream
-        self._inbox.append(("add", (request_id, list(prompt_ids), params, n)))
+        options = {"priority": priority_class, "timeouts": timeouts, "arrival_time": time.monotonic(),
+                   "admitted": admitted}
+        self._inbox.append(("add", (request_id, list(prompt_ids), params, n, options)))
         self._wakeup.set()
         return stream
 
@@ -200,9 +239,9 @@ class AsyncEngine:
                 while self._inbox:
                     kind, payload = self._inbox.popleft()
                     if kind == "add":
-                        request_id, prompt_ids, params, n = payload  # type: ignore[misc]
+                        request_id, prompt_ids, params, n, options = payload  # type: ignore[misc]
                         try:
-                            engine.add_request(prompt_ids, params, n=n, request_id=request_id)
+                            engine.add_request(prompt_ids, params, n=n, request_id=request_id, **options)
                         except ValueError as e:  # checked on the loop already; never kill the loop
                             self._loop.call_soon_threadsafe(self._fail, str(e), [request_id])  # type: ignore[union-attr]
                     else:
@@ -217,6 +256,11 @@ class AsyncEngine:
                 self.stats = self._snapshot(time.perf_counter() - start, self.stats.steps + 1)
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)  # type: ignore[union-attr]
+                if not engine.last_step_tokens:
+                    # work is waiting but none can run now (e.g. load shedding holds it back):
+                    # look again soon, for timeouts and freed room, without spinning
+                    self._wakeup.wait(IDLE_POLL_SECONDS)
+                    self._wakeup.clear()
         except BaseException as e:  # noqa: BLE001 - a dead engine must fail its streams, not hang them
             log.exception("the engine loop failed")
             self._stopping = True
@@ -230,12 +274,23 @@ class AsyncEngine:
     def _snapshot(self, step_seconds: float, steps: int) -> EngineStats:
         engine = self.engine
         bm = engine.block_manager
+        scheduler = engine.scheduler
+        rejections: Counter[str] = Counter()
+        for (_cls, reason), count in list(engine.admission.rejections.items()):
+            rejections[reason] += count
         return EngineStats(
             kv_blocks_total=bm.pool.num_blocks,
-            kv_blocks_used=bm.pool.num_blocks - bm.num_free_blocks,
-            running=len(engine.scheduler.running),
-            waiting=len(engine.scheduler.waiting),
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_cached=bm.num_cached_blocks,
+            running=len(scheduler.running),
+            waiting=len(scheduler.waiting),
             steps=steps,
-            preemptions=engine.scheduler.num_preemptions,
+            preemptions=dict(scheduler.preemptions),
+            timeouts=dict(scheduler.timeouts),
+            rejections=dict(rejections),
+            prefix_queries=bm.prefix_queries,
+            prefix_hits=bm.prefix_hits,
+            shed_level=scheduler.shedder.level,
             last_step_seconds=step_seconds,
+            classes=tuple(scheduler.snapshot()),
         )

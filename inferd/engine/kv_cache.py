@@ -1,4 +1,5 @@
-"""The paged KV cache tensors, sized from `kv_cache_memory`, allocated once at start-up."""
+"""The paged KV cache tensors, sized from `kv_cache_memory`, allocated once at start-up, and the
+host copy space that preempted sequences are swapped out to."""
 
 from __future__ import annotations
 
@@ -38,17 +39,39 @@ def num_blocks_for(memory: float, cfg: ModelConfig, block_size: int, dtype: torc
     return int(budget // bytes_per_block(cfg, block_size, dtype))
 
 
+def host_blocks_for(swap_space_bytes: float, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Host blocks that fit in `swap_space_bytes` (0 turns swapping off)."""
+    if swap_space_bytes < 0:
+        raise ValueError(f"swap space must be >= 0 bytes, got {swap_space_bytes}")
+    return int(swap_space_bytes // bytes_per_block(cfg, block_size, dtype))
+
+
 class KVCache:
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
+                 num_host_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache has room for no block: raise kv_cache_memory")
+        if num_host_blocks < 0:
+            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         self.num_blocks = num_blocks
+        self.num_host_blocks = num_host_blocks
         self.block_size = block_size
         # [num_layers, 2 (K, V), num_blocks, block_size, n_kv_heads, head_dim]
         shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.storage = _zeroed(shape, dtype, device)
         # per layer: (key_cache, value_cache), each [num_blocks, block_size, n_kv_heads, head_dim]
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [(layer[0], layer[1]) for layer in self.storage]
+        # [num_layers, 2 (K, V), num_host_blocks, block_size, n_kv_heads, head_dim] on the CPU;
+        # None when swapping is off
+        self.host_storage: torch.Tensor | None = None
+        if num_host_blocks > 0:
+            host_shape = (cfg.num_layers, 2, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+            if device.type == "cuda":
+                # NOTE: pinned (page-locked), as the copies to and from it cross PCIe; zeroed, like
+                # the device cache, because a swapped-in partial block brings its unwritten slots.
+                self.host_storage = torch.zeros(host_shape, dtype=dtype, pin_memory=True)
+            else:
+                self.host_storage = _zeroed(host_shape, dtype, torch.device("cpu"))
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's contents into block dst, in every layer."""
@@ -59,6 +82,31 @@ class KVCache:
         for key_cache, value_cache in self.layers:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks into host blocks, all layers at once: (device_block, host_block) pairs."""
+        if not pairs:
+            return
+        host = self._host()
+        device_idx = torch.tensor([d for d, _ in pairs], device=self.storage.device)
+        host_idx = torch.tensor([h for _, h in pairs])
+        # [num_layers, 2, len(pairs), block_size, n_kv_heads, head_dim]
+        host[:, :, host_idx] = self.storage[:, :, device_idx].cpu()
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks into device blocks, all layers at once: (host_block, device_block) pairs."""
+        if not pairs:
+            return
+        host = self._host()
+        host_idx = torch.tensor([h for h, _ in pairs])
+        device_idx = torch.tensor([d for _, d in pairs], device=self.storage.device)
+        # [num_layers, 2, len(pairs), block_size, n_kv_heads, head_dim]
+        self.storage[:, :, device_idx] = host[:, :, host_idx].to(self.storage.device)
+
+    def _host(self) -> torch.Tensor:
+        if self.host_storage is None:
+            raise ValueError("no host blocks: swap space is 0")
+        return self.host_storage
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
+from inferd.engine.admission import Admission
 from inferd.engine.block_manager import BlockManager
-from inferd.engine.kv_cache import KVCache, num_blocks_for
+from inferd.engine.kv_cache import KVCache, host_blocks_for, num_blocks_for
+from inferd.engine.policy import PriorityClass, SchedulingPolicy, Timeouts
 from inferd.engine.request import Request, RequestStatus
 from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import Scheduler
@@ -45,6 +47,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's context length
+    policy: SchedulingPolicy = SchedulingPolicy()
+    enable_prefix_caching: bool = True
+    swap_space: float = 2**30  # bytes of host memory for swapped-out blocks (preemption_mode "swap")
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
@@ -75,8 +80,9 @@ class RequestOutput:
     text: str  # new text (stop strings and held-back partial characters excluded)
     index: int = 0  # which of the request's n choices
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "abort"
-    stop_reason: str | int | None = None  # the stop string or token id that matched
+    finish_reason: str | None = None  # "stop", "length", "abort" or "timeout"
+    stop_reason: str | int | None = None  # the stop string or token id that matched; the
+    # timeout's kind ("queue", "ttft", "token", "total") with "timeout"; a message with "abort"
     logprobs: list[TokenLogprob] | None = None
 
 
@@ -108,10 +114,20 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or model.cfg.max_position_embeddings,
                                  model.cfg.max_position_embeddings)
         num_blocks = num_blocks_for(config.kv_cache_memory, model.cfg, config.block_size, model.dtype, model.device)
-        self.kv_cache = KVCache(model.cfg, num_blocks, config.block_size, model.dtype, model.device)
-        self.block_manager = BlockManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        num_host_blocks = 0
+        if config.policy.preemption_mode == "swap":
+            num_host_blocks = host_blocks_for(config.swap_space, model.cfg, config.block_size, model.dtype)
+        self.kv_cache = KVCache(model.cfg, num_blocks, config.block_size, model.dtype, model.device,
+                                num_host_blocks=num_host_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, num_host_blocks=num_host_blocks,
+                                          enable_prefix_caching=config.enable_prefix_caching)
+        self.policy = config.policy
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.policy)
+        # the door's bounded queues: the server admits into them, the engine thread releases
+        self.admission = Admission(config.policy.classes)
         self.runner = ModelRunner(model, self.kv_cache)
+        self.last_step_tokens = 0  # tokens computed by the last step (0: it found nothing to run)
         self.requests: dict[int, Request] = {}  # every unfinished choice, by its own id
         self._groups: dict[int, Request] = {}  # request id (as returned by add_request) -> choice 0
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}  # per unfinished request
@@ -134,9 +150,23 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------ requests
 
-    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams, n: int = 1) -> None:
+    def resolve_class(self, priority: str | int | PriorityClass | None) -> PriorityClass:
+        """The class a request's `priority` names (name, number, or None for the default)."""
+        if isinstance(priority, PriorityClass):
+            return priority
+        try:
+            return self.policy.lookup(priority)
+        except KeyError:
+            known = ", ".join(f"{c.name!r} ({c.priority})" for c in self.policy.ranked)
+            raise RequestError(f"unknown priority {priority!r}; the classes are {known}",
+                               param="priority") from None
+
+    def check_request(
+        self, prompt_ids: Sequence[int], params: SamplingParams, n: int = 1, priority_class: PriorityClass | None = None
+    ) -> None:
         """Raise RequestError if the request can never run; reads only fixed facts, so any
         thread may call it before handing the request to the engine's owner."""
+        cls = priority_class or self.resolve_class(None)
         vocab = self.model_config.vocab_size
         if not prompt_ids:
             raise RequestError("the prompt is empty", param="prompt")
@@ -150,25 +180,46 @@ class LLMEngine:
             raise RequestError(f"token id {bad} is outside the vocabulary [0, {vocab})", param="prompt")
         if not 1 <= n <= self.config.max_num_seqs:
             raise RequestError(f"n must be in [1, {self.config.max_num_seqs}], got {n}", param="n")
+        if params.max_tokens > cls.max_tokens:
+            raise RequestError(f"max_tokens must be at most {cls.max_tokens} in the {cls.name!r} class, "
+                               f"got {params.max_tokens}", param="max_tokens")
         total = min(self.max_model_len, len(prompt_ids) + params.max_tokens)
-        capacity = self.block_manager.pool.num_blocks * self.config.block_size
+        num_blocks = self.block_manager.pool.num_blocks - self.scheduler.reserve_blocks(cls)
+        capacity = num_blocks * self.config.block_size
         if total > capacity:
             # NOTE: it could never finish: it would preempt itself forever
             raise RequestError(
-                f"the request needs up to {total} tokens of KV cache; the cache holds {capacity} "
-                "(lower max_tokens, or raise kv_cache_memory)", param="max_tokens",
+                f"the request needs up to {total} tokens of KV cache; the {cls.name!r} class may use "
+                f"{capacity} (lower max_tokens, or raise kv_cache_memory)", param="max_tokens",
             )
 
     def add_request(
-        self, prompt: str | Sequence[int], params: SamplingParams, n: int = 1, request_id: int | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams,
+        n: int = 1,
+        request_id: int | None = None,
+        *,
+        priority: str | int | PriorityClass | None = None,
+        timeouts: Timeouts | None = None,
+        arrival_time: float | None = None,
+        admitted: bool = False,
     ) -> int:
         """Queue a request with n choices sharing the prompt; returns its id (`request_id` if
-        given), which its outputs and `abort` use."""
+        given), which its outputs and `abort` use.
+
+        `priority` names its class; `timeouts` tighten the class's; `arrival_time` (on the
+        scheduler's clock) is when it reached the server; `admitted`: the door counted it in
+        `self.admission`, which it leaves when first scheduled (or when it ends before).
+        """
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.check_request(prompt_ids, params, n)
+        cls = self.resolve_class(priority)
+        self.check_request(prompt_ids, params, n, cls)
         if request_id is not None and request_id in self._groups:
             raise ValueError(f"request id {request_id} is in use")
-        root = Request(next(self._ids), prompt_ids, params, self.max_model_len)
+        root = Request(next(self._ids), prompt_ids, params, self.max_model_len, priority_class=cls,
+                       timeouts=timeouts or Timeouts(), arrival_time=arrival_time,
+                       admitted_tokens=len(prompt_ids) if admitted else 0)
         group_id = root.request_id if request_id is None else request_id
         root.group_id = group_id
         root.forks = [
@@ -202,12 +253,18 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        for request in plan.started:
+            self._leave_queue(request)
+        outputs = [out for request in plan.timed_out for out in self._timed_out(request)]
+        self.last_step_tokens = plan.num_tokens
         if not plan.chunks:
-            return []
+            return outputs
+        start = time.perf_counter()
         result = self.runner.execute(plan)
+        if plan.prefills:
+            self.admission.record_prefill(plan.num_prefill_tokens, time.perf_counter() - start)
         sampled = result.sampled
         self.scheduler.update(plan, dict(zip(result.request_ids, sampled.token_ids)))
-        outputs = []
         for row, request_id in enumerate(result.request_ids):
             request = self.requests[request_id]
             token = sampled.token_ids[row]
@@ -224,17 +281,47 @@ class LLMEngine:
                 out.text += detokenizer.flush()
             if request.status.finished:
                 out.finished, out.finish_reason = True, request.status.finish_reason
-                del self.requests[request_id]
-                root = self._groups.get(request.group_id)
-                if root is not None and all(m.status.finished for m in (root, *root.forks)):
-                    del self._groups[request.group_id]
+                self._retire(request)
             outputs.append(out)
         return outputs
+
+    def _timed_out(self, request: Request) -> list[RequestOutput]:
+        """The final outputs of a request the scheduler ended on a timeout, and of its forks
+        that never started (they share its prompt and its fate)."""
+        kind = request.timeout_kind
+        members = [request, *request.forks_pending]
+        outputs = []
+        for member in members:
+            if member.request_id not in self.requests:
+                continue
+            detokenizer = self._detokenizers.get(member.request_id)
+            text = detokenizer.flush() if detokenizer is not None else ""
+            self._finish(member, RequestStatus.FINISHED_TIMEOUT)
+            member.timeout_kind = kind
+            outputs.append(RequestOutput(member.group_id, [], text, index=member.index, finished=True,
+                                         finish_reason="timeout", stop_reason=kind))
+            self._retire(member)
+        return outputs
+
+    def _retire(self, request: Request) -> None:
+        """Forget a finished request; the group goes when all its choices have finished."""
+        del self.requests[request.request_id]
+        root = self._groups.get(request.group_id)
+        if root is not None and all(m.status.finished for m in (root, *root.forks)):
+            del self._groups[request.group_id]
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
         self.runner.release(request.request_id)
         self._detokenizers.pop(request.request_id, None)
+        if request.first_scheduled_time is None:
+            self._leave_queue(request)
+
+    def _leave_queue(self, request: Request) -> None:
+        """It no longer counts against the door's queue bounds (scheduled, or ended first)."""
+        if request.admitted_tokens:
+            self.admission.leave(request.priority_class.name, 1, request.admitted_tokens)
+            request.admitted_tokens = 0
 
     # ------------------------------------------------------------------------------- offline
 

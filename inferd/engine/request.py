@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from inferd.engine.policy import PriorityClass, Timeouts
 from inferd.model.sampling_params import SamplingParams
 
 
@@ -15,6 +16,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_STOPPED = 10  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = 11  # max_tokens or the model's context
     FINISHED_ABORTED = 12  # cancelled by the caller
+    FINISHED_TIMEOUT = 13  # a queue, TTFT, per-token or total timeout (Request.timeout_kind)
 
     @property
     def finished(self) -> bool:
@@ -27,6 +29,7 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_STOPPED: "stop",
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
+            RequestStatus.FINISHED_TIMEOUT: "timeout",
         }.get(self)
 
 
@@ -45,6 +48,22 @@ class Request:
     index: int = 0  # choice index within the group
     group_id: int = -1  # the request id of choice 0 (its own id for choice 0)
     forks: list[Request] = field(default_factory=list)
+    # scheduling policy (Scheduler.add fills in what is None)
+    priority_class: PriorityClass | None = None  # None: the policy's default class
+    rank: int = 0  # the class's position, 0 = most important
+    timeouts: Timeouts = field(default_factory=Timeouts)  # the request's own; add() tightens by the class's
+    arrival_time: float | None = None  # when it reached the server, on the scheduler's clock
+    admitted_tokens: int = 0  # prompt tokens counted in the door's queue bound until scheduled
+    # timeline, on the scheduler's clock (None: not yet)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    # preemption
+    swapped: bool = False  # its KV blocks wait in host memory
+    progress_mark: int = -1  # len(output_ids) when last resumed; not preempted again until it grows
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at its (last) admission
+    token_cap: int | None = None  # load shedding's lower max_tokens, when in force
+    timeout_kind: str | None = None  # which timeout ended it
 
     def __post_init__(self) -> None:
         if self.group_id < 0:
@@ -70,4 +89,5 @@ class Request:
 
     @property
     def max_total_tokens(self) -> int:
-        return min(self.max_model_len, len(self.prompt_ids) + self.params.max_tokens)
+        max_tokens = self.params.max_tokens if self.token_cap is None else min(self.params.max_tokens, self.token_cap)
+        return min(self.max_model_len, len(self.prompt_ids) + max_tokens)

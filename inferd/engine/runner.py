@@ -29,6 +29,9 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}  # per seeded request, advanced every step
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        # this order: a block swap-out frees may be reused by a swap-in or copy-on-write
+        self.kv_cache.swap_out(out.swap_out)
+        self.kv_cache.swap_in(out.swap_in)
         self.kv_cache.copy_blocks(out.block_copies)
         chunks = out.prefills + out.decodes
         input_ids, positions, attn, logits_indices = self._prepare(out.prefills, out.decodes)

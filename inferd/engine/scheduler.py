@@ -1,19 +1,42 @@
-"""First-come-first-served continuous batching with chunked prefill (no torch here).
+"""The priority scheduler: continuous batching with chunked prefill, classes, deadlines,
+preemption and load shedding. Pure and synchronous: no torch, an injected clock, called once
+per engine step.
 
-Each `schedule()` gives every running request the tokens it has not computed yet (one for a
-decoding request, a chunk for one still in prefill) within the step's token budget, then
-admits waiting requests while blocks, `max_num_seqs` and the budget allow. When blocks run
-short, the most recently admitted request is preempted by recomputation: its blocks are freed
-and it waits at the front of the queue to re-prefill prompt + output later.
+One `schedule()`:
+
+    1. timeouts      end every request past a queue, TTFT, per-token or total deadline
+    2. shedding      the load shedder's level caps the sheddable classes (running, max_tokens)
+    3. decodes       every running request with one token to compute, most important first
+    4. prefills      chunks of running prefills and admissions of waiting requests, merged in
+                     order (class, then earliest deadline), within the step's token budget
+
+Order is (rank, deadline, arrival): rank is the class's position (0 = most important), less
+one per `aging_seconds` a request has waited, so a low class is never starved; the deadline
+is the earliest of the request's TTFT target and its hard deadlines. When blocks or
+`max_num_seqs` run short, a waiting request may preempt running requests of a *lower class*;
+a running one that needs a block may preempt requests of its own class or lower. Victims are
+the lowest class first, then the cheapest to resume (fewest computed tokens); a request that
+was resumed is not chosen again before it has made progress, unless nothing else can give way.
+A preempted request either frees its blocks and recomputes later (reusing the prefix cache) or
+has them copied to host memory (swap); it keeps its arrival, so it keeps its place.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import math
+import time
+from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from inferd.engine.accounting import ClassSnapshot, ClassStats
 from inferd.engine.block_manager import BlockManager
+from inferd.engine.policy import PriorityClass, SchedulingPolicy
 from inferd.engine.request import Request, RequestStatus
+from inferd.engine.shedding import LoadShedder
+
+# what an admission attempt tells the loop over candidates
+_ADMITTED, _SKIP, _STOP = 0, 1, 2  # skip: a limit of the request's class; stop: the whole engine is full
 
 
 @dataclass
@@ -33,8 +56,14 @@ class ScheduledChunk:
 class SchedulerOutput:
     prefills: list[ScheduledChunk] = field(default_factory=list)  # chunks of more than one token
     decodes: list[ScheduledChunk] = field(default_factory=list)  # one token each
+    # KV copies the runner makes before the forward, in this order (a block that swap-out frees
+    # may be reused by a swap-in or a copy-on-write of the same step)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Request] = field(default_factory=list)
+    started: list[Request] = field(default_factory=list)  # scheduled for the first time
+    timed_out: list[Request] = field(default_factory=list)  # ended this step (timeout_kind says why)
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -44,75 +73,316 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(c.num_tokens for c in self.prefills) + len(self.decodes)
 
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefills)
+
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: SchedulingPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.policy = policy = policy or SchedulingPolicy()
+        self.clock = clock
+        self.classes = {c.name: c for c in policy.classes}
+        self._ranks = {c.name: rank for rank, c in enumerate(policy.ranked)}
+        num_blocks = block_manager.pool.num_blocks
+        self._reserve = {c.name: math.ceil(c.kv_reserve * num_blocks) for c in policy.classes}
+        self.shedder = LoadShedder(policy.shedding, policy.classes)
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.num_preemptions = 0  # since start, for metrics
+        self.stats = {c.name: ClassStats(c.name) for c in policy.ranked}
+        self.preemptions: Counter[str] = Counter()  # by mode, all classes
+        self.timeouts: Counter[str] = Counter()  # by kind, all classes
+        self._last_account = clock()
+        self._applied_level = 0
+        # per schedule() call
+        self._budget = 0
+        self._scheduled: dict[int, tuple[ScheduledChunk, list[tuple[int, int]]]] = {}
+
+    def reserve_blocks(self, cls: PriorityClass) -> int:
+        """Blocks `cls` may not use: its kv_reserve, kept free for more important classes."""
+        return self._reserve[cls.name]
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
 
     def add(self, request: Request) -> None:
+        """Queue a request. Its class's timeouts are tightened by the request's own; a request
+        without a class (or with one this policy does not know) gets the default class."""
+        cls = request.priority_class
+        if cls is None or self.classes.get(cls.name) is not cls:
+            cls = self.classes.get(cls.name) if cls is not None else None
+            request.priority_class = cls or self.classes[self.policy.default_class]
+        request.rank = self._ranks[request.priority_class.name]
+        request.timeouts = request.priority_class.timeouts.tightened(request.timeouts)
+        if request.arrival_time is None:
+            request.arrival_time = self.clock()
+        if self._applied_level >= 3 and request.priority_class.sheddable:
+            request.token_cap = self.policy.shedding.max_tokens
         self.waiting.append(request)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # ------------------------------------------------------------------------------- schedule
+
     def schedule(self) -> SchedulerOutput:
+        now = self.clock()
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens
+        self._budget = self.max_num_batched_tokens
+        self._scheduled = {}
+        self._account(now)
+        self._expire(now, out)
+        self._shed(self.shedder.update(now), out)
         bm = self.block_manager
 
-        # running requests first, oldest first, so a preemption hits the newest
-        running = self.running
-        i = 0
-        while i < len(running) and budget > 0:
-            req = running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            # append is check-then-act in one call: None (nothing changed) when blocks are short
-            while (copies := bm.append(req.request_id, n)) is None:
-                victim = running[-1]
-                self._preempt(victim, out)
-                if victim is req:
-                    break
-            if copies is None:
-                break  # req itself was preempted: nothing after it is left
-            if copies:
-                out.block_copies += copies
-            self._add_chunk(out, req, n)
-            budget -= n
-            i += 1
+        # decodes: one token each, most important first
+        self.running.sort(key=lambda r: self._order(r, now))
+        for req in list(self.running):
+            if self._budget <= 0:
+                break
+            if req.status == RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
+                self._grow(req, 1, out)
 
-        # then admit waiting requests while blocks, sequences and the budget allow
-        while self.waiting and budget > 0:
-            req = self.waiting[0]
-            if len(self.running) + 1 + len(req.forks_pending) > self.max_num_seqs:
+        # prefills: running chunks and admissions, merged in order
+        self.waiting.sort(key=lambda r: self._order(r, now))
+        candidates = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1] + self.waiting
+        candidates.sort(key=lambda r: self._order(r, now))
+        for req in candidates:
+            if self._budget <= 0:
                 break
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if bm.allocate(req.request_id, n) is None:
+            if req in out.preempted:
+                break  # a victim of this step waits for the next, and nobody behind it overtakes
+            if req.request_id in self._scheduled:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                n = min(req.num_tokens - req.num_computed_tokens, self._budget)
+                if not self._grow(req, n, out):
+                    break  # nothing less important may take what this one could not get
+            elif req.status == RequestStatus.WAITING and self._admit(req, now, out) == _STOP:
                 break
-            self.waiting.popleft()
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            self._add_chunk(out, req, n)
-            budget -= n
         return out
 
-    def _add_chunk(self, out: SchedulerOutput, req: Request, n: int) -> None:
+    def _order(self, req: Request, now: float) -> tuple[float, float, float, int]:
+        """Sort key, smaller first: (aged rank, deadline, arrival, id)."""
+        rank = req.rank
+        aging = self.policy.aging_seconds
+        if aging > 0 and req.status == RequestStatus.WAITING:
+            rank = max(0, rank - int((now - req.arrival_time) // aging))
+        return rank, self._deadline(req), req.arrival_time, req.request_id
+
+    @staticmethod
+    def _deadline(req: Request) -> float:
+        t = req.timeouts
+        limit = req.priority_class.ttft_target
+        for value in (t.queue, t.ttft, t.total):
+            if value is not None and value < limit:
+                limit = value
+        return req.arrival_time + limit
+
+    # ------------------------------------------------------------------- growing and admitting
+
+    def _grow(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Room for `n` more tokens of a running request, preempting others (or itself) if
+        needed; schedules the chunk. False when it got nothing this step."""
+        bm = self.block_manager
+        reserve = self._reserve[req.priority_class.name]
+        while (copies := bm.append(req.request_id, n, reserve=reserve)) is None:
+            victim = self._pick_victim(req, strictly_lower=False)
+            if victim is None:
+                return False
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        out.block_copies += copies
+        self._add_chunk(out, req, n, copies)
+        return True
+
+    def _admit(self, req: Request, now: float, out: SchedulerOutput) -> int:
+        """Start (or resume) a waiting request if the engine and its class allow."""
+        cls = req.priority_class
+        bm = self.block_manager
+        reserve = self._reserve[cls.name]
+        if self._applied_level >= 2 and cls.sheddable:
+            cap = self.policy.shedding.max_running
+            if sum(1 for r in self.running if r.priority_class is cls) >= cap:
+                return _SKIP
+        while len(self.running) + 1 + len(req.forks_pending) > self.max_num_seqs:
+            victim = self._pick_victim(req, strictly_lower=True)
+            if victim is None:
+                return _STOP
+            self._preempt(victim, out)
+
+        if req.swapped:
+            while (pairs := bm.swap_in(req.request_id, reserve=reserve)) is None:
+                victim = self._pick_victim(req, strictly_lower=True)
+                if victim is None:
+                    return _SKIP if reserve else _STOP
+                self._preempt(victim, out)
+            out.swap_in += pairs
+            req.swapped = False
+            self._start(req, now, out)
+            n = min(req.num_tokens - req.num_computed_tokens, self._budget)
+            # (the table may already cover a token whose step was taken back when it was swapped)
+            grow = max(0, req.num_computed_tokens + n - bm.num_tokens(req.request_id))
+            copies = bm.append(req.request_id, grow, reserve=reserve)
+            if copies is not None:  # else it runs from the next step on
+                out.block_copies += copies
+                self._add_chunk(out, req, n, copies)
+            return _ADMITTED
+
+        tokens = req.token_ids(0, req.num_tokens)
+        while True:
+            cached = bm.cached_prefix(tokens)
+            n = min(req.num_tokens - cached, self._budget)
+            if bm.allocate(req.request_id, cached + n, tokens, reserve=reserve) is not None:
+                break
+            victim = self._pick_victim(req, strictly_lower=True)
+            if victim is None:
+                return _SKIP if reserve else _STOP
+            self._preempt(victim, out)
+        req.num_computed_tokens = cached
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = cached
+            self.stats[cls.name].cached_prompt_tokens += cached
+        self._start(req, now, out)
+        self._add_chunk(out, req, n, [])
+        return _ADMITTED
+
+    def _start(self, req: Request, now: float, out: SchedulerOutput) -> None:
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        req.progress_mark = len(req.output_ids)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+            self.stats[req.priority_class.name].queue_time.add(now - req.arrival_time)
+            out.started.append(req)
+
+    def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, copies: list[tuple[int, int]]) -> None:
         chunk = ScheduledChunk(req, req.num_computed_tokens, n, self.block_manager.block_table(req.request_id))
         (out.decodes if n == 1 else out.prefills).append(chunk)
+        self._scheduled[req.request_id] = (chunk, copies)
+        self._budget -= n
+
+    # ------------------------------------------------------------------------------ preemption
+
+    def _pick_victim(self, needy: Request, strictly_lower: bool) -> Request | None:
+        """Whom to preempt so that `needy` can run: the lowest class first, then the cheapest
+        to resume. A running `needy` competes too (it may be the one to give way)."""
+        def worse(r: Request) -> tuple[int, int, float, int]:
+            return r.rank, -r.num_computed_tokens, r.arrival_time, r.request_id
+
+        pool = [r for r in self.running if r.rank > needy.rank] if strictly_lower else \
+            [r for r in self.running if r.rank >= needy.rank]
+        if not pool:
+            return None
+        unprotected = [r for r in pool if not self._protected(r)]
+        if unprotected:
+            return max(unprotected, key=worse)
+        # NOTE: everyone left was just resumed. Giving way in order (lowest class, cheapest)
+        # still lets the most important of them progress, so nothing waits forever.
+        victim = max(pool, key=worse)
+        return None if victim is needy else victim
+
+    @staticmethod
+    def _protected(req: Request) -> bool:
+        """Resumed after a preemption and has not produced a token since: no thrashing."""
+        return req.num_preemptions > 0 and len(req.output_ids) <= req.progress_mark
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.block_manager.free(req.request_id)
+        scheduled = self._scheduled.pop(req.request_id, None)
+        if scheduled is not None:  # it was given a chunk earlier in this step: take it back
+            chunk, copies = scheduled
+            (out.decodes if chunk.num_tokens == 1 else out.prefills).remove(chunk)
+            for pair in copies:
+                out.block_copies.remove(pair)
+            self._budget += chunk.num_tokens
+        mode = "recompute"
+        if self.policy.preemption_mode == "swap":
+            pairs = self.block_manager.swap_out(req.request_id)
+            if pairs is not None:
+                mode = "swap"
+                # NOTE: a copy-on-write taken back above never ran: its destination holds
+                # nothing yet, so that block's contents come from the source
+                cow = {dst: src for src, dst in scheduled[1]} if scheduled else {}
+                out.swap_out += [(cow.get(device, device), host) for device, host in pairs]
+                req.swapped = True
+        if mode == "recompute":
+            self.block_manager.free(req.request_id)
+            req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.preemptions[mode] += 1
+        self.stats[req.priority_class.name].preemptions[mode] += 1
+        self.waiting.insert(0, req)  # (the order is by key; the front is where it usually sorts)
         out.preempted.append(req)
+
+    # ---------------------------------------------------------------------- timeouts, shedding
+
+    def _expire(self, now: float, out: SchedulerOutput) -> None:
+        for req in [*self.running, *self.waiting]:
+            kind = self._expired(req, now)
+            if kind is not None:
+                req.timeout_kind = kind
+                self.timeouts[kind] += 1
+                self.stats[req.priority_class.name].timeouts[kind] += 1
+                self.finish(req, RequestStatus.FINISHED_TIMEOUT)
+                out.timed_out.append(req)
+
+    @staticmethod
+    def _expired(req: Request, now: float) -> str | None:
+        t = req.timeouts
+        age = now - req.arrival_time
+        if req.first_scheduled_time is None and t.queue is not None and age > t.queue:
+            return "queue"
+        if req.first_token_time is None and t.ttft is not None and age > t.ttft:
+            return "ttft"
+        if req.last_token_time is not None and t.token is not None and now - req.last_token_time > t.token:
+            return "token"
+        if t.total is not None and age > t.total:
+            return "total"
+        return None
+
+    def _shed(self, level: int, out: SchedulerOutput) -> None:
+        """Apply the shedder's level to the sheddable classes (level 1 acts at the door)."""
+        shed = self.policy.shedding
+        if level >= 2:
+            for cls in self.policy.classes:
+                if not cls.sheddable:
+                    continue
+                members = [r for r in self.running if r.priority_class is cls and not self._protected(r)]
+                members.sort(key=lambda r: r.num_computed_tokens)  # cheapest to resume first
+                for victim in members[: max(0, len(members) - shed.max_running)]:
+                    self._preempt(victim, out)
+        if (level >= 3) != (self._applied_level >= 3):
+            cap = shed.max_tokens if level >= 3 else None
+            for req in [*self.running, *self.waiting]:
+                if req.priority_class.sheddable:
+                    req.token_cap = cap
+        self._applied_level = level
+
+    def _account(self, now: float) -> None:
+        """Integrate queued tokens over the time since the last step."""
+        dt = now - self._last_account
+        self._last_account = now
+        if dt <= 0:
+            return
+        for req in self.waiting:
+            self.stats[req.priority_class.name].queued_token_seconds += (req.num_tokens - req.num_computed_tokens) * dt
+
+    # -------------------------------------------------------------------------------- results
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> None:
         """Record a finished step: computed counts and the sampled token of each request.
@@ -120,30 +390,108 @@ class Scheduler:
         A request with pending forks (n > 1) hands its blocks to them at its first token: each
         fork shares the prompt's blocks (copy-on-write later) and starts with its own token.
         """
+        now = self.clock()
+        bm = self.block_manager
         for chunks in (out.prefills, out.decodes):  # out.chunks' order, without the copy
             for chunk in chunks:
                 req = chunk.request
                 req.num_computed_tokens += chunk.num_tokens
+                bm.commit(req.request_id, req.num_computed_tokens, req.token_ids)
+                if chunk.start < len(req.prompt_ids):
+                    self.stats[req.priority_class.name].prompt_tokens += \
+                        min(req.num_computed_tokens, len(req.prompt_ids)) - chunk.start
                 token = sampled.get(req.request_id)
                 if token is None:
                     continue
                 if req.forks and not req.output_ids:  # req.forks_pending, without a list per call
                     for fork in req.forks:
-                        self.block_manager.fork(req.request_id, fork.request_id)
+                        bm.fork(req.request_id, fork.request_id)
+                        self._adopt(fork, req)
                         fork.num_computed_tokens = req.num_computed_tokens
                         fork.output_ids.append(sampled[fork.request_id])
-                        fork.status = RequestStatus.RUNNING
+                        self._on_token(fork, now)
                         self.running.append(fork)
                 req.output_ids.append(token)
+                self._on_token(req, now)
+
+    def _adopt(self, fork: Request, root: Request) -> None:
+        """A fork starts with its root's class, deadlines and timeline."""
+        fork.priority_class, fork.rank, fork.timeouts = root.priority_class, root.rank, root.timeouts
+        fork.arrival_time, fork.first_scheduled_time = root.arrival_time, root.first_scheduled_time
+        fork.token_cap = root.token_cap
+        fork.status = RequestStatus.RUNNING
+
+    def _on_token(self, req: Request, now: float) -> None:
+        stats = self.stats[req.priority_class.name]
+        stats.generation_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = now
+            ttft = now - req.arrival_time
+            stats.ttft.add(ttft)
+            self.shedder.observe(req.priority_class.name, ttft, now)
+            if ttft > req.priority_class.ttft_target:
+                stats.deadline_misses["ttft"] += 1
+        req.last_token_time = now
 
     def finish(self, req: Request, status: RequestStatus) -> None:
-        """End a request (stopped, length or aborted) and return its blocks at once."""
+        """End a request (stopped, length, aborted, timed out) and return its blocks at once."""
         if req.status.finished:
             return  # an abort racing a finish: already freed
+        bm = self.block_manager
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-            self.block_manager.free(req.request_id)
+            bm.free(req.request_id)
         elif req in self.waiting:
             self.waiting.remove(req)
-        # else: a fork that never started (its group was aborted before the prompt finished)
+            if req.swapped:
+                bm.free_swapped(req.request_id)
+                req.swapped = False
+        # else: a fork that never started (its group ended before the prompt finished)
         req.status = status
+        if req.priority_class is None:
+            return  # never queued here
+        stats = self.stats[req.priority_class.name]
+        stats.finished[status.finish_reason or status.name] += 1
+        n_out = len(req.output_ids)
+        if n_out > 1 and req.first_token_time is not None and req.last_token_time is not None:
+            tpot = (req.last_token_time - req.first_token_time) / (n_out - 1)
+            stats.tpot.add(tpot)
+            if tpot > req.priority_class.tpot_target:
+                stats.deadline_misses["tpot"] += 1
+
+    # ------------------------------------------------------------------------------ snapshots
+
+    def snapshot(self) -> list[ClassSnapshot]:
+        """Every class's state now, most important first (O(waiting + running))."""
+        now = self.clock()
+        waiting: Counter[str] = Counter()
+        queued: Counter[str] = Counter()
+        oldest: dict[str, float] = {}
+        for req in self.waiting:
+            name = req.priority_class.name
+            waiting[name] += 1
+            queued[name] += req.num_tokens - req.num_computed_tokens
+            oldest[name] = max(oldest.get(name, 0.0), now - req.arrival_time)
+        running: Counter[str] = Counter()
+        blocks: Counter[str] = Counter()
+        for req in self.running:
+            running[req.priority_class.name] += 1
+            blocks[req.priority_class.name] += len(self.block_manager.block_table(req.request_id))
+        return [
+            _snapshot(cls, self.stats[cls.name], waiting[cls.name], queued[cls.name],
+                      oldest.get(cls.name, 0.0), running[cls.name], blocks[cls.name])
+            for cls in self.policy.ranked
+        ]
+
+
+def _snapshot(cls: PriorityClass, s: ClassStats, waiting: int, queued: int, oldest: float,
+              running: int, blocks: int) -> ClassSnapshot:
+    return ClassSnapshot(
+        name=cls.name, priority=cls.priority, waiting=waiting, queued_tokens=queued, oldest_wait=oldest,
+        running=running, kv_blocks_used=blocks, queued_token_seconds=s.queued_token_seconds,
+        prompt_tokens=s.prompt_tokens, cached_prompt_tokens=s.cached_prompt_tokens,
+        generation_tokens=s.generation_tokens, ttft_p50=s.ttft.percentile(50), ttft_p95=s.ttft.percentile(95),
+        tpot_p50=s.tpot.percentile(50), queue_time_p95=s.queue_time.percentile(95),
+        finished=dict(s.finished), preemptions=dict(s.preemptions), timeouts=dict(s.timeouts),
+        deadline_misses=dict(s.deadline_misses),
+    )

@@ -223,10 +223,20 @@ async def test_health_and_a_dead_engine(server: Server) -> None:
 
 async def test_status_returns_to_idle(server: Server) -> None:
     status, body = await server.get("/v1/status")
-    assert set(body) == {"model", "max_model_len", "kv_blocks_total", "kv_blocks_used", "running", "waiting", "steps"}
+    assert {"model", "max_model_len", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "running",
+            "waiting", "steps", "preemptions", "timeouts", "rejections", "prefix_cache_queries",
+            "prefix_cache_hits", "shed_level", "classes"} == set(body)
     assert body["model"] == MODEL and body["kv_blocks_total"] > 0
-    await asyncio.gather(*(server.post("/v1/completions", {**GREEDY, "prompt": f"Item {i}:"}) for i in range(3)))
-    assert (await wait_idle(server))["steps"] > body["steps"]
+    assert [c["name"] for c in body["classes"]] == ["interactive", "batch"]
+    before = body["classes"][1]["generation_tokens"]
+    await asyncio.gather(*(server.post("/v1/completions", {**GREEDY, "prompt": f"Item {i}:", "priority": "batch"})
+                           for i in range(3)))
+    idle = await wait_idle(server)
+    assert idle["steps"] > body["steps"]
+    batch = idle["classes"][1]
+    assert batch["generation_tokens"] - before == 3 * GREEDY["max_tokens"]
+    assert batch["running"] == batch["waiting"] == batch["kv_blocks_used"] == 0
+    assert batch["ttft_p50_seconds"] > 0 and batch["finished"]["length"] >= 3
 
 
 # ---------------------------------------------------------------------- disconnects, shutdown

@@ -115,8 +115,14 @@ def test_bad_prompts_are_rejected(engine: LLMEngine) -> None:
         engine.add_request([1, 10**6], params)
     with pytest.raises(ValueError, match="context"):
         engine.add_request([1] * engine.max_model_len, params)
+    capacity = engine.block_manager.pool.num_blocks * engine.config.block_size
+    assert capacity < 4000
     with pytest.raises(ValueError, match="KV cache"):
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=engine.max_model_len - 10))
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4000))
+    with pytest.raises(ValueError, match="at most 4096 in the 'interactive' class"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=5000))
+    with pytest.raises(ValueError, match="unknown priority 'vip'"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4), priority="vip")
     assert_pool_whole(engine)
 
 

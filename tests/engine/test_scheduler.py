@@ -230,8 +230,8 @@ def test_preemption_hits_the_newest_and_requeues_it_first() -> None:
     s.block_manager.check_invariants()
 
     s.finish(r0, RequestStatus.FINISHED_STOPPED)
-    plan = s.schedule()  # r1 recomputes prompt + its 5 outputs in one chunk and samples on; then r2
-    assert layout(plan.prefills) == [(1, 0, 13), (2, 0, 8)] and plan.prefills[0].samples
+    plan = s.schedule()  # r1 recomputes its 5 outputs (its prompt's blocks are still cached); then r2
+    assert layout(plan.prefills) == [(1, 8, 5), (2, 0, 8)] and plan.prefills[0].samples
     s.update(plan, fabricate(plan))
     assert ids(s.running) == [1, 2] and not s.waiting
     assert r1.output_ids == [20_000 + i for i in range(6)]  # no token lost or sampled twice
