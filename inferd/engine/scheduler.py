@@ -343,6 +343,8 @@ class Scheduler:
 
     @staticmethod
     def _expired(req: Request, now: float) -> str | None:
+        if req.timeout_kind is not None:
+            return req.timeout_kind  # its last token came too late (see _on_token)
         t = req.timeouts
         age = now - req.arrival_time
         if req.first_scheduled_time is None and t.queue is not None and age > t.queue:
@@ -422,8 +424,11 @@ class Scheduler:
         fork.status = RequestStatus.RUNNING
 
     def _on_token(self, req: Request, now: float) -> None:
+        """Account a new token. One that came later than a TTFT or per-token timeout allows is
+        still delivered, and the request ends at the next schedule()."""
         stats = self.stats[req.priority_class.name]
         stats.generation_tokens += 1
+        t = req.timeouts
         if req.first_token_time is None:
             req.first_token_time = now
             ttft = now - req.arrival_time
@@ -431,6 +436,10 @@ class Scheduler:
             self.shedder.observe(req.priority_class.name, ttft, now)
             if ttft > req.priority_class.ttft_target:
                 stats.deadline_misses["ttft"] += 1
+            if t.ttft is not None and ttft > t.ttft:
+                req.timeout_kind = "ttft"
+        elif t.token is not None and now - req.last_token_time > t.token:  # type: ignore[operator]
+            req.timeout_kind = "token"
         req.last_token_time = now
 
     def finish(self, req: Request, status: RequestStatus) -> None:

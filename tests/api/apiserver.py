@@ -72,6 +72,8 @@ def assert_error(status: int, body: Any, expected_status: int, param: str | None
     expected_type = "invalid_request_error" if expected_status < 500 else error["type"]
     if expected_status == 401:
         expected_type = "authentication_error"
+    if expected_status == 429:
+        expected_type = "rate_limit_error"
     assert error["type"] == expected_type, error
     if param is not None:
         assert error["param"] == param, error

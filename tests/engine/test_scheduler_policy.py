@@ -205,6 +205,17 @@ def test_per_token_timeout_restarts_with_every_token() -> None:
     finish_all(s)
 
 
+def test_a_token_that_comes_too_late_is_delivered_then_the_request_ends() -> None:
+    s, clock = make()
+    r = req(s, clock, 0, 4, timeouts=Timeouts(token=0.5))
+    step(s, clock, dt=0.1)
+    plan = step(s, clock, dt=0.7)  # this step itself took longer than the limit
+    assert plan.timed_out == [] and len(r.output_ids) == 2  # its token is kept
+    plan = s.schedule()
+    assert plan.timed_out == [r] and r.timeout_kind == "token" and plan.chunks == []
+    finish_all(s)
+
+
 def test_total_timeout() -> None:
     s, clock = make()
     r = req(s, clock, 0, 4, timeouts=Timeouts(total=1.0))

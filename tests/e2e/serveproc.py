@@ -1,0 +1,50 @@
+"""`inferd serve` as a real subprocess for the end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    url: str  # http://127.0.0.1:PORT
+    log: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+
+def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Server:
+    """Start `inferd serve` on a free port; return once its start-up line names the port."""
+    log = tmp_path / "serve.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "inferd.cli", "serve", "--port", "0", *args],
+        stdout=subprocess.DEVNULL, stderr=open(log, "w"), cwd=tmp_path, env={**os.environ, **(env or {})},
+    )
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        match = re.search(r"inferd serving .* on (http://[\d.]+:\d+)", log.read_text())
+        if match:
+            return Server(proc, match.group(1), log)
+        if proc.poll() is not None:
+            raise AssertionError(f"inferd serve exited with {proc.returncode}:\n{log.read_text()}")
+        time.sleep(0.1)
+    proc.kill()
+    raise AssertionError(f"inferd serve did not start:\n{log.read_text()}")
+
+
+def stop_server(server: Server) -> None:
+    server.proc.terminate()
+    try:
+        assert server.proc.wait(timeout=30) == 0, server.log.read_text()
+    finally:
+        if server.proc.poll() is None:
+            server.proc.kill()
