@@ -318,6 +318,7 @@ class StatusResponse(_Response):
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # prompt tokens found
     shed_level: int
+    shed_actions: dict[str, int]  # load shedder transitions: "escalate", "recover", "level:N"
     classes: list[ClassStatus]
 
 

@@ -68,6 +68,7 @@ async def status(request: web.Request) -> web.Response:
         prefix_cache_queries=stats.prefix_queries,
         prefix_cache_hits=stats.prefix_hits,
         shed_level=stats.shed_level,
+        shed_actions=stats.shed_actions,
         classes=classes,
     )
     return web.json_response(p.dump(body))

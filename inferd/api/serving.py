@@ -108,7 +108,7 @@ def resolve_max_tokens(
 
     A default (no max_tokens in the request) is limits.max_tokens_default, at most the class's
     ceiling, clipped to what is left of the context when `fit_default` (chat); an explicit one
-    must fit as asked.
+    must fit as asked (the class's ceiling is the engine's check).
     """
     if prompt_len == 0:
         raise bad_request(f"the {prompt_param} is empty", param=prompt_param)
@@ -118,9 +118,6 @@ def resolve_max_tokens(
     limit = settings.limits.max_tokens_limit
     if requested is not None and requested > limit:
         raise bad_request(f"max_tokens must be at most {limit}, got {requested}", param="max_tokens")
-    if requested is not None and requested > cls.max_tokens:
-        raise bad_request(f"max_tokens must be at most {cls.max_tokens} in the {cls.name!r} class, got {requested}",
-                          param="max_tokens")
     max_tokens = requested if requested is not None else min(settings.limits.max_tokens_default, cls.max_tokens)
     if requested is None and fit_default:
         max_tokens = min(max_tokens, context - prompt_len)

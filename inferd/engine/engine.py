@@ -30,6 +30,7 @@ from inferd.model.sampling_params import SamplingParams
 log = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.005  # how soon the loop looks again when work waits but none could run
+STATS_INTERVAL_SECONDS = 0.05  # how often a busy engine publishes its EngineStats
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class EngineStats:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of which found
     shed_level: int
+    shed_actions: dict[str, int]  # load shedder transitions: "escalate", "recover", "level:N"
     last_step_seconds: float
     classes: tuple[ClassSnapshot, ...]  # most important first
 
@@ -234,6 +236,7 @@ class AsyncEngine:
 
     def _run(self) -> None:
         engine = self.engine
+        steps, published = self.stats.steps, 0.0
         try:
             while not self._stopping:
                 while self._inbox:
@@ -243,17 +246,24 @@ class AsyncEngine:
                         try:
                             engine.add_request(prompt_ids, params, n=n, request_id=request_id, **options)
                         except ValueError as e:  # checked on the loop already; never kill the loop
+                            if options["admitted"]:  # it never reached the queue it was counted in
+                                cls = engine.resolve_class(options["priority"])
+                                engine.admission.leave(cls.name, 1, len(prompt_ids))
                             self._loop.call_soon_threadsafe(self._fail, str(e), [request_id])  # type: ignore[union-attr]
                     else:
                         engine.abort(payload)  # type: ignore[arg-type]
                 if not engine.has_work():
-                    self.stats = self._snapshot(0.0, self.stats.steps)  # e.g. blocks an abort freed
+                    self.stats = self._snapshot(0.0, steps)  # e.g. blocks an abort freed
                     self._wakeup.wait()
                     self._wakeup.clear()
                     continue
                 start = time.perf_counter()
                 outputs = engine.step()
-                self.stats = self._snapshot(time.perf_counter() - start, self.stats.steps + 1)
+                end = time.perf_counter()
+                steps += 1
+                if end - published >= STATS_INTERVAL_SECONDS:  # O(requests): not every step
+                    self.stats = self._snapshot(end - start, steps)
+                    published = end
                 if outputs:
                     self._loop.call_soon_threadsafe(self._deliver, outputs)  # type: ignore[union-attr]
                 if not engine.last_step_tokens:
@@ -268,7 +278,7 @@ class AsyncEngine:
             return
         for request_id in list(engine.request_ids()):
             engine.abort(request_id)
-        self.stats = self._snapshot(0.0, self.stats.steps)
+        self.stats = self._snapshot(0.0, steps)
         self._loop.call_soon_threadsafe(self._fail, "the server is shutting down")  # type: ignore[union-attr]
 
     def _snapshot(self, step_seconds: float, steps: int) -> EngineStats:
@@ -291,6 +301,7 @@ class AsyncEngine:
             prefix_queries=bm.prefix_queries,
             prefix_hits=bm.prefix_hits,
             shed_level=scheduler.shedder.level,
+            shed_actions=dict(scheduler.shedder.actions),
             last_step_seconds=step_seconds,
             classes=tuple(scheduler.snapshot()),
         )

@@ -36,7 +36,7 @@ from inferd.engine.request import Request, RequestStatus
 from inferd.engine.shedding import LoadShedder
 
 # what an admission attempt tells the loop over candidates
-_ADMITTED, _SKIP, _STOP = 0, 1, 2  # skip: a limit of the request's class; stop: the whole engine is full
+_ADMITTED, _SKIP, _STOP = 0, 1, 2  # skip: a limit of the request's class; stop: the engine is full
 
 
 @dataclass
@@ -120,9 +120,8 @@ class Scheduler:
         """Queue a request. Its class's timeouts are tightened by the request's own; a request
         without a class (or with one this policy does not know) gets the default class."""
         cls = request.priority_class
-        if cls is None or self.classes.get(cls.name) is not cls:
-            cls = self.classes.get(cls.name) if cls is not None else None
-            request.priority_class = cls or self.classes[self.policy.default_class]
+        known = self.classes.get(cls.name) if cls is not None else None
+        request.priority_class = known or self.classes[self.policy.default_class]
         request.rank = self._ranks[request.priority_class.name]
         request.timeouts = request.priority_class.timeouts.tightened(request.timeouts)
         if request.arrival_time is None:
@@ -144,33 +143,45 @@ class Scheduler:
         self._account(now)
         self._expire(now, out)
         self._shed(self.shedder.update(now), out)
-        bm = self.block_manager
 
-        # decodes: one token each, most important first
-        self.running.sort(key=lambda r: self._order(r, now))
+        # decodes: one token each, most important first (the order only matters when the
+        # budget cannot cover them all; victims for short blocks are chosen by rank anyway)
+        if len(self.running) > self._budget:
+            self.running.sort(key=lambda r: self._order(r, now))
+        bm = self.block_manager
         for req in list(self.running):
             if self._budget <= 0:
                 break
             if req.status == RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
-                self._grow(req, 1, out)
+                # (the common case inline: blocks suffice; _grow preempts when they do not)
+                copies = bm.append(req.request_id, 1, reserve=self._reserve[req.priority_class.name])
+                if copies is None:
+                    self._grow(req, 1, out)
+                else:
+                    out.block_copies += copies
+                    self._add_chunk(out, req, 1, copies)
 
         # prefills: running chunks and admissions, merged in order
-        self.waiting.sort(key=lambda r: self._order(r, now))
         candidates = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1] + self.waiting
         candidates.sort(key=lambda r: self._order(r, now))
+        held_back: set[str] = set()  # classes at a limit of their own (KV reserve, shedding)
         for req in candidates:
             if self._budget <= 0:
                 break
             if req in out.preempted:
                 break  # a victim of this step waits for the next, and nobody behind it overtakes
-            if req.request_id in self._scheduled:
+            if req.request_id in self._scheduled or req.priority_class.name in held_back:
                 continue
             if req.status == RequestStatus.RUNNING:
                 n = min(req.num_tokens - req.num_computed_tokens, self._budget)
                 if not self._grow(req, n, out):
                     break  # nothing less important may take what this one could not get
-            elif req.status == RequestStatus.WAITING and self._admit(req, now, out) == _STOP:
-                break
+            elif req.status == RequestStatus.WAITING:
+                verdict = self._admit(req, now, out)
+                if verdict == _STOP:
+                    break
+                if verdict == _SKIP:  # nor may a later request of its class
+                    held_back.add(req.priority_class.name)
         return out
 
     def _order(self, req: Request, now: float) -> tuple[float, float, float, int]:
@@ -227,7 +238,7 @@ class Scheduler:
             while (pairs := bm.swap_in(req.request_id, reserve=reserve)) is None:
                 victim = self._pick_victim(req, strictly_lower=True)
                 if victim is None:
-                    return _SKIP if reserve else _STOP
+                    return _SKIP if bm.can_swap_in(req.request_id) else _STOP
                 self._preempt(victim, out)
             out.swap_in += pairs
             req.swapped = False
@@ -248,8 +259,8 @@ class Scheduler:
             if bm.allocate(req.request_id, cached + n, tokens, reserve=reserve) is not None:
                 break
             victim = self._pick_victim(req, strictly_lower=True)
-            if victim is None:
-                return _SKIP if reserve else _STOP
+            if victim is None:  # short for everyone, or only for this class (its KV reserve)?
+                return _SKIP if bm.can_allocate(cached + n, tokens) else _STOP
             self._preempt(victim, out)
         req.num_computed_tokens = cached
         if req.num_preemptions == 0:
@@ -394,11 +405,13 @@ class Scheduler:
         """
         now = self.clock()
         bm = self.block_manager
+        block_size = bm.block_size
         for chunks in (out.prefills, out.decodes):  # out.chunks' order, without the copy
             for chunk in chunks:
                 req = chunk.request
                 req.num_computed_tokens += chunk.num_tokens
-                bm.commit(req.request_id, req.num_computed_tokens, req.token_ids)
+                if req.num_computed_tokens // block_size != chunk.start // block_size:  # a block filled up
+                    bm.commit(req.request_id, req.num_computed_tokens, req.token_ids)
                 if chunk.start < len(req.prompt_ids):
                     self.stats[req.priority_class.name].prompt_tokens += \
                         min(req.num_computed_tokens, len(req.prompt_ids)) - chunk.start

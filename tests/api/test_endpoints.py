@@ -225,7 +225,7 @@ async def test_status_returns_to_idle(server: Server) -> None:
     status, body = await server.get("/v1/status")
     assert {"model", "max_model_len", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "running",
             "waiting", "steps", "preemptions", "timeouts", "rejections", "prefix_cache_queries",
-            "prefix_cache_hits", "shed_level", "classes"} == set(body)
+            "prefix_cache_hits", "shed_level", "shed_actions", "classes"} == set(body)
     assert body["model"] == MODEL and body["kv_blocks_total"] > 0
     assert [c["name"] for c in body["classes"]] == ["interactive", "batch"]
     before = body["classes"][1]["generation_tokens"]
