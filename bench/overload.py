@@ -86,13 +86,11 @@ CLASSES = (
 )
 
 
-def server_config(scenario: str, legacy: bool) -> str:
-    """The inferd.toml of a scenario ("classes" or "single"); `legacy`: the [scheduler] sizes only."""
+def server_config(scenario: str) -> str:
+    """The inferd.toml of a scenario ("classes" or "single")."""
     scheduler = {"max_num_seqs": MAX_NUM_SEQS, "max_num_batched_tokens": 512}
     interactive, batch = (c.table for c in CLASSES)
-    if legacy:
-        tables = {"scheduler": scheduler}
-    elif scenario == "classes":
+    if scenario == "classes":
         tables = {"scheduler": {**scheduler, "default_class": "interactive"},
                   **{f"classes.{c.name}": c.table for c in CLASSES}}
     else:  # NOTE: one FIFO class: interactive's targets and timeouts, both classes' queue bounds
@@ -353,7 +351,7 @@ def print_report(runs: list[dict[str, Any]], capacity: float) -> None:
 def run_phase(args: argparse.Namespace, tmp: Path, prompts: dict[str, list[str]], scenario: str,
               phase: Callable[[Client], Awaitable[list[Record]]]) -> tuple[list[Record], dict[str, float]]:
     """A fresh server for `scenario`, a warm-up, then `phase(client)` measured; outcomes set."""
-    with inferd_serve(tmp, scenario, server_config(scenario, args.legacy_config)) as (proc, model, url):
+    with inferd_serve(tmp, scenario, server_config(scenario)) as (proc, model, url):
         async def go() -> tuple[list[Record], dict[str, float]]:
             connector = aiohttp.TCPConnector(force_close=True, limit=0)  # a fresh connection per request
             # keep-alive comments come every 10 s while a request waits: 120 s of silence is a fault
@@ -386,7 +384,6 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="write every record and the summary here")
     parser.add_argument("--quick", action="store_true", help="smoke run: capacity 5 s, arrivals 8 s, factor 2")
-    parser.add_argument("--legacy-config", action="store_true", help=argparse.SUPPRESS)  # [scheduler] only
     args = parser.parse_args()
     if args.quick:
         args.capacity_seconds, args.duration, args.factors = 5.0, 8.0, args.factors or [2.0]

@@ -6,7 +6,9 @@ frozen copies made once per step.
 
 from __future__ import annotations
 
+import math
 from collections import Counter, deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 SAMPLE_WINDOW = 1024  # recent samples kept per series (for percentiles on the status page)
@@ -26,11 +28,14 @@ class Samples:
         self.recent.append(value)
 
     def percentile(self, q: float) -> float | None:
-        """The q-th percentile (0..100) of the recent values, nearest-rank; None when empty."""
-        if not self.recent:
-            return None
-        values = sorted(self.recent)
-        return values[min(len(values) - 1, max(0, round(q / 100 * len(values) + 0.5) - 1))]
+        """The q-th percentile (0..100) of the recent values; None when empty."""
+        return percentile(self.recent, q) if self.recent else None
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """Nearest rank: the smallest value with at least q% of the values <= it (q in 0..100)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 @dataclass

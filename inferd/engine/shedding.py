@@ -29,10 +29,10 @@ tests drive it with made-up times.
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter, deque
 from collections.abc import Sequence
 
+from inferd.engine.accounting import percentile
 from inferd.engine.policy import PriorityClass, ShedConfig
 
 log = logging.getLogger(__name__)
@@ -42,9 +42,7 @@ HISTORY_LEN = 100
 
 
 def percentile95(values: Sequence[float]) -> float:
-    """The nearest-rank p95: the smallest value with at least 95% of the values <= it."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
+    return percentile(values, 95)
 
 
 class _Window:

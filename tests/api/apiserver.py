@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -59,8 +61,24 @@ async def serve(llm: LLMEngine, settings: Settings | None = None, api_keys: froz
     try:
         async with aiohttp.ClientSession(base_url=test_server.make_url("")) as session:
             yield Server(engine, session, test_server)
+        if engine.alive:  # (a test may have stopped it)
+            await assert_pool_whole(llm)
     finally:
         await test_server.close()
+
+
+async def assert_pool_whole(llm: LLMEngine, within: float = 10.0) -> None:
+    """After a test: once its requests have ended (or been aborted as their clients left), no
+    KV block is held (cached prefix blocks are evictable) and no queue counts a request."""
+    bm = llm.block_manager
+    deadline = time.monotonic() + within
+    while llm.request_ids() or bm.num_used_blocks:
+        assert time.monotonic() < deadline, (llm.request_ids(), bm.num_used_blocks)
+        await asyncio.sleep(0.02)
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.pool.num_blocks
+    for cls in llm.policy.classes:
+        assert llm.admission.queued(cls.name) == (0, 0), cls.name
 
 
 def assert_error(status: int, body: Any, expected_status: int, param: str | None = None, code: str | None = None) -> None:

@@ -214,6 +214,8 @@ def test_long_prompt_prefill_does_not_stall_running_streams(server: Server) -> N
         (["--block-size", "12"], {}, "cache.block_size"),
         (["--dtype", "fp8"], {}, "model.dtype"),
         ([], {"INFERD_SCHEDULER_MAX_NUM_SEQS": "0"}, "scheduler.max_num_seqs"),
+        (["--preemption-mode", "drop"], {}, "scheduler.preemption_mode"),
+        ([], {"INFERD_SCHEDULER_DEFAULT_CLASS": "vip"}, "default_class 'vip'"),
     ],
 )
 def test_invalid_settings_exit_before_binding(tmp_path: Path, args: list[str], env: dict[str, str], key: str) -> None:
