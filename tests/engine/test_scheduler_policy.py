@@ -6,14 +6,17 @@ class order, deadlines, aging, every timeout kind, preemption victims and modes,
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from inferd.engine.block_manager import BlockManager
 from inferd.engine.policy import PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
 from inferd.engine.request import Request, RequestStatus
 from inferd.engine.scheduler import Scheduler, SchedulerOutput
 
+from inferd.model.sampling_params import SamplingParams
+
 MAX_MODEL_LEN = 1024
-from inferd.model.sampling_params import SamplingParams  # noqa: E402
 
 HI = PriorityClass("interactive", 0, ttft_target=1.0)
 LO = PriorityClass("batch", 9, ttft_target=30.0, sheddable=True)
@@ -440,3 +443,58 @@ def test_a_shared_prefix_is_computed_once() -> None:
     assert s.block_manager.block_table(0)[:4] == s.block_manager.block_table(1)[:4]
     finish_all(s)
     assert s.block_manager.num_cached_blocks >= 4  # kept after both finished, evictable
+
+
+# ------------------------------------------------------------------------------ randomized
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    mode=st.sampled_from(["recompute", "swap"]),
+    num_blocks=st.integers(8, 30),
+    host_blocks=st.integers(0, 12),
+    seats=st.integers(1, 6),
+    budget=st.integers(4, 24),
+    # (arrival step, prompt length, max_tokens, batch?, per-token timeout, aborted after 2 tokens?)
+    arrivals=st.lists(st.tuples(st.integers(0, 30), st.integers(1, 14), st.integers(1, 12), st.booleans(),
+                                st.sampled_from([None, 0.3, 2.0]), st.booleans()),
+                      min_size=1, max_size=24),
+)
+def test_random_workloads_keep_every_invariant(mode, num_blocks, host_blocks, seats, budget, arrivals) -> None:
+    """Whatever arrives (classes, prompt and output lengths, token timeouts, aborts), in either
+    preemption mode: the pool stays consistent, every request ends, each output is exactly the
+    tokens it sampled in order, and nothing is held at the end."""
+    s, clock = make(num_blocks=num_blocks, max_num_seqs=seats, budget=budget, num_host_blocks=host_blocks,
+                    preemption_mode=mode, aging_seconds=1.0)
+    capacity = num_blocks * 4
+    arrivals = sorted(arrivals, key=lambda a: a[0])
+    reqs: list[Request] = []
+    aborted: set[int] = set()
+    for t in range(5000):
+        while arrivals and arrivals[0][0] <= t:
+            at, prompt_len, max_tokens, batch, token_timeout, abort = arrivals.pop(0)
+            r = req(s, clock, len(reqs), prompt_len, LO if batch else HI,
+                    max_tokens=min(max_tokens, capacity - prompt_len), timeouts=Timeouts(token=token_timeout))
+            reqs.append(r)
+            if abort:
+                aborted.add(r.request_id)
+        if not arrivals and not s.has_work():
+            break
+        for r in reqs:
+            if r.request_id in aborted and len(r.output_ids) == 2:
+                s.finish(r, RequestStatus.FINISHED_ABORTED)
+        plan = step(s, clock, dt=0.05)
+        s.block_manager.check_invariants()
+        assert len(s.running) <= seats
+        for c in plan.chunks:
+            r = c.request
+            if r.status == RequestStatus.RUNNING and r.num_tokens >= r.max_total_tokens:
+                s.finish(r, RequestStatus.FINISHED_LENGTH)
+    assert not s.has_work()
+    for r in reqs:
+        assert r.status.finished, r
+        assert r.output_ids == expected_outputs(r)  # no token lost or repeated, in order
+        if r.status == RequestStatus.FINISHED_LENGTH:
+            assert len(r.output_ids) == r.params.max_tokens
+    finish_all(s)
+    assert s.block_manager.num_free_host_blocks == host_blocks
