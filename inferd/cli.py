@@ -133,6 +133,22 @@ def serve(
         _fail(str(e))
 
 
+@app.command()
+def status(
+    url: Annotated[str, typer.Argument(help="the server: a base URL, or host:port")] = "http://127.0.0.1:8000",
+    interval: Annotated[float, typer.Option(min=0.1, help="seconds between polls of /v1/status")] = 1.0,
+    once: Annotated[bool, typer.Option("--once", help="print one frame and exit (for scripts)")] = False,
+    api_key: Annotated[Optional[str], typer.Option(envvar="INFERD_API_KEY", help="sent as `Authorization: Bearer KEY`")] = None,
+) -> None:
+    """Show a live dashboard of a running server: queues per class, KV cache, throughput, requests."""
+    from inferd.client.status import StatusError, run
+
+    try:
+        run(url, interval, once, api_key)
+    except StatusError as e:
+        _fail(str(e))
+
+
 def _configure_runtime(threads: int, serving: bool = False) -> None:
     import torch
 
@@ -143,6 +159,21 @@ def _configure_runtime(threads: int, serving: bool = False) -> None:
     # the process, 2 torch threads gave 163 tok/s and 1 thread 72 (the GIL, not the cores, is
     # what the loop takes from the engine thread).
     torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+@app.command("systemd-unit")
+def systemd_unit(
+    config: Annotated[Path, typer.Option("--config", "-c", help="settings file the service reads")] = Path("/etc/inferd/inferd.toml"),
+    user: Annotated[str, typer.Option(help="account the service runs as (and its group)")] = "inferd",
+) -> None:
+    """Print a systemd unit that runs `inferd serve` from this install (README: Running under systemd)."""
+    from inferd.api.systemd import exec_start, render_unit
+
+    try:
+        text = render_unit(exec_start(), str(config.absolute()), user)
+    except ValueError as e:
+        _fail(str(e))
+    sys.stdout.write(text)
 
 
 def main() -> None:

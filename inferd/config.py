@@ -143,6 +143,9 @@ class ServerSettings(_Section):
     api_keys_file: str | None = None
     open_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")  # served without a key
     keepalive_seconds: float = Field(default=10.0, gt=0, le=300)  # SSE comment while queued
+    drain_seconds: float = Field(default=30.0, ge=0)  # SIGTERM: in-flight requests may finish this long
+    probe_interval_seconds: float = Field(default=60.0, ge=0)  # re-run the inference probe when idle; 0: start-up only
+    liveness_seconds: float = Field(default=60.0, gt=0)  # /health fails if the engine has work but no step this long
 
 
 class LimitSettings(_Section):

@@ -1,6 +1,7 @@
 """The aiohttp application: keys, middlewares, routes and the engine's lifecycle.
 
-    startup   cleanup_ctx: engine.start()               (the engine thread runs)
+    startup   cleanup_ctx: engine.start(), the inference  (the engine thread runs; /ready turns
+              probe in a task                            200 once the probe has run)
     shutdown  on_shutdown: engine.stop(), then wait     (every open stream ends with an abort:
               for the open SSE responses to end          handlers write an error event and [DONE])
     cleanup   cleanup_ctx: engine.stop()                (a no-op by then; the same path on a
@@ -21,12 +22,15 @@ from aiohttp import web
 
 from inferd.api.auth import auth_middleware
 from inferd.api.errors import error_middleware
+from inferd.api.probe import InferenceProbe
 from inferd.api.routes import add_routes
-from inferd.api.serving import ENGINE, SETTINGS, SSE_RESPONSES, TOKEN_TEXTS, TokenTexts
+from inferd.api.serving import ENGINE, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS, ServerState, TokenTexts
 from inferd.config import Settings
 from inferd.engine.engine import AsyncEngine
 
 log = logging.getLogger(__name__)
+
+PROBE = web.AppKey("probe", InferenceProbe)
 
 MAX_BODY_BYTES = 32 * 2**20  # a batch of long token-id prompts is large JSON
 STREAMS_END_SECONDS = 5.0  # how long shutdown waits for open streams to write their last event
@@ -41,6 +45,7 @@ def create_app(engine: AsyncEngine, settings: Settings, api_keys: frozenset[str]
     app[SETTINGS] = settings
     app[TOKEN_TEXTS] = TokenTexts(engine.tokenizer)
     app[SSE_RESPONSES] = set()
+    app[STATE] = ServerState()
     add_routes(app)
     app.cleanup_ctx.append(_engine_lifecycle)
     app.on_shutdown.append(_end_streams)
@@ -50,7 +55,11 @@ def create_app(engine: AsyncEngine, settings: Settings, api_keys: frozenset[str]
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     engine = app[ENGINE]
     await engine.start()
+    probe = InferenceProbe(engine, app[STATE], app[SETTINGS].server.probe_interval_seconds)
+    app[PROBE] = probe
+    probing = asyncio.ensure_future(probe.run())
     yield
+    probing.cancel()
     await engine.stop()
 
 
@@ -58,6 +67,7 @@ async def _end_streams(app: web.Application) -> None:
     open_streams = app[SSE_RESPONSES]
     if open_streams:
         log.info("shutting down: ending %d open streams", len(open_streams))
+    app[STATE].draining = True
     app[ENGINE].engine.admission.start_draining()  # new requests: 503 with a Retry-After
     await app[ENGINE].stop()  # every unfinished request gets an abort output
     deadline = time.monotonic() + STREAMS_END_SECONDS

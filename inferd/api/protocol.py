@@ -280,9 +280,29 @@ class HealthResponse(_Response):
     status: Literal["ok", "unavailable"]
 
 
+class ReadyResponse(_Response):
+    status: Literal["loading", "ready", "draining", "not_ready"]
+    reason: str | None = None  # why the inference probe failed
+
+
+class ClassLimits(_Response):
+    max_waiting: int
+    max_queued_tokens: int
+    ttft_target: float
+    tpot_target: float
+    queue_timeout: float | None
+    ttft_timeout: float | None
+    token_timeout: float | None
+    total_timeout: float | None
+    max_tokens: int
+    kv_reserve: float
+    sheddable: bool
+
+
 class ClassStatus(_Response):
     name: str
     priority: int
+    limits: ClassLimits
     waiting: int
     queued_tokens: int
     oldest_wait_seconds: float
@@ -303,8 +323,37 @@ class ClassStatus(_Response):
     deadline_misses: dict[str, int]
 
 
+class RequestStatus(_Response):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    id: int
+    index: int  # the choice, for n > 1
+    class_: str = Field(alias="class")
+    state: Literal["running", "waiting", "swapped"]
+    age_seconds: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft_seconds: float | None
+
+
+class Throughput(_Response):
+    generation_tokens_per_second: float  # over the last 10 s
+    prompt_tokens_per_second: float
+    history: list[float]  # generation tokens in each of the last 60 s, oldest first
+
+
+class DeviceMemory(_Response):
+    used_bytes: int
+    total_bytes: int
+
+
 class StatusResponse(_Response):
     model: str
+    dtype: str
+    device: str
+    version: str
+    uptime_seconds: float
+    state: Literal["loading", "ready", "draining", "not_ready"]
     max_model_len: int
     kv_blocks_total: int
     kv_blocks_used: int  # held by requests
@@ -319,8 +368,12 @@ class StatusResponse(_Response):
     prefix_cache_hits: int  # prompt tokens found
     shed_level: int
     shed_actions: dict[str, int]  # load shedder transitions: "escalate", "recover", "level:N"
+    kv_usage_ratio: float
+    throughput: Throughput
+    device_memory: DeviceMemory | None  # CUDA only
     classes: list[ClassStatus]
+    requests: list[RequestStatus]  # running first, at most 100
 
 
 def dump(model: BaseModel) -> dict[str, Any]:
-    return model.model_dump(mode="json")
+    return model.model_dump(mode="json", by_alias=True)

@@ -2,13 +2,17 @@
 
     POST /v1/completions       completions.py      GET /v1/models     the served model
     POST /v1/chat/completions  chat.py             GET /v1/status     engine stats snapshot
-    GET  /openapi.json         from protocol.py    GET /health        200 while the engine runs
+    GET  /openapi.json         from protocol.py    GET /health        liveness: the engine loop beats
+                                                   GET /ready         readiness: probed, not draining
 """
 
 from __future__ import annotations
 
 import functools
+import time
 from typing import Any
+
+import torch
 
 from aiohttp import web
 from pydantic import BaseModel
@@ -18,7 +22,8 @@ from inferd import __version__
 from inferd.api import protocol as p
 from inferd.api.chat import create_chat_completion
 from inferd.api.completions import create_completion
-from inferd.api.serving import ENGINE
+from inferd.api.serving import ENGINE, SETTINGS, STATE
+from inferd.engine.policy import PriorityClass
 
 _STARTED = 0  # ModelCard.created: fixed, as nothing here knows when the weights were made
 
@@ -30,14 +35,48 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    if request.app[ENGINE].alive:
+    """Liveness: the engine thread runs and its loop went round recently (a hung step fails it)."""
+    engine = request.app[ENGINE]
+    stalled = time.monotonic() - engine.last_beat > request.app[SETTINGS].server.liveness_seconds
+    if engine.alive and not stalled:
         return web.json_response({"status": "ok"})
     return web.json_response({"status": "unavailable"}, status=503, headers={"Retry-After": "5"})
 
 
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: loaded, the inference probe passes, not draining; else 503 with the reason."""
+    state = request.app[STATE]
+    name = state.name(request.app[ENGINE].alive)
+    if name == "ready":
+        return web.json_response({"status": name})
+    body: dict[str, str] = {"status": name}
+    if state.probe_error is not None:
+        body["reason"] = state.probe_error
+    return web.json_response(body, status=503, headers={"Retry-After": "5"})
+
+
+def _limits(cls: PriorityClass) -> p.ClassLimits:
+    t = cls.timeouts
+    return p.ClassLimits(
+        max_waiting=cls.max_waiting, max_queued_tokens=cls.max_queued_tokens, ttft_target=cls.ttft_target,
+        tpot_target=cls.tpot_target, queue_timeout=t.queue, ttft_timeout=t.ttft, token_timeout=t.token,
+        total_timeout=t.total, max_tokens=cls.max_tokens, kv_reserve=cls.kv_reserve, sheddable=cls.sheddable,
+    )
+
+
+def _device_memory(device: torch.device) -> p.DeviceMemory | None:
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return p.DeviceMemory(used_bytes=total - free, total_bytes=total)
+
+
 async def status(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
+    llm = engine.engine
     stats = engine.stats
+    now = time.monotonic()
+    generation_rate, prompt_rate = engine.throughput.rates(now)
     rejections: dict[str, dict[str, int]] = {}
     for (name, reason), count in engine.engine.admission.rejections.items():
         rejections.setdefault(name, {})[reason] = count
@@ -50,11 +89,22 @@ async def status(request: web.Request) -> web.Response:
             ttft_p50_seconds=c.ttft_p50, ttft_p95_seconds=c.ttft_p95, tpot_p50_seconds=c.tpot_p50,
             queue_time_p95_seconds=c.queue_time_p95, finished=c.finished, preemptions=c.preemptions,
             timeouts=c.timeouts, rejections=rejections.get(c.name, {}), deadline_misses=c.deadline_misses,
+            limits=_limits(llm.policy.lookup(c.name)),
         )
         for c in stats.classes
     ]
+    requests = [
+        p.RequestStatus(id=r.request_id, index=r.index, class_=r.class_name, state=r.state, age_seconds=r.age,
+                        prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens, ttft_seconds=r.ttft)
+        for r in stats.requests
+    ]
     body = p.StatusResponse(
         model=engine.model_name,
+        dtype=str(llm.model.dtype).removeprefix("torch."),
+        device=str(llm.model.device),
+        version=__version__,
+        uptime_seconds=now - request.app[STATE].started,
+        state=request.app[STATE].name(engine.alive),
         max_model_len=engine.max_model_len,
         kv_blocks_total=stats.kv_blocks_total,
         kv_blocks_used=stats.kv_blocks_used,
@@ -69,7 +119,12 @@ async def status(request: web.Request) -> web.Response:
         prefix_cache_hits=stats.prefix_hits,
         shed_level=stats.shed_level,
         shed_actions=stats.shed_actions,
+        kv_usage_ratio=stats.kv_blocks_used / stats.kv_blocks_total,
+        throughput=p.Throughput(generation_tokens_per_second=generation_rate, prompt_tokens_per_second=prompt_rate,
+                                history=engine.throughput.history(now)),
+        device_memory=_device_memory(llm.model.device),
         classes=classes,
+        requests=requests,
     )
     return web.json_response(p.dump(body))
 
@@ -84,6 +139,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     app.router.add_get("/openapi.json", openapi)
 
 
@@ -93,7 +149,7 @@ _REQUESTS: tuple[type[BaseModel], ...] = (p.CompletionRequest, p.ChatCompletionR
 _SCHEMAS: list[type[BaseModel]] = [
     *_REQUESTS,
     p.CompletionResponse, p.CompletionStreamResponse, p.ChatCompletionResponse, p.ChatCompletionChunk,
-    p.ModelList, p.ErrorResponse, p.HealthResponse, p.StatusResponse, p.ClassStatus,
+    p.ModelList, p.ErrorResponse, p.HealthResponse, p.ReadyResponse, p.StatusResponse
 ]
 
 
@@ -153,7 +209,10 @@ def openapi_document() -> dict[str, Any]:
                                    "responses": {"200": _json(p.StatusResponse, "a snapshot")}}},
             "/health": {"get": {"summary": "Liveness", "responses": {
                 "200": _json(p.HealthResponse, "the engine runs"),
-                "503": _json(p.HealthResponse, "the engine stopped")}}},
+                "503": _json(p.HealthResponse, "the engine stopped, or its loop hangs")}}},
+            "/ready": {"get": {"summary": "Readiness", "responses": {
+                "200": _json(p.ReadyResponse, "loaded, the inference probe passes, not draining"),
+                "503": _json(p.ReadyResponse, "loading, draining, or the inference probe fails")}}},
         },
         "components": {
             "schemas": schema.get("$defs", {}),

@@ -51,7 +51,25 @@ class TokenTexts:
         return hit
 
 
+@dataclass
+class ServerState:
+    """The server's life, for /ready and /v1/status; written on the event loop only."""
+
+    started: float = field(default_factory=time.monotonic)
+    probed: bool = False  # the start-up inference probe has passed
+    probe_error: str | None = None  # the last probe's failure, if it failed
+    draining: bool = False
+
+    def name(self, engine_alive: bool) -> str:
+        if self.draining:
+            return "draining"
+        if not engine_alive or self.probe_error is not None:
+            return "not_ready"
+        return "ready" if self.probed else "loading"
+
+
 ENGINE = web.AppKey("engine", AsyncEngine)
+STATE = web.AppKey("state", ServerState)
 SETTINGS = web.AppKey("settings", Settings)
 TOKEN_TEXTS = web.AppKey("token_texts", TokenTexts)
 SSE_RESPONSES = web.AppKey("sse_responses", set[web.StreamResponse])  # open streams, for shutdown

@@ -6,6 +6,7 @@ frozen copies made once per step.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter, deque
 from collections.abc import Iterable
@@ -79,3 +80,58 @@ class ClassSnapshot:
     preemptions: dict[str, int]
     timeouts: dict[str, int]
     deadline_misses: dict[str, int]
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    """One unfinished request (one choice of it) for the status page."""
+
+    request_id: int  # the id the engine's caller knows (all choices of a request share it)
+    index: int  # the choice
+    class_name: str
+    state: str  # "running", "waiting" or "swapped"
+    age: float  # seconds since it arrived
+    prompt_tokens: int
+    output_tokens: int
+    ttft: float | None  # None until its first token
+
+
+class Throughput:
+    """Tokens per second, recent and per second over the last minute, from cumulative counts
+    that the engine thread samples as it publishes its stats; read from any thread."""
+
+    HISTORY_SECONDS = 60
+    RESOLUTION = 0.25  # seconds between kept samples
+
+    def __init__(self) -> None:
+        # (time, generation tokens, prompt tokens) so far; at most one per RESOLUTION
+        self._samples: deque[tuple[float, int, int]] = deque(
+            maxlen=int((self.HISTORY_SECONDS + 2) / self.RESOLUTION))
+
+    def sample(self, now: float, generation_tokens: int, prompt_tokens: int) -> None:
+        if self._samples and now - self._samples[-1][0] < self.RESOLUTION:
+            self._samples[-1] = (self._samples[-1][0], generation_tokens, prompt_tokens)
+        else:
+            self._samples.append((now, generation_tokens, prompt_tokens))
+
+    def _at(self, samples: list[tuple[float, int, int]], t: float) -> tuple[int, int]:
+        """The counts as of time t: the newest sample at or before it (0 before any)."""
+        i = bisect.bisect_right(samples, t, key=lambda s: s[0])
+        return (samples[i - 1][1], samples[i - 1][2]) if i else (0, 0)
+
+    def rates(self, now: float, window: float = 10.0) -> tuple[float, float]:
+        """(generation, prompt) tokens per second over the last `window` seconds."""
+        samples = list(self._samples)  # (a copy: the engine thread appends meanwhile)
+        if not samples:
+            return 0.0, 0.0
+        start = max(now - window, samples[0][0])
+        if now <= start:
+            return 0.0, 0.0
+        (g0, p0), (g1, p1) = self._at(samples, start), self._at(samples, now)
+        return (g1 - g0) / (now - start), (p1 - p0) / (now - start)
+
+    def history(self, now: float) -> list[float]:
+        """Generation tokens in each of the last 60 whole seconds, oldest first."""
+        samples = list(self._samples)
+        counts = [self._at(samples, now - k)[0] for k in range(self.HISTORY_SECONDS, -1, -1)]
+        return [float(b - a) for a, b in zip(counts, counts[1:])]

@@ -19,10 +19,10 @@ import logging
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from inferd.engine.accounting import ClassSnapshot
+from inferd.engine.accounting import ClassSnapshot, RequestSnapshot, Throughput
 from inferd.engine.llm_engine import LLMEngine, RequestOutput
 from inferd.engine.policy import PriorityClass, Timeouts
 from inferd.model.sampling_params import SamplingParams
@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.005  # how soon the loop looks again when work waits but none could run
 STATS_INTERVAL_SECONDS = 0.05  # how often a busy engine publishes its EngineStats
+STATUS_REQUESTS = 100  # requests listed in a snapshot at most
+HEARTBEAT_SECONDS = 1.0  # the longest an idle engine loop sleeps between beats
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class EngineStats:
     shed_actions: dict[str, int]  # load shedder transitions: "escalate", "recover", "level:N"
     last_step_seconds: float
     classes: tuple[ClassSnapshot, ...]  # most important first
+    requests: tuple[RequestSnapshot, ...]  # running first, at most STATUS_REQUESTS
 
 
 class EngineDeadError(RuntimeError):
@@ -145,6 +148,12 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._next_id = 0
+        self.submitted = 0  # requests submitted so far (the inference probe checks it ran alone)
+        # the engine thread's pulse: when its loop last went round, and a hook it calls each
+        # time (the systemd watchdog); a step that hangs stops both
+        self.last_beat = time.monotonic()
+        self.heartbeat: Callable[[], None] | None = None
+        self.throughput = Throughput()  # sampled with every snapshot; rates read at any time
         self.stats = self._snapshot(0.0, 0)
 
     # ------------------------------------------------------------------------ lifecycle
@@ -166,6 +175,11 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def open_requests(self) -> int:
+        """Submitted requests whose outputs are still being read (event-loop side)."""
+        return len(self._streams)
 
     # ------------------------------------------------------------------- event-loop side
 
@@ -204,6 +218,7 @@ class AsyncEngine:
         self._next_id += 1
         stream = RequestStream(self, request_id, n)
         self._streams[request_id] = stream
+        self.submitted += 1
         options = {"priority": priority_class, "timeouts": timeouts, "arrival_time": time.monotonic(),
                    "admitted": admitted}
         self._inbox.append(("add", (request_id, list(prompt_ids), params, n, options)))
@@ -246,15 +261,16 @@ class AsyncEngine:
                         try:
                             engine.add_request(prompt_ids, params, n=n, request_id=request_id, **options)
                         except ValueError as e:  # checked on the loop already; never kill the loop
-                            if options["admitted"]:  # it never reached the queue it was counted in
-                                cls = engine.resolve_class(options["priority"])
-                                engine.admission.leave(cls.name, 1, len(prompt_ids))
+                            self._unadmit(payload)
                             self._loop.call_soon_threadsafe(self._fail, str(e), [request_id])  # type: ignore[union-attr]
                     else:
                         engine.abort(payload)  # type: ignore[arg-type]
+                self.last_beat = time.monotonic()
+                if self.heartbeat is not None:
+                    self.heartbeat()
                 if not engine.has_work():
                     self.stats = self._snapshot(0.0, steps)  # e.g. blocks an abort freed
-                    self._wakeup.wait()
+                    self._wakeup.wait(HEARTBEAT_SECONDS)  # (bounded: an idle loop still beats)
                     self._wakeup.clear()
                     continue
                 start = time.perf_counter()
@@ -274,12 +290,28 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - a dead engine must fail its streams, not hang them
             log.exception("the engine loop failed")
             self._stopping = True
+            self._drop_inbox()
             self._loop.call_soon_threadsafe(self._fail, f"engine failure: {e}")  # type: ignore[union-attr]
             return
+        self._drop_inbox()
         for request_id in list(engine.request_ids()):
             engine.abort(request_id)
         self.stats = self._snapshot(0.0, steps)
         self._loop.call_soon_threadsafe(self._fail, "the server is shutting down")  # type: ignore[union-attr]
+
+    def _drop_inbox(self) -> None:
+        """Requests submitted but never added leave the door's queue (their streams are failed)."""
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "add":
+                self._unadmit(payload)
+
+    def _unadmit(self, payload: object) -> None:
+        """A submitted request that never reached the scheduler leaves the queue it was counted in."""
+        _request_id, prompt_ids, _params, _n, options = payload  # type: ignore[misc]
+        if options["admitted"]:
+            cls = self.engine.resolve_class(options["priority"])
+            self.engine.admission.leave(cls.name, 1, len(prompt_ids))
 
     def _snapshot(self, step_seconds: float, steps: int) -> EngineStats:
         engine = self.engine
@@ -288,6 +320,9 @@ class AsyncEngine:
         rejections: Counter[str] = Counter()
         for (_cls, reason), count in list(engine.admission.rejections.items()):
             rejections[reason] += count
+        classes = tuple(scheduler.snapshot())
+        self.throughput.sample(time.monotonic(), sum(c.generation_tokens for c in classes),
+                               sum(c.prompt_tokens for c in classes))
         return EngineStats(
             kv_blocks_total=bm.pool.num_blocks,
             kv_blocks_used=bm.num_used_blocks,
@@ -303,5 +338,6 @@ class AsyncEngine:
             shed_level=scheduler.shedder.level,
             shed_actions=dict(scheduler.shedder.actions),
             last_step_seconds=step_seconds,
-            classes=tuple(scheduler.snapshot()),
+            classes=classes,
+            requests=tuple(scheduler.requests_snapshot(STATUS_REQUESTS)),
         )

@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inferd.engine.accounting import ClassSnapshot, ClassStats
+from inferd.engine.accounting import ClassSnapshot, ClassStats, RequestSnapshot
 from inferd.engine.block_manager import BlockManager
 from inferd.engine.policy import PriorityClass, SchedulingPolicy
 from inferd.engine.request import Request, RequestStatus
@@ -482,6 +482,17 @@ class Scheduler:
                 stats.deadline_misses["tpot"] += 1
 
     # ------------------------------------------------------------------------------ snapshots
+
+    def requests_snapshot(self, limit: int) -> list[RequestSnapshot]:
+        """Up to `limit` unfinished requests, running ones first."""
+        now = self.clock()
+        out = []
+        for req in [*self.running, *self.waiting][:limit]:
+            state = "running" if req.status == RequestStatus.RUNNING else "swapped" if req.swapped else "waiting"
+            ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
+            out.append(RequestSnapshot(req.group_id, req.index, req.priority_class.name, state,
+                                       now - req.arrival_time, len(req.prompt_ids), len(req.output_ids), ttft))
+        return out
 
     def snapshot(self) -> list[ClassSnapshot]:
         """Every class's state now, most important first (O(waiting + running))."""

@@ -14,6 +14,7 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 
 from inferd.api.app import create_app
+from inferd.api.serving import STATE, ServerState
 from inferd.config import Settings
 from inferd.engine.engine import AsyncEngine
 from inferd.engine.llm_engine import LLMEngine
@@ -60,11 +61,20 @@ async def serve(llm: LLMEngine, settings: Settings | None = None, api_keys: froz
     await test_server.start_server()
     try:
         async with aiohttp.ClientSession(base_url=test_server.make_url("")) as session:
+            await wait_ready(app[STATE])
             yield Server(engine, session, test_server)
         if engine.alive:  # (a test may have stopped it)
             await assert_pool_whole(llm)
     finally:
         await test_server.close()
+
+
+async def wait_ready(state: ServerState, within: float = 30.0) -> None:
+    """Until the start-up inference probe has run (/ready would say 200), as a load balancer waits."""
+    deadline = time.monotonic() + within
+    while not state.probed:
+        assert time.monotonic() < deadline, "the server never became ready"
+        await asyncio.sleep(0.02)
 
 
 async def assert_pool_whole(llm: LLMEngine, within: float = 10.0) -> None:

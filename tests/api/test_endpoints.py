@@ -223,9 +223,12 @@ async def test_health_and_a_dead_engine(server: Server) -> None:
 
 async def test_status_returns_to_idle(server: Server) -> None:
     status, body = await server.get("/v1/status")
-    assert {"model", "max_model_len", "kv_blocks_total", "kv_blocks_used", "kv_blocks_cached", "running",
-            "waiting", "steps", "preemptions", "timeouts", "rejections", "prefix_cache_queries",
-            "prefix_cache_hits", "shed_level", "shed_actions", "classes"} == set(body)
+    assert {"model", "dtype", "device", "version", "uptime_seconds", "state", "max_model_len", "kv_blocks_total",
+            "kv_blocks_used", "kv_blocks_cached", "kv_usage_ratio", "running", "waiting", "steps", "preemptions",
+            "timeouts", "rejections", "prefix_cache_queries", "prefix_cache_hits", "shed_level", "shed_actions",
+            "throughput", "device_memory", "classes", "requests"} == set(body)
+    assert (body["dtype"], body["device"], body["device_memory"]) == ("float32", "cpu", None)
+    assert body["classes"][0]["limits"]["ttft_target"] == 2.0
     assert body["model"] == MODEL and body["kv_blocks_total"] > 0
     assert [c["name"] for c in body["classes"]] == ["interactive", "batch"]
     before = body["classes"][1]["generation_tokens"]

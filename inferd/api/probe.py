@@ -1,0 +1,78 @@
+"""The inference probe: a fixed greedy prompt, run at start-up and again while idle.
+
+The start-up run records the tokens this model produces for it on this machine; the server is
+ready only once it has. A later run that produces other tokens means the model no longer
+computes what it did (corrupted weights, a failing device): the server turns not ready and
+says why in the log. Runs that overlapped with other requests are not compared, since batch
+composition may change low-order bits of the arithmetic (and so, rarely, a greedy token).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from inferd.api.serving import ServerState
+from inferd.engine.engine import AsyncEngine
+from inferd.model.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+PROMPT = "The three primary colours are"
+MAX_TOKENS = 8
+IDLE_RETRY_SECONDS = 0.5  # how soon to try again when the engine was busy
+
+
+class InferenceProbe:
+    def __init__(self, engine: AsyncEngine, state: ServerState, interval: float) -> None:
+        self.engine = engine
+        self.state = state
+        self.interval = interval  # 0: start-up only
+        self.expected: list[int] | None = None
+        self.runs = 0  # compared runs, for tests and logs
+        self._prompt = engine.tokenizer.encode(PROMPT)
+        self._params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+    async def run(self) -> None:
+        """The start-up probe, then (with an interval) the periodic ones; runs until cancelled."""
+        while self.expected is None:
+            self.expected = await self._alone()
+            if self.expected is None:
+                await asyncio.sleep(IDLE_RETRY_SECONDS)
+        self.state.probed = True
+        log.info("inference probe: %d tokens recorded; ready", len(self.expected))
+        while self.interval > 0:
+            await asyncio.sleep(self.interval)
+            tokens = await self._alone()
+            while tokens is None:  # busy: the probe waits for a quiet moment
+                await asyncio.sleep(IDLE_RETRY_SECONDS)
+                tokens = await self._alone()
+            self.check(tokens)
+
+    def check(self, tokens: list[int]) -> None:
+        self.runs += 1
+        if tokens == self.expected:
+            if self.state.probe_error is not None:
+                log.warning("inference probe passes again")
+            self.state.probe_error = None
+            return
+        self.state.probe_error = f"inference probe produced {tokens}, expected {self.expected}"
+        log.error("%s: the model no longer computes what it did at start-up; not ready",
+                  self.state.probe_error)
+
+    async def _alone(self) -> list[int] | None:
+        """The probe's tokens, or None if other requests ran meanwhile (or the engine was busy)."""
+        engine = self.engine
+        if engine.open_requests or not engine.alive:
+            return None
+        submitted = engine.submitted
+        stream = engine.submit(self._prompt, self._params)
+        tokens: list[int] = []
+        try:
+            async for out in stream:
+                if out.finish_reason == "abort":
+                    return None
+                tokens += out.new_token_ids
+        finally:
+            stream.abort()
+        return tokens if engine.submitted == submitted + 1 else None
