@@ -101,6 +101,8 @@ def serve(
     max_num_seqs: Annotated[Optional[int], typer.Option(help="sequences per batch at most (settings: scheduler.max_num_seqs)")] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="tokens per engine step at most (settings: scheduler.max_num_batched_tokens)")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="context length cap (settings: model.max_model_len)")] = None,
+    drain_seconds: Annotated[Optional[float], typer.Option(help="on SIGTERM, how long in-flight requests may finish (settings: server.drain_seconds)")] = None,
+    probe_interval: Annotated[Optional[float], typer.Option(help="seconds between idle inference probes, 0 for start-up only (settings: server.probe_interval_seconds)")] = None,
     preemption_mode: Annotated[Optional[str], typer.Option(help="recompute or swap (settings: scheduler.preemption_mode)")] = None,
     prefix_caching: Annotated[Optional[bool], typer.Option(help="reuse cached KV blocks of shared prefixes (settings: cache.prefix_caching)")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads, 0 for automatic (settings: runtime.threads)")] = None,
@@ -114,7 +116,7 @@ def serve(
     from inferd.api.server import run_server
 
     overrides = {
-        "server": {"host": host, "port": port},
+        "server": {"host": host, "port": port, "drain_seconds": drain_seconds, "probe_interval_seconds": probe_interval},
         "model": {"path": model, "name": served_model_name, "dtype": dtype, "device": device, "max_model_len": max_model_len},
         "cache": {"kv_cache_memory": kv_cache_memory, "block_size": block_size, "prefix_caching": prefix_caching},
         "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,

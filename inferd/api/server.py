@@ -1,16 +1,24 @@
-"""`inferd serve`: load the model, build the app, run it on uvloop until SIGINT / SIGTERM."""
+"""`inferd serve`: load the model, build the app, run it on uvloop until SIGINT / SIGTERM, then
+drain: stop admitting, let in-flight requests finish within a grace period, exit 0.
+
+systemd (Type=notify) hears: STATUS while loading, READY=1 once the inference probe has run,
+WATCHDOG=1 from the engine loop, STOPPING=1 when the drain starts."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import uvloop
 from aiohttp import web
 
 from inferd.api.app import create_app
+from inferd.api.serving import STATE
+from inferd.api.systemd import Notifier
 from inferd.config import Settings
 from inferd.engine.engine import AsyncEngine
 from inferd.engine.llm_engine import LLMEngine
@@ -27,12 +35,13 @@ def served_name(settings: Settings) -> str:
 
 
 async def serve(settings: Settings, api_keys: frozenset[str]) -> None:
+    notifier = Notifier.from_environ()
+    notifier.status("loading the model")
     llm = LLMEngine.from_config(settings.engine_config())
     engine = AsyncEngine(llm, served_name(settings))
+    app = create_app(engine, settings, api_keys)
     # handler_cancellation: a non-streaming request whose client left is aborted at once
-    runner = web.AppRunner(
-        create_app(engine, settings, api_keys), access_log=None, handle_signals=False, handler_cancellation=True
-    )
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.server.host, settings.server.port)
     await site.start()
@@ -45,15 +54,63 @@ async def serve(settings: Settings, api_keys: frozenset[str]) -> None:
         llm.model.device, llm.block_manager.pool.num_blocks, llm.config.block_size, llm.max_model_len,
         len(api_keys), host, port,
     )
-    stop = asyncio.Event()
+    signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, signals.put_nowait, sig)
+    state = app[STATE]
+    waiting_for_signal = asyncio.ensure_future(signals.get())
+    while not state.probed and not waiting_for_signal.done():  # READY=1 once the probe has run
+        await asyncio.wait([waiting_for_signal], timeout=0.05)
+    if state.probed:
+        notifier.ready(f"ready: serving {engine.model_name} on http://{host}:{port}")
+        if notifier.watchdog_interval is not None:  # (systemd's watchdog counts from READY=1)
+            engine.heartbeat = _Pacer(notifier.watchdog, notifier.watchdog_interval)
     try:
-        await stop.wait()
+        sig = await waiting_for_signal
+        await _drain(app, engine, notifier, signals, settings.server.drain_seconds, signal.Signals(sig).name)
     finally:
         log.info("inferd shutting down")
         await runner.cleanup()
+        notifier.close()
+
+
+async def _drain(app: web.Application, engine: AsyncEngine, notifier: Notifier, signals: asyncio.Queue[int],
+                 grace: float, signal_name: str) -> None:
+    """Stop admitting (/ready and new requests: 503), let what runs finish for up to `grace`
+    seconds, or until a second signal; what still runs then ends with an error event."""
+    app[STATE].draining = True
+    engine.engine.admission.start_draining()
+    notifier.stopping(f"draining: {engine.open_requests} requests in flight")
+    log.info("%s: draining %d requests in flight (up to %.0f s; a second signal stops at once)",
+             signal_name, engine.open_requests, grace)
+    deadline = time.monotonic() + grace
+    second = asyncio.ensure_future(signals.get())
+    try:
+        while engine.open_requests and time.monotonic() < deadline and not second.done():
+            await asyncio.wait([second], timeout=0.05)
+    finally:
+        second.cancel()
+    if engine.open_requests:
+        app[STATE].drain_cut = engine.open_requests
+        log.warning("drain: %d requests did not finish in time; ending them", engine.open_requests)
+    else:
+        log.info("drain: every request finished")
+
+
+class _Pacer:
+    """Calls `action` at most once per `interval` seconds (the engine loop beats more often)."""
+
+    def __init__(self, action: Callable[[], None], interval: float) -> None:
+        self.action = action
+        self.interval = interval
+        self.last = 0.0
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self.last >= self.interval:
+            self.last = now
+            self.action()
 
 
 def run_server(settings: Settings, api_keys: frozenset[str]) -> None:

@@ -59,6 +59,7 @@ class ServerState:
     probed: bool = False  # the start-up inference probe has passed
     probe_error: str | None = None  # the last probe's failure, if it failed
     draining: bool = False
+    drain_cut: int = 0  # requests still running when the drain's grace period ended
 
     def name(self, engine_alive: bool) -> str:
         if self.draining:

@@ -25,10 +25,11 @@ class Server:
 def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Server:
     """Start `inferd serve` on a free port; return once its start-up line names the port."""
     log = tmp_path / "serve.log"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "inferd.cli", "serve", "--port", "0", *args],
-        stdout=subprocess.DEVNULL, stderr=open(log, "w"), cwd=tmp_path, env={**os.environ, **(env or {})},
-    )
+    with open(log, "w") as stderr:  # (the child keeps its own copy of the descriptor)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "inferd.cli", "serve", "--port", "0", *args],
+            stdout=subprocess.DEVNULL, stderr=stderr, cwd=tmp_path, env={**os.environ, **(env or {})},
+        )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         match = re.search(r"inferd serving .* on (http://[\d.]+:\d+)", log.read_text())

@@ -1,0 +1,135 @@
+"""The daemon's life as an operator sees it (real `inferd serve` subprocesses): graceful drain on
+SIGTERM, a second signal cutting it short, and the systemd notify protocol in order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import time
+from pathlib import Path
+
+import aiohttp
+from serveproc import Server, start_server
+
+MODEL = "smollm2"
+BODY = {"model": MODEL, "prompt": "Tell me about the sea.", "max_tokens": 64, "temperature": 0,
+        "ignore_eos": True, "stream": True}
+
+
+def serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Server:
+    return start_server(tmp_path, "--served-model-name", MODEL, "--kv-cache-memory", "64MiB", *args, env=env)
+
+
+async def wait_ready(url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        for _ in range(600):
+            async with session.get(f"{url}/ready") as r:
+                if r.status == 200:
+                    return
+            await asyncio.sleep(0.05)
+    raise AssertionError("never ready")
+
+
+async def stream(session: aiohttp.ClientSession, url: str, started: asyncio.Event | None = None) -> tuple[int, list[dict]]:
+    """(tokens, the events) of one streamed completion."""
+    events = []
+    async with session.post(f"{url}/v1/completions", json=BODY) as r:
+        assert r.status == 200
+        async for line in r.content:
+            if line.startswith(b"data: {"):
+                events.append(json.loads(line[6:]))
+                if started is not None:
+                    started.set()
+    return sum(1 for e in events if "choices" in e and e["choices"]), events
+
+
+def test_sigterm_drains_every_stream_then_exits_0(tmp_path: Path) -> None:
+    server = serve(tmp_path, "--drain-seconds", "60")
+
+    async def scenario() -> tuple[list, int, dict, str]:
+        await wait_ready(server.url)
+        async with aiohttp.ClientSession() as session:
+            firsts = [asyncio.Event() for _ in range(16)]
+            streams = [asyncio.ensure_future(stream(session, server.url, e)) for e in firsts]
+            await asyncio.gather(*(e.wait() for e in firsts))  # all 16 are producing tokens
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            async with session.get(f"{server.url}/ready") as r:
+                ready_status = r.status
+            async with session.post(f"{server.url}/v1/completions", json={**BODY, "stream": False}) as r:
+                refused = (r.status, r.headers.get("Retry-After"), await r.json())
+            results = await asyncio.gather(*streams)
+        return results, ready_status, refused[2], refused[1]
+
+    start = time.monotonic()
+    results, ready_status, refused, retry_after = asyncio.run(scenario())
+    assert server.proc.wait(timeout=60) == 0, server.log.read_text()
+    assert time.monotonic() - start < 60
+    for tokens, events in results:  # every stream ran to its end
+        assert tokens == 64 and events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+        assert not any("error" in e for e in events)
+    assert ready_status == 503
+    assert refused["error"]["code"] == "draining" and retry_after
+    log = server.log.read_text()
+    assert "drain: every request finished" in log
+
+
+def test_a_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
+    server = serve(tmp_path, "--drain-seconds", "300")
+
+    async def scenario() -> list[dict]:
+        await wait_ready(server.url)
+        async with aiohttp.ClientSession() as session:
+            started = asyncio.Event()
+            long = asyncio.ensure_future(stream(session, server.url, started))
+            await started.wait()
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.3)
+            server.proc.send_signal(signal.SIGTERM)
+            return (await long)[1]
+
+    start = time.monotonic()
+    events = asyncio.run(scenario())
+    assert server.proc.wait(timeout=30) == 0
+    assert time.monotonic() - start < 30
+    assert events[-1]["error"]["type"] == "service_unavailable"  # told, not cut off silently
+    assert "did not finish in time" in server.log.read_text()
+
+
+def test_systemd_notify_messages_arrive_in_order(tmp_path: Path) -> None:
+    sock_path = tmp_path / "notify.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    listener.bind(str(sock_path))
+    listener.settimeout(0.2)
+    messages: list[str] = []
+
+    def receive_until(pattern: str, within: float) -> None:
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            try:
+                messages.append(listener.recv(4096).decode())
+            except TimeoutError:
+                continue
+            if pattern in messages[-1]:
+                return
+        raise AssertionError(f"no {pattern!r} in {messages}")
+
+    env = {"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "1000000"}  # a ping every 0.5 s
+    server = serve(tmp_path, env=env)
+    try:
+        receive_until("READY=1", 120)
+        receive_until("WATCHDOG=1", 10)
+        server.proc.send_signal(signal.SIGTERM)
+        receive_until("STOPPING=1", 10)
+        assert server.proc.wait(timeout=30) == 0
+    finally:
+        listener.close()
+        if server.proc.poll() is None:
+            server.proc.kill()
+    kinds = [m.split("=")[0] for m in messages]
+    first = {kind: kinds.index(kind) for kind in ("STATUS", "READY", "WATCHDOG", "STOPPING")}
+    assert first["STATUS"] < first["READY"] < first["WATCHDOG"] < first["STOPPING"], messages
+    assert "loading" in messages[0] and "ready" in messages[kinds.index("READY")]
+    assert "draining" in messages[kinds.index("STOPPING")]
