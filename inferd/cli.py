@@ -101,6 +101,7 @@ def serve(
     max_num_seqs: Annotated[Optional[int], typer.Option(help="sequences per batch at most (settings: scheduler.max_num_seqs)")] = None,
     max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="tokens per engine step at most (settings: scheduler.max_num_batched_tokens)")] = None,
     max_model_len: Annotated[Optional[int], typer.Option(help="context length cap (settings: model.max_model_len)")] = None,
+    log_format: Annotated[Optional[str], typer.Option(help="text or json lines (settings: server.log_format)")] = None,
     drain_seconds: Annotated[Optional[float], typer.Option(help="on SIGTERM, how long in-flight requests may finish (settings: server.drain_seconds)")] = None,
     probe_interval: Annotated[Optional[float], typer.Option(help="seconds between idle inference probes, 0 for start-up only (settings: server.probe_interval_seconds)")] = None,
     preemption_mode: Annotated[Optional[str], typer.Option(help="recompute or swap (settings: scheduler.preemption_mode)")] = None,
@@ -116,7 +117,8 @@ def serve(
     from inferd.api.server import run_server
 
     overrides = {
-        "server": {"host": host, "port": port, "drain_seconds": drain_seconds, "probe_interval_seconds": probe_interval},
+        "server": {"host": host, "port": port, "drain_seconds": drain_seconds, "probe_interval_seconds": probe_interval,
+                   "log_format": log_format},
         "model": {"path": model, "name": served_model_name, "dtype": dtype, "device": device, "max_model_len": max_model_len},
         "cache": {"kv_cache_memory": kv_cache_memory, "block_size": block_size, "prefix_caching": prefix_caching},
         "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
@@ -128,7 +130,7 @@ def serve(
         api_keys = load_api_keys(api_key or [], os.environ.get("INFERD_API_KEYS"), settings.server.api_keys_file)
     except SettingsError as e:
         _fail(str(e))
-    _configure_runtime(settings.runtime.threads, serving=True)
+    _configure_runtime(settings.runtime.threads, serving=True, log_format=settings.server.log_format)
     try:
         run_server(settings, api_keys)
     except (ModelLoadError, ValueError, OSError) as e:
@@ -151,12 +153,12 @@ def status(
         _fail(str(e))
 
 
-def _configure_runtime(threads: int, serving: bool = False) -> None:
+def _configure_runtime(threads: int, serving: bool = False, log_format: str = "text") -> None:
     import torch
 
-    logging.basicConfig(
-        level=logging.INFO if serving else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from inferd.api.logs import configure_logging
+
+    configure_logging(logging.INFO if serving else logging.WARNING, log_format)
     # NOTE: all cores even when serving: measured on 2 cores with a busy event-loop thread in
     # the process, 2 torch threads gave 163 tok/s and 1 thread 72 (the GIL, not the cores, is
     # what the loop takes from the engine thread).

@@ -146,6 +146,8 @@ class ServerSettings(_Section):
     drain_seconds: float = Field(default=30.0, ge=0)  # SIGTERM: in-flight requests may finish this long
     probe_interval_seconds: float = Field(default=60.0, ge=0)  # re-run the inference probe when idle; 0: start-up only
     liveness_seconds: float = Field(default=60.0, gt=0)  # /health fails if the engine has work but no step this long
+    log_format: Literal["text", "json"] = "text"
+    log_prompts: bool = False  # put prompt text in the request log lines
 
 
 class LimitSettings(_Section):

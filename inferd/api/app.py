@@ -22,6 +22,8 @@ from aiohttp import web
 
 from inferd.api.auth import auth_middleware
 from inferd.api.errors import error_middleware
+from inferd.api.logs import request_log_middleware
+from inferd.api.metrics import setup_metrics
 from inferd.api.probe import InferenceProbe
 from inferd.api.routes import add_routes
 from inferd.api.serving import ENGINE, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS, ServerState, TokenTexts
@@ -37,7 +39,8 @@ STREAMS_END_SECONDS = 5.0  # how long shutdown waits for open streams to write t
 
 
 def create_app(engine: AsyncEngine, settings: Settings, api_keys: frozenset[str] = frozenset()) -> web.Application:
-    middlewares = [error_middleware]  # first: it renders what the others raise
+    # outermost first: the request log sees the final status, which the error middleware renders
+    middlewares = [request_log_middleware, error_middleware]
     if api_keys:
         middlewares.append(auth_middleware(api_keys, settings.server.open_paths))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
@@ -47,6 +50,7 @@ def create_app(engine: AsyncEngine, settings: Settings, api_keys: frozenset[str]
     app[SSE_RESPONSES] = set()
     app[STATE] = ServerState()
     add_routes(app)
+    setup_metrics(app)
     app.cleanup_ctx.append(_engine_lifecycle)
     app.on_shutdown.append(_end_streams)
     return app

@@ -8,6 +8,7 @@ from typing import Any
 from aiohttp import web
 
 from inferd.api.errors import bad_request
+from inferd.api.logs import RECORD
 from inferd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from inferd.api.serving import (
     StreamEvents,
@@ -60,8 +61,15 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     # NOTE: explicit or default, max_tokens is the same for every prompt once it fits them all
     params = sampling_params(body, max_tokens[0], body.logprobs)
     token_text = request.app[TOKEN_TEXTS]
-    with Generation(engine, prompts, params, body.n, cls, request_timeouts(body)) as gen:
+    record = request.get(RECORD)
+    if record is not None:
+        record.user = body.user
+        if settings.server.log_prompts:
+            record.prompt = repr(body.prompt)
+    with Generation(engine, prompts, params, body.n, cls, request_timeouts(body), record) as gen:
         completion_id = f"cmpl-{gen.id_suffix}"
+        if record is not None:
+            record.id = completion_id
         if not body.stream:
             results = await gen.gather(request)
             if results is None:

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import ClientConnectionResetError, web
 
 from inferd.api.errors import APIError, bad_request
+from inferd.api.logs import RequestRecord
 from inferd.api.protocol import SamplingFields
 from inferd.api.sse import EventStream, OutputQueue, dumps
 from inferd.config import Settings
@@ -194,7 +195,7 @@ class Generation:
 
     def __init__(
         self, engine: AsyncEngine, prompts: Sequence[list[int]], params: SamplingParams, n: int,
-        cls: PriorityClass, timeouts: Timeouts,
+        cls: PriorityClass, timeouts: Timeouts, record: RequestRecord | None = None,
     ) -> None:
         self.engine = engine
         self.prompts = prompts
@@ -202,6 +203,7 @@ class Generation:
         self.n = n
         self.cls = cls
         self.timeouts = timeouts
+        self.record = record  # the request's log line, filled in as outputs finish
         self.id_suffix = uuid.uuid4().hex
         self.created = int(time.time())
         self.streams: list[RequestStream] = []
@@ -216,6 +218,9 @@ class Generation:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     def __enter__(self) -> Generation:
+        if self.record is not None:
+            self.record.priority_class = self.cls.name
+            self.record.prompt_tokens = self.prompt_tokens
         for prompt in self.prompts:  # all checked before any runs
             self.engine.engine.check_request(prompt, self.params, self.n, self.cls)
         try:
@@ -234,6 +239,23 @@ class Generation:
 
     def __exit__(self, *exc: object) -> None:
         self.abort()
+        if self.record is not None:
+            self.record.completion_tokens = self.completion_tokens
+
+    def _note(self, out: RequestOutput) -> None:
+        """A finished choice's outcome and timings, for the request's log line."""
+        record, metrics = self.record, out.metrics
+        if record is None or not out.finished:
+            return
+        record.finish.append(out.finish_reason or "-")
+        if metrics is None:
+            return
+        record.cached_tokens += metrics.cached_tokens if out.index == 0 else 0
+        record.preemptions += metrics.preemptions
+        for name in ("queue_time", "ttft"):
+            value, seen = getattr(metrics, name), getattr(record, name)
+            if value is not None and (seen is None or value > seen):
+                setattr(record, name, value)
 
     def abort(self) -> None:
         for stream in self.streams:
@@ -249,6 +271,7 @@ class Generation:
                 if client_gone(request):
                     return None
                 for prompt, out in batch:
+                    self._note(out)
                     if out.finish_reason == "abort":
                         raise engine_abort_error(out)
                     result = results[prompt * self.n + out.index]
@@ -290,6 +313,7 @@ class Generation:
                     await events.keepalive()
                     continue
                 for prompt, out in batch:
+                    self._note(out)
                     if out.finish_reason == "abort":
                         events.add(engine_abort_error(out).body())
                         await events.close()

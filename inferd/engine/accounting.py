@@ -15,17 +15,42 @@ from dataclasses import dataclass, field
 SAMPLE_WINDOW = 1024  # recent samples kept per series (for percentiles on the status page)
 
 
+# histogram bucket upper bounds (the last bucket, +Inf, is implicit)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                   7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass
+class Histogram:
+    """Counts per bucket (Prometheus' model, kept here without it: the engine has no control
+    plane imports). `counts[i]` counts values <= bounds[i] and > bounds[i - 1]; the last, the rest."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def copy(self) -> Histogram:
+        return Histogram(self.bounds, list(self.counts), self.total)
+
+
 @dataclass
 class Samples:
-    """A latency series: count and sum since start, plus the most recent values."""
+    """A latency series: a histogram since start, plus the most recent values."""
 
-    count: int = 0
-    total: float = 0.0
+    histogram: Histogram = field(default_factory=Histogram)
     recent: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
 
     def add(self, value: float) -> None:
-        self.count += 1
-        self.total += value
+        self.histogram.observe(value)
         self.recent.append(value)
 
     def percentile(self, q: float) -> float | None:
@@ -49,7 +74,9 @@ class ClassStats:
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache supplied
     generation_tokens: int = 0
     ttft: Samples = field(default_factory=Samples)  # seconds from arrival to the first token
+    itl: Samples = field(default_factory=Samples)  # seconds between two tokens of a request
     tpot: Samples = field(default_factory=Samples)  # seconds per output token after the first
+    e2e: Samples = field(default_factory=Samples)  # seconds from arrival to the end
     queue_time: Samples = field(default_factory=Samples)  # seconds from arrival to first scheduled
     finished: Counter[str] = field(default_factory=Counter)  # by finish reason
     preemptions: Counter[str] = field(default_factory=Counter)  # by mode: recompute, swap
@@ -80,6 +107,7 @@ class ClassSnapshot:
     preemptions: dict[str, int]
     timeouts: dict[str, int]
     deadline_misses: dict[str, int]
+    histograms: dict[str, Histogram]  # copies: ttft, itl, tpot, e2e, queue_time
 
 
 @dataclass(frozen=True)

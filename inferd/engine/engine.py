@@ -22,7 +22,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
-from inferd.engine.accounting import ClassSnapshot, RequestSnapshot, Throughput
+from inferd.engine.accounting import TOKEN_BUCKETS, ClassSnapshot, Histogram, RequestSnapshot, Throughput
 from inferd.engine.llm_engine import LLMEngine, RequestOutput
 from inferd.engine.policy import PriorityClass, Timeouts
 from inferd.model.sampling_params import SamplingParams
@@ -55,6 +55,8 @@ class EngineStats:
     last_step_seconds: float
     classes: tuple[ClassSnapshot, ...]  # most important first
     requests: tuple[RequestSnapshot, ...]  # running first, at most STATUS_REQUESTS
+    step_seconds: Histogram  # (copies) the duration of each engine step
+    batch_tokens: Histogram  # and the tokens it computed
 
 
 class EngineDeadError(RuntimeError):
@@ -154,6 +156,8 @@ class AsyncEngine:
         self.last_beat = time.monotonic()
         self.heartbeat: Callable[[], None] | None = None
         self.throughput = Throughput()  # sampled with every snapshot; rates read at any time
+        self._step_seconds = Histogram()  # written by the engine thread, copied into snapshots
+        self._batch_tokens = Histogram(TOKEN_BUCKETS)
         self.stats = self._snapshot(0.0, 0)
 
     # ------------------------------------------------------------------------ lifecycle
@@ -277,6 +281,9 @@ class AsyncEngine:
                 outputs = engine.step()
                 end = time.perf_counter()
                 steps += 1
+                if engine.last_step_tokens:
+                    self._step_seconds.observe(end - start)
+                    self._batch_tokens.observe(engine.last_step_tokens)
                 if end - published >= STATS_INTERVAL_SECONDS:  # O(requests): not every step
                     self.stats = self._snapshot(end - start, steps)
                     published = end
@@ -340,4 +347,6 @@ class AsyncEngine:
             last_step_seconds=step_seconds,
             classes=classes,
             requests=tuple(scheduler.requests_snapshot(STATUS_REQUESTS)),
+            step_seconds=self._step_seconds.copy(),
+            batch_tokens=self._batch_tokens.copy(),
         )

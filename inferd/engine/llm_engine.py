@@ -71,6 +71,31 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # the most likely alternatives, best first
 
 
+@dataclass(frozen=True)
+class RequestMetrics:
+    """How a finished request went, in seconds from its arrival (None: it never got there)."""
+
+    priority_class: str
+    prompt_tokens: int
+    cached_tokens: int  # of which the prefix cache supplied
+    output_tokens: int
+    queue_time: float | None
+    ttft: float | None
+    e2e: float
+    preemptions: int
+
+    @classmethod
+    def of(cls, request: Request, now: float) -> RequestMetrics:
+        arrival = request.arrival_time if request.arrival_time is not None else now
+
+        def since(t: float | None) -> float | None:
+            return None if t is None else t - arrival
+
+        return cls(request.priority_class.name if request.priority_class else "-", len(request.prompt_ids),
+                   request.num_cached_tokens, len(request.output_ids), since(request.first_scheduled_time),
+                   since(request.first_token_time), now - arrival, request.num_preemptions)
+
+
 @dataclass
 class RequestOutput:
     """What one step produced for one request."""
@@ -84,6 +109,7 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or token id that matched; the
     # timeout's kind ("queue", "ttft", "token", "total") with "timeout"; a message with "abort"
     logprobs: list[TokenLogprob] | None = None
+    metrics: RequestMetrics | None = None  # with the finished output
 
 
 @dataclass
@@ -281,6 +307,7 @@ class LLMEngine:
                 out.text += detokenizer.flush()
             if request.status.finished:
                 out.finished, out.finish_reason = True, request.status.finish_reason
+                out.metrics = RequestMetrics.of(request, self.scheduler.clock())
                 self._retire(request)
             outputs.append(out)
         return outputs
@@ -299,7 +326,8 @@ class LLMEngine:
             self._finish(member, RequestStatus.FINISHED_TIMEOUT)
             member.timeout_kind = kind
             outputs.append(RequestOutput(member.group_id, [], text, index=member.index, finished=True,
-                                         finish_reason="timeout", stop_reason=kind))
+                                         finish_reason="timeout", stop_reason=kind,
+                                         metrics=RequestMetrics.of(member, self.scheduler.clock())))
             self._retire(member)
         return outputs
 

@@ -451,8 +451,11 @@ class Scheduler:
                 stats.deadline_misses["ttft"] += 1
             if t.ttft is not None and ttft > t.ttft:
                 req.timeout_kind = "ttft"
-        elif t.token is not None and now - req.last_token_time > t.token:  # type: ignore[operator]
-            req.timeout_kind = "token"
+        else:
+            gap = now - req.last_token_time  # type: ignore[operator]
+            stats.itl.add(gap)
+            if t.token is not None and gap > t.token:
+                req.timeout_kind = "token"
         req.last_token_time = now
 
     def finish(self, req: Request, status: RequestStatus) -> None:
@@ -474,6 +477,7 @@ class Scheduler:
             return  # never queued here
         stats = self.stats[req.priority_class.name]
         stats.finished[status.finish_reason or status.name] += 1
+        stats.e2e.add(self.clock() - req.arrival_time)
         n_out = len(req.output_ids)
         if n_out > 1 and req.first_token_time is not None and req.last_token_time is not None:
             tpot = (req.last_token_time - req.first_token_time) / (n_out - 1)
@@ -527,4 +531,5 @@ def _snapshot(cls: PriorityClass, s: ClassStats, waiting: int, queued: int, olde
         tpot_p50=s.tpot.percentile(50), queue_time_p95=s.queue_time.percentile(95),
         finished=dict(s.finished), preemptions=dict(s.preemptions), timeouts=dict(s.timeouts),
         deadline_misses=dict(s.deadline_misses),
+        histograms={name: getattr(s, name).histogram.copy() for name in ("ttft", "itl", "tpot", "e2e", "queue_time")},
     )

@@ -46,7 +46,7 @@ async def stream(session: aiohttp.ClientSession, url: str, started: asyncio.Even
 
 
 def test_sigterm_drains_every_stream_then_exits_0(tmp_path: Path) -> None:
-    server = serve(tmp_path, "--drain-seconds", "60")
+    server = serve(tmp_path, "--drain-seconds", "60", "--log-format", "json")
 
     async def scenario() -> tuple[list, int, dict, str]:
         await wait_ready(server.url)
@@ -72,8 +72,12 @@ def test_sigterm_drains_every_stream_then_exits_0(tmp_path: Path) -> None:
         assert not any("error" in e for e in events)
     assert ready_status == 503
     assert refused["error"]["code"] == "draining" and retry_after
-    log = server.log.read_text()
-    assert "drain: every request finished" in log
+    records = [json.loads(line) for line in server.log.read_text().splitlines() if line.startswith("{")]
+    assert any("drain: every request finished" in r.get("message", "") for r in records)
+    requests = [r for r in records if r["logger"] == "inferd.requests" and r["path"] == "/v1/completions"]
+    assert sorted(r["status"] for r in requests) == [200] * 16 + [503]  # the streams, and the refused one
+    assert all(r["completion_tokens"] == 64 and r["finish"] == "length" for r in requests if r["status"] == 200)
+    assert not any("Tell me about the sea" in json.dumps(r) for r in records)  # no prompt text
 
 
 def test_a_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
