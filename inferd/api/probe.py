@@ -45,6 +45,8 @@ class InferenceProbe:
             await asyncio.sleep(self.interval)
             tokens = await self._alone()
             while tokens is None:  # busy: the probe waits for a quiet moment
+                if self.state.draining:
+                    return
                 await asyncio.sleep(IDLE_RETRY_SECONDS)
                 tokens = await self._alone()
             self.check(tokens)
@@ -63,8 +65,8 @@ class InferenceProbe:
     async def _alone(self) -> list[int] | None:
         """The probe's tokens, or None if other requests ran meanwhile (or the engine was busy)."""
         engine = self.engine
-        if engine.open_requests or not engine.alive:
-            return None
+        if engine.open_requests or not engine.alive or self.state.draining:
+            return None  # (a draining server runs what it has, and nothing new)
         submitted = engine.submitted
         stream = engine.submit(self._prompt, self._params)
         tokens: list[int] = []
