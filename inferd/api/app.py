@@ -8,7 +8,8 @@
                                                          failed startup)
 
 aiohttp runs on_shutdown before it waits for handlers, so streams end at once instead of
-holding the shutdown until their last token.
+holding the shutdown until their last token. `inferd serve` drains first (server.py): by the
+time shutdown starts, only the requests its grace period cut off are still open.
 """
 
 from __future__ import annotations
