@@ -153,6 +153,100 @@ def status(
         _fail(str(e))
 
 
+# ------------------------------------------------------------------------------ inferd bench
+
+
+class _BenchGroup(typer.core.TyperGroup):
+    """`inferd bench URL ...` runs `inferd bench run URL ...`; `inferd bench compare A B` compares."""
+
+    def parse_args(self, ctx: typer.Context, args: list[str]) -> list[str]:
+        if args and args[0] not in self.commands and args[0] not in ("--help", "-h"):
+            args = ["run", *args]
+        return super().parse_args(ctx, args)
+
+
+bench_app = typer.Typer(
+    cls=_BenchGroup, no_args_is_help=True, rich_markup_mode=None,
+    help="Load-test an OpenAI-compatible server (`inferd bench URL`, options: `inferd bench run --help`), "
+         "or compare two results (`inferd bench compare A.json B.json`).",
+)
+app.add_typer(bench_app, name="bench")
+
+
+@bench_app.command("run")
+def bench_run(
+    url: Annotated[str, typer.Argument(help="the server: a base URL, .../v1, or host:port")],
+    endpoint: Annotated[str, typer.Option(help="completions or chat (always streamed, with usage)")] = "completions",
+    api_key: Annotated[Optional[str], typer.Option(envvar="INFERD_API_KEY", help="sent as `Authorization: Bearer KEY`")] = None,
+    model: Annotated[Optional[str], typer.Option(help="model name (default: the first of GET /v1/models)")] = None,
+    concurrency: Annotated[Optional[int], typer.Option(help="closed loop: requests in flight (default 1); with --rate, the cap on them")] = None,
+    rate: Annotated[Optional[str], typer.Option(help="open loop: requests/s; a list (1,2,4) sweeps rates")] = None,
+    burstiness: Annotated[float, typer.Option(help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier")] = 1.0,
+    sweep: Annotated[Optional[str], typer.Option(help="concurrencies to run one after another, e.g. 1,4,16")] = None,
+    duration: Annotated[Optional[float], typer.Option(help="seconds per run (instead of --num-requests)")] = None,
+    num_requests: Annotated[Optional[int], typer.Option(help="requests per run (default 100)")] = None,
+    warmup: Annotated[int, typer.Option(help="requests sent first and not recorded")] = 0,
+    input_len: Annotated[int, typer.Option(help="prompt tokens (synthetic prompts: 0.75 words per token)")] = 32,
+    input_dist: Annotated[str, typer.Option(help="fixed, uniform or lognormal")] = "fixed",
+    output_len: Annotated[int, typer.Option(help="max_tokens per request")] = 128,
+    output_dist: Annotated[str, typer.Option(help="fixed, uniform or lognormal")] = "fixed",
+    spread: Annotated[float, typer.Option(help="uniform: lengths in [L(1-s), L(1+s)]; lognormal: sigma of log length")] = 0.5,
+    dataset: Annotated[Optional[Path], typer.Option(help="JSONL: prompt or messages, optional max_tokens, priority")] = None,
+    ignore_eos: Annotated[bool, typer.Option("--ignore-eos", help="send ignore_eos: every request makes max_tokens")] = False,
+    priority_mix: Annotated[Optional[str], typer.Option(help="classes sent as `priority`, e.g. interactive=0.2,batch=0.8")] = None,
+    seed: Annotated[int, typer.Option(help="same seed, same prompts, lengths, classes and arrivals")] = 0,
+    slo: Annotated[Optional[str], typer.Option(help="goodput SLOs in seconds, e.g. ttft=0.5,tpot=0.1 (keys ttft, tpot, e2e)")] = None,
+    json_file: Annotated[Optional[Path], typer.Option("--json", help="write every request's timings and the summary")] = None,
+    plot: Annotated[Optional[Path], typer.Option(help="write latency CDFs (and throughput vs latency) as PNG")] = None,
+    timeout: Annotated[float, typer.Option(help="seconds a request may go without a byte")] = 600.0,
+) -> None:
+    """Load-test an OpenAI-compatible server; report vLLM `bench serve`'s metrics per run and class.
+
+    \b
+    Definitions (per run, and per priority class when requests name one):
+    - request throughput, input and output tokens/s (completed requests only);
+    - TTFT: request sent -> first chunk carrying a token;
+    - TPOT: (e2e - TTFT) / (output tokens - 1) per request, the first token excluded;
+    - ITL: gaps between consecutive token-bearing chunks, pooled over requests;
+    - e2e: request sent -> last token-bearing chunk (so TTFT + sum of ITLs = e2e);
+    - mean, p50, p90, p95, p99 of each (linear interpolation, as numpy);
+    - goodput: requests/s that met every --slo; errors by type and HTTP status;
+    - token counts from the server's usage where sent, else counted chunks (token_source);
+    - for inferd servers, preemptions, rejections, timeouts and prefix-cache hits (/metrics deltas).
+    """
+    from inferd.client.bench import BenchConfig, BenchError, parse_list, run
+
+    try:
+        config = BenchConfig(
+            url=url, endpoint=endpoint, api_key=api_key, model=model, concurrency=concurrency,
+            rates=parse_list(rate, float, "--rate"), sweep=parse_list(sweep, int, "--sweep"), burstiness=burstiness,
+            duration=duration, num_requests=num_requests, warmup=warmup, input_len=input_len, input_dist=input_dist,
+            output_len=output_len, output_dist=output_dist, spread=spread,
+            dataset=str(dataset) if dataset else None, ignore_eos=ignore_eos, priority_mix=priority_mix, seed=seed,
+            slo=slo, json_path=str(json_file) if json_file else None, plot_path=str(plot) if plot else None,
+            timeout=timeout,
+        )
+        run(config)
+    except (BenchError, ValueError) as e:
+        _fail(str(e))
+    except KeyboardInterrupt:
+        _fail("interrupted")
+
+
+@bench_app.command("compare")
+def bench_compare(
+    a: Annotated[Path, typer.Argument(help="the baseline: a JSON from `inferd bench --json`")],
+    b: Annotated[Path, typer.Argument(help="the other JSON; ratios are B/A")],
+) -> None:
+    """Print two benchmark results side by side, run by run, with B/A ratios."""
+    from inferd.client.bench import BenchError, compare
+
+    try:
+        compare(str(a), str(b))
+    except BenchError as e:
+        _fail(str(e))
+
+
 def _configure_runtime(threads: int, serving: bool = False, log_format: str = "text") -> None:
     import torch
 
