@@ -23,7 +23,7 @@ from serveproc import Server, start_server, stop_server
 MODEL = "smollm2"
 SEATS = 8
 BATCH_STREAMS = 24
-INTERACTIVE_REQUESTS = 20
+INTERACTIVE_REQUESTS = 30
 INTERACTIVE_GAP = 0.4  # seconds between interactive arrivals
 
 COMMON = """
