@@ -8,7 +8,6 @@ from typing import Any
 from aiohttp import web
 
 from inferd.api.errors import bad_request
-from inferd.api.logs import RECORD
 from inferd.api.protocol import (
     ChatChoice,
     ChatCompletionRequest,
@@ -29,6 +28,7 @@ from inferd.api.serving import (
     no_answer,
     priority_class,
     read_json,
+    request_record,
     request_timeouts,
     resolve_max_tokens,
     sampling_params,
@@ -68,15 +68,9 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
                                     fit_default=True, prompt_param="messages", cls=cls)
     params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     token_text = request.app[TOKEN_TEXTS]
-    record = request.get(RECORD)
-    if record is not None:
-        record.user = body.user
-        if settings.server.log_prompts:
-            record.prompt = engine.tokenizer.decode(prompt)
-    with Generation(engine, [prompt], params, body.n, cls, request_timeouts(body), record) as gen:
-        completion_id = f"chatcmpl-{gen.id_suffix}"
-        if record is not None:
-            record.id = completion_id
+    record = request_record(request, body.user, lambda: engine.tokenizer.decode(prompt))
+    with Generation(engine, [prompt], params, body.n, cls, request_timeouts(body), "chatcmpl", record) as gen:
+        completion_id = gen.id
         if not body.stream:
             results = await gen.gather(request)
             if results is None:

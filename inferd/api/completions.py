@@ -8,7 +8,6 @@ from typing import Any
 from aiohttp import web
 
 from inferd.api.errors import bad_request
-from inferd.api.logs import RECORD
 from inferd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from inferd.api.serving import (
     StreamEvents,
@@ -22,6 +21,7 @@ from inferd.api.serving import (
     no_answer,
     priority_class,
     read_json,
+    request_record,
     request_timeouts,
     resolve_max_tokens,
     sampling_params,
@@ -61,15 +61,9 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     # NOTE: explicit or default, max_tokens is the same for every prompt once it fits them all
     params = sampling_params(body, max_tokens[0], body.logprobs)
     token_text = request.app[TOKEN_TEXTS]
-    record = request.get(RECORD)
-    if record is not None:
-        record.user = body.user
-        if settings.server.log_prompts:
-            record.prompt = repr(body.prompt)
-    with Generation(engine, prompts, params, body.n, cls, request_timeouts(body), record) as gen:
-        completion_id = f"cmpl-{gen.id_suffix}"
-        if record is not None:
-            record.id = completion_id
+    record = request_record(request, body.user, lambda: repr(body.prompt))
+    with Generation(engine, prompts, params, body.n, cls, request_timeouts(body), "cmpl", record) as gen:
+        completion_id = gen.id
         if not body.stream:
             results = await gen.gather(request)
             if results is None:

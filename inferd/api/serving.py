@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import ClientConnectionResetError, web
 
 from inferd.api.errors import APIError, bad_request
-from inferd.api.logs import RequestRecord
+from inferd.api.logs import RECORD, RequestRecord
 from inferd.api.protocol import SamplingFields
 from inferd.api.sse import EventStream, OutputQueue, dumps
 from inferd.config import Settings
@@ -185,6 +185,16 @@ class ChoiceResult:
         return "".join(self.texts)
 
 
+def request_record(request: web.Request, user: str | None, prompt_text: Callable[[], str]) -> RequestRecord | None:
+    """The request's log line (see logs.py), with its user, and its prompt if the settings say so."""
+    record = request.get(RECORD)
+    if record is not None:
+        record.user = user
+        if request.app[SETTINGS].server.log_prompts:
+            record.prompt = prompt_text()
+    return record
+
+
 class Generation:
     """The engine requests of one HTTP request: one per prompt, each with n choices.
 
@@ -195,7 +205,7 @@ class Generation:
 
     def __init__(
         self, engine: AsyncEngine, prompts: Sequence[list[int]], params: SamplingParams, n: int,
-        cls: PriorityClass, timeouts: Timeouts, record: RequestRecord | None = None,
+        cls: PriorityClass, timeouts: Timeouts, id_prefix: str, record: RequestRecord | None = None,
     ) -> None:
         self.engine = engine
         self.prompts = prompts
@@ -204,7 +214,9 @@ class Generation:
         self.cls = cls
         self.timeouts = timeouts
         self.record = record  # the request's log line, filled in as outputs finish
-        self.id_suffix = uuid.uuid4().hex
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"  # the response's id
+        if record is not None:
+            record.id = self.id
         self.created = int(time.time())
         self.streams: list[RequestStream] = []
         self.completion_tokens = 0
