@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +24,9 @@ class Server:
 
 
 def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Server:
-    """Start `inferd serve` on a free port; return once its start-up line names the port."""
+    """Start `inferd serve` on a free port; return once it is ready (its start-up line names the
+    port, and /ready answers 200 once the start-up inference probe has run, whose tokens would
+    otherwise land in a test's counts)."""
     log = tmp_path / "serve.log"
     with open(log, "w") as stderr:  # (the child keeps its own copy of the descriptor)
         proc = subprocess.Popen(
@@ -33,13 +36,21 @@ def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) 
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         match = re.search(r"inferd serving .* on (http://[\d.]+:\d+)", log.read_text())
-        if match:
+        if match and _ready(match.group(1)):
             return Server(proc, match.group(1), log)
         if proc.poll() is not None:
             raise AssertionError(f"inferd serve exited with {proc.returncode}:\n{log.read_text()}")
         time.sleep(0.1)
     proc.kill()
     raise AssertionError(f"inferd serve did not start:\n{log.read_text()}")
+
+
+def _ready(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/ready", timeout=5) as r:
+            return r.status == 200
+    except OSError:  # (HTTPError for a 503 is an OSError too)
+        return False
 
 
 def stop_server(server: Server) -> None:

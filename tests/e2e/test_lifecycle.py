@@ -22,16 +22,6 @@ def serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Serv
     return start_server(tmp_path, "--served-model-name", MODEL, "--kv-cache-memory", "64MiB", *args, env=env)
 
 
-async def wait_ready(url: str) -> None:
-    async with aiohttp.ClientSession() as session:
-        for _ in range(600):
-            async with session.get(f"{url}/ready") as r:
-                if r.status == 200:
-                    return
-            await asyncio.sleep(0.05)
-    raise AssertionError("never ready")
-
-
 async def stream(session: aiohttp.ClientSession, url: str, started: asyncio.Event | None = None) -> tuple[int, list[dict]]:
     """(tokens, the events) of one streamed completion."""
     events = []
@@ -49,7 +39,6 @@ def test_sigterm_drains_every_stream_then_exits_0(tmp_path: Path) -> None:
     server = serve(tmp_path, "--drain-seconds", "60", "--log-format", "json")
 
     async def scenario() -> tuple[list, int, dict, str]:
-        await wait_ready(server.url)
         async with aiohttp.ClientSession() as session:
             firsts = [asyncio.Event() for _ in range(16)]
             streams = [asyncio.ensure_future(stream(session, server.url, e)) for e in firsts]
@@ -84,7 +73,6 @@ def test_a_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
     server = serve(tmp_path, "--drain-seconds", "300")
 
     async def scenario() -> list[dict]:
-        await wait_ready(server.url)
         async with aiohttp.ClientSession() as session:
             started = asyncio.Event()
             long = asyncio.ensure_future(stream(session, server.url, started))
