@@ -165,23 +165,27 @@ class Scheduler:
         candidates = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1] + self.waiting
         candidates.sort(key=lambda r: self._order(r, now))
         held_back: set[str] = set()  # classes at a limit of their own (KV reserve, shedding)
+        admitting = True
         for req in candidates:
             if self._budget <= 0:
                 break
             if req in out.preempted:
-                break  # a victim of this step waits for the next, and nobody behind it overtakes
+                admitting = False  # a victim of this step waits for the next; no one overtakes it
             if req.request_id in self._scheduled or req.priority_class.name in held_back:
                 continue
             if req.status == RequestStatus.RUNNING:
                 n = min(req.num_tokens - req.num_computed_tokens, self._budget)
                 if not self._grow(req, n, out):
-                    break  # nothing less important may take what this one could not get
-            elif req.status == RequestStatus.WAITING:
+                    admitting = False  # nobody new may take what this one could not get
+            elif req.status == RequestStatus.WAITING and admitting:
                 verdict = self._admit(req, now, out)
                 if verdict == _STOP:
-                    break
-                if verdict == _SKIP:  # nor may a later request of its class
+                    admitting = False
+                elif verdict == _SKIP:  # nor may a later request of its class
                     held_back.add(req.priority_class.name)
+            # NOTE: requests already running go on even after admissions stop. Whoever stopped
+            # them found no one to preempt, so the rest are at least as important, and their
+            # progress is what frees the seat or the blocks it waits for.
         return out
 
     def _order(self, req: Request, now: float) -> tuple[float, float, float, int]:

@@ -162,6 +162,23 @@ def test_without_aging_the_batch_request_keeps_waiting() -> None:
     finish_all(s)
 
 
+
+def test_an_aged_request_without_a_seat_does_not_stall_the_running_prefill() -> None:
+    """Found by the randomized test: an aged waiting request sorts ahead of a running prefill of
+    its own class, cannot preempt it for the only seat, and used to stop the step there, so the
+    prefill that held the seat never finished and nothing ran again."""
+    s, clock = make(max_num_seqs=1, budget=4, aging_seconds=1.0)
+    running = req(s, clock, 0, 14, LO, max_tokens=2)
+    assert scheduled(step(s)) == [0]  # 4 of its 14 prompt tokens
+    clock.now += 1
+    waiting = req(s, clock, 1, 5, LO)
+    clock.now += 3  # aged ahead of the running prefill, whose rank does not age
+    for _ in range(3):
+        assert scheduled(step(s)) == [0]
+    assert running.num_computed_tokens == 14 and waiting.status == RequestStatus.WAITING
+    finish_all(s)
+
+
 # ------------------------------------------------------------------------------- timeouts
 
 
