@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from inferd.engine.llm_engine import EngineConfig
 from inferd.engine.policy import DEFAULT_CLASSES, PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
@@ -51,11 +51,12 @@ class ModelSettings(_Section):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(default=None, ge=16)
+    cuda_graphs: bool = True  # CUDA only: replay decode steps from graphs captured at start-up
 
 
 class CacheSettings(_Section):
     block_size: int = Field(default=16, ge=1, le=128)
-    kv_cache_memory: float = 2 * 2**30
+    kv_cache_memory: float | None = None  # None ("auto"): 2 GiB on the host, most of the free memory on CUDA
     prefix_caching: bool = True
     swap_space: float = 2**30  # host memory for swapped-out blocks (scheduler.preemption_mode "swap")
 
@@ -68,7 +69,9 @@ class CacheSettings(_Section):
 
     @field_validator("kv_cache_memory", "swap_space", mode="before")
     @classmethod
-    def _memory(cls, value: Any) -> float:
+    def _memory(cls, value: Any, info: ValidationInfo) -> float | None:
+        if info.field_name == "kv_cache_memory" and (value is None or value == "auto"):
+            return None
         return parse_memory(value)
 
 
@@ -213,6 +216,7 @@ class Settings(_Section):
             max_num_seqs=self.scheduler.max_num_seqs,
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
             max_model_len=self.model.max_model_len,
+            cuda_graphs=self.model.cuda_graphs,
             policy=self.policy(),
             enable_prefix_caching=self.cache.prefix_caching,
             swap_space=self.cache.swap_space,

@@ -39,6 +39,24 @@ def num_blocks_for(memory: float, cfg: ModelConfig, block_size: int, dtype: torc
     return int(budget // bytes_per_block(cfg, block_size, dtype))
 
 
+def auto_kv_cache_memory(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_num_batched_tokens: int,
+                         max_num_seqs: int, max_model_len: int) -> float:
+    """The KV cache budget `kv_cache_memory = "auto"` stands for, in bytes. On the host, 2 GiB.
+    On CUDA (call it after the weights are on the device), 90% of the free device memory less
+    twice an estimate of the step's activations, which come out of the same memory."""
+    if device.type != "cuda":
+        return 2 * 2**30
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    # one layer's live tensors per token: residual, norm, qkv, q copy, attention out, gate|up, silu*up
+    per_token = (3 * cfg.hidden_size + 3 * q + 2 * kv + 3 * cfg.intermediate_size) * itemsize
+    logits = max_num_seqs * cfg.vocab_size * 4 * 4  # float32 logits and the sampler's temporaries
+    # a prefill chunk gathers its whole context (K and V) and masks it per query token
+    gather = 2 * max_model_len * kv * itemsize + max_num_batched_tokens * max_model_len
+    activations = max_num_batched_tokens * per_token + logits + gather
+    return max(0.0, 0.9 * available_memory(device) - 2 * activations)
+
+
 def host_blocks_for(swap_space_bytes: float, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Host blocks that fit in `swap_space_bytes` (0 turns swapping off)."""
     if swap_space_bytes < 0:

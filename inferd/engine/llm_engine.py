@@ -20,11 +20,13 @@ import torch
 
 from inferd.engine.admission import Admission
 from inferd.engine.block_manager import BlockManager
-from inferd.engine.kv_cache import KVCache, host_blocks_for, num_blocks_for
+from inferd.engine.cuda_graphs import DecodeGraphs
+from inferd.engine.kv_cache import KVCache, auto_kv_cache_memory, host_blocks_for, num_blocks_for
 from inferd.engine.policy import PriorityClass, SchedulingPolicy, Timeouts
 from inferd.engine.request import Request, RequestStatus
 from inferd.engine.runner import ModelRunner
 from inferd.engine.scheduler import Scheduler
+from inferd.model.attention import CudaAttention, select_attention
 from inferd.model.detokenizer import IncrementalDetokenizer
 from inferd.model.errors import ModelLoadError
 from inferd.model.llama import LlamaModel
@@ -43,7 +45,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on CPU and CUDA
     device: str = "auto"  # auto: cuda when available
     block_size: int = 16
-    kv_cache_memory: float = 2 * 1024**3  # bytes, or a fraction (0, 1] of free memory
+    kv_cache_memory: float | None = 2 * 1024**3  # bytes, a fraction (0, 1] of free memory, or None: auto
+    cuda_graphs: bool = True  # on CUDA, replay decode steps from captured graphs
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's context length
@@ -139,7 +142,11 @@ class LLMEngine:
         self.model_config = model.cfg
         self.max_model_len = min(config.max_model_len or model.cfg.max_position_embeddings,
                                  model.cfg.max_position_embeddings)
-        num_blocks = num_blocks_for(config.kv_cache_memory, model.cfg, config.block_size, model.dtype, model.device)
+        memory = config.kv_cache_memory
+        if memory is None:
+            memory = auto_kv_cache_memory(model.cfg, model.dtype, model.device, config.max_num_batched_tokens,
+                                          config.max_num_seqs, self.max_model_len)
+        num_blocks = num_blocks_for(memory, model.cfg, config.block_size, model.dtype, model.device)
         num_host_blocks = 0
         if config.policy.preemption_mode == "swap":
             num_host_blocks = host_blocks_for(config.swap_space, model.cfg, config.block_size, model.dtype)
@@ -152,7 +159,14 @@ class LLMEngine:
                                    config.policy)
         # the door's bounded queues: the server admits into them, the engine thread releases
         self.admission = Admission(config.policy.classes)
-        self.runner = ModelRunner(model, self.kv_cache)
+        model.set_attention(select_attention(
+            model.device, model.dtype, model.cfg.num_heads, model.cfg.num_kv_heads, model.cfg.head_dim,
+            config.block_size, config.max_num_seqs, self.max_model_len))
+        graphs = None
+        if config.cuda_graphs and isinstance(model.attention, CudaAttention):
+            graphs = DecodeGraphs(model, self.kv_cache, config.max_num_seqs, self.max_model_len)
+            graphs.capture()
+        self.runner = ModelRunner(model, self.kv_cache, graphs=graphs)
         self.last_step_tokens = 0  # tokens computed by the last step (0: it found nothing to run)
         self.requests: dict[int, Request] = {}  # every unfinished choice, by its own id
         self._groups: dict[int, Request] = {}  # request id (as returned by add_request) -> choice 0

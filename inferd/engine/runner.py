@@ -6,12 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
+from inferd.engine.cuda_graphs import DecodeGraphs
 from inferd.engine.kv_cache import KVCache
 from inferd.engine.request import Request
 from inferd.engine.scheduler import ScheduledChunk, SchedulerOutput
-from inferd.kernels import reference
 from inferd.model.llama import LlamaModel, StepAttention
 from inferd.model.sampler import Sampler, SamplerOutput
+from inferd.model.tensors import device_tensor
 
 
 @dataclass
@@ -21,11 +22,13 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, sampler: Sampler | None = None) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, sampler: Sampler | None = None,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.sampler = sampler or Sampler()
         self.device = model.device
+        self.graphs = graphs  # CUDA graphs for decode-only steps, if captured
         self._generators: dict[int, torch.Generator] = {}  # per seeded request, advanced every step
 
     def execute(self, out: SchedulerOutput) -> StepResult:
@@ -34,8 +37,11 @@ class ModelRunner:
         self.kv_cache.swap_in(out.swap_in)
         self.kv_cache.copy_blocks(out.block_copies)
         chunks = out.prefills + out.decodes
-        input_ids, positions, attn, logits_indices = self._prepare(out.prefills, out.decodes)
-        logits = self.model.forward(input_ids, positions, self.kv_cache.layers, attn, logits_indices)
+        if self.graphs is not None and not out.prefills and self.graphs.covers(out.decodes):
+            logits = self.graphs.run(out.decodes)
+        else:
+            input_ids, positions, attn, logits_indices = self._prepare(out.prefills, out.decodes)
+            logits = self.model.forward(input_ids, positions, self.kv_cache.layers, attn, logits_indices)
         # one row per sampling request, plus one per fork (n > 1) that starts from the same logits
         rows: list[Request] = []
         logit_rows: list[int] = []
@@ -104,23 +110,16 @@ class ModelRunner:
         rows = [c.block_table[:w] + [0] * (max_blocks - w) for c, w in zip(chunks, widths)]  # [N, max_blocks]
 
         p = len(prefills)
+        backend = self.model.attention
         attn = StepAttention(
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+            slot_mapping=device_tensor(slot_mapping, torch.int64, device),
             num_prefill_tokens=sum(query_lens[:p]),
-            prefill=self._plan(rows[:p], seq_lens[:p], query_lens[:p]) if p else None,
-            decode=self._plan(rows[p:], seq_lens[p:], query_lens[p:]) if decodes else None,
+            prefill=backend.plan_prefill(rows[:p], seq_lens[:p], query_lens[:p], bs, device) if p else None,
+            decode=backend.plan_decode(rows[p:], seq_lens[p:], bs, device) if decodes else None,
         )
         return (
-            torch.tensor(ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
+            device_tensor(ids, torch.int64, device),
+            device_tensor(positions, torch.int64, device),
             attn,
-            torch.tensor(logits_indices, dtype=torch.int64, device=device),
-        )
-
-    def _plan(self, rows: list[list[int]], seq_lens: list[int], query_lens: list[int]) -> reference.AttentionPlan:
-        return reference.plan_attention(
-            torch.tensor(rows, dtype=torch.int64, device=self.device),  # [n, max_blocks]
-            torch.tensor(seq_lens, dtype=torch.int64, device=self.device),  # [n]
-            torch.tensor(query_lens, dtype=torch.int64, device=self.device),  # [n]
-            self.kv_cache.block_size,
+            device_tensor(logits_indices, torch.int64, device),
         )

@@ -52,11 +52,15 @@ def plan_attention(
     seq_lens: torch.Tensor,  # [N] int64: context length, the new tokens included
     query_lens: torch.Tensor,  # [N] int64: new tokens per sequence (the last query_len of the context)
     block_size: int,
+    *,
+    max_seq_len: int | None = None,  # max(seq_lens) and max(query_lens) when the caller knows
+    max_query_len: int | None = None,  # them on the host; else read (on a GPU, a host sync)
+    num_query_tokens: int | None = None,  # sum(query_lens), likewise
 ) -> AttentionPlan:
     device = block_tables.device
     n = block_tables.shape[0]
-    max_len = int(seq_lens.max())
-    max_q = int(query_lens.max())
+    max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    max_q = int(query_lens.max()) if max_query_len is None else max_query_len
     positions = torch.arange(max_len, device=device)  # [L]
     block_idx = (positions // block_size).clamp(max=block_tables.shape[1] - 1)
     slots = block_tables.long()[:, block_idx] * block_size + positions % block_size  # [N, L]
@@ -69,8 +73,8 @@ def plan_attention(
     pad_index = None
     if max_q > 1:
         starts = torch.cumsum(query_lens, 0) - query_lens  # [N]
-        seq_of_token = torch.repeat_interleave(torch.arange(n, device=device), query_lens)
-        offset_in_seq = torch.arange(int(query_lens.sum()), device=device) - starts[seq_of_token]
+        seq_of_token = torch.repeat_interleave(torch.arange(n, device=device), query_lens, output_size=num_query_tokens)
+        offset_in_seq = torch.arange(seq_of_token.shape[0], device=device) - starts[seq_of_token]
         pad_index = seq_of_token * max_q + offset_in_seq
     return AttentionPlan(n, max_q, slots, mask[:, None], pad_index)
 

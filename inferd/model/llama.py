@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from inferd.kernels import reference
+from inferd.model.attention import TorchAttention
 from inferd.model.config import ModelConfig
 from inferd.model.errors import ModelLoadError
 
@@ -21,10 +21,10 @@ from inferd.model.errors import ModelLoadError
 class StepAttention:
     """What every layer's attention needs for one step; built once by the runner."""
 
-    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (negative: padding, skipped)
     num_prefill_tokens: int  # tokens [0, num_prefill_tokens) are prefill chunks, the rest decodes
-    prefill: reference.AttentionPlan | None
-    decode: reference.AttentionPlan | None
+    prefill: object | None  # the attention backend's plans (see inferd.model.attention)
+    decode: object | None
 
 
 class RMSNorm:
@@ -41,8 +41,9 @@ class RMSNorm:
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, attention: TorchAttention) -> None:
         self.cfg = cfg
+        self.attention = attention
         self.attn_norm = RMSNorm(w[f"{prefix}.attn_norm"], cfg.rms_norm_eps)
         self.mlp_norm = RMSNorm(w[f"{prefix}.mlp_norm"], cfg.rms_norm_eps)
         self.qkv = torch.cat([w[f"{prefix}.q"], w[f"{prefix}.k"], w[f"{prefix}.v"]])  # [q+2kv, hidden]
@@ -73,13 +74,13 @@ class DecoderLayer:
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         key_cache, value_cache = kv_cache
-        reference.write_kv(k, v, key_cache, value_cache, attn.slot_mapping)
+        self.attention.write_kv(k, v, key_cache, value_cache, attn.slot_mapping)
         p = attn.num_prefill_tokens
         parts = []
         if attn.prefill is not None:
-            parts.append(reference.attention_planned(q[:p], key_cache, value_cache, attn.prefill, self.scale))
+            parts.append(self.attention.prefill(q[:p], key_cache, value_cache, attn.prefill, self.scale))
         if attn.decode is not None:
-            parts.append(reference.attention_planned(q[p:], key_cache, value_cache, attn.decode, self.scale))
+            parts.append(self.attention.decode(q[p:], key_cache, value_cache, attn.decode, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         x = x + F.linear(out.reshape(t, cfg.q_size), self.o)
         # mlp
@@ -99,10 +100,12 @@ class LlamaModel:
         check_shapes(cfg, weights)
         self.cfg = cfg
         self.dtype = dtype
+        # the engine swaps in CudaAttention on a GPU (set_attention), once it knows the cache shape
+        self.attention = TorchAttention()
         self.embed = weights["embed"]  # [vocab, hidden]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head"]  # [vocab, hidden]
         self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
-        self.layers = [DecoderLayer(cfg, weights, f"layers.{i}") for i in range(cfg.num_layers)]
+        self.layers = [DecoderLayer(cfg, weights, f"layers.{i}", self.attention) for i in range(cfg.num_layers)]
         # Rotary tables for every position, computed once like transformers does per forward.
         positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(positions, cfg.rope_inv_freq())  # [max_pos, head_dim // 2]
@@ -114,6 +117,11 @@ class LlamaModel:
     @property
     def device(self) -> torch.device:
         return self.embed.device
+
+    def set_attention(self, attention: TorchAttention) -> None:
+        self.attention = attention
+        for layer in self.layers:
+            layer.attention = attention
 
     @torch.inference_mode()
     def forward(

@@ -26,12 +26,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize
 
 from inferd.model.config import ModelConfig, config_from_gguf, config_from_hf
 from inferd.model.errors import ModelLoadError
-from inferd.model.gguf_file import GGUFFile
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -66,11 +63,8 @@ _HF_LAYER_NAMES = {
 }
 # Types that gguf.quants can turn back into floats; everything else is named in the error.
 _GGUF_DEQUANTIZABLE = {
-    GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q5_1, GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q2_K,
-    GGMLQuantizationType.Q3_K, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K,
-    GGMLQuantizationType.Q6_K, GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.IQ4_XS,
+    "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+    "IQ4_NL", "IQ4_XS",
 }
 
 
@@ -113,13 +107,19 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
+    # NOTE: imported here, so that Hugging Face folders load where the gguf package is absent
+    # (a bare GPU box running bench/gpu_check.sh)
+    from gguf.quants import dequantize
+
+    from inferd.model.gguf_file import GGUFFile
+
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf.metadata, str(path))
     unpermute = {"q": config.num_heads, "k": config.num_kv_heads} if config.architecture == "llama" else {}
 
     def load(name: str) -> np.ndarray:
         info = gguf.tensors[name]
-        if info.ggml_type not in _GGUF_DEQUANTIZABLE:
+        if info.ggml_type.name not in _GGUF_DEQUANTIZABLE:
             raise ModelLoadError(f"{path}: tensor {name!r} has unsupported type {info.ggml_type.name}")
         try:
             array = dequantize(gguf.raw(name), info.ggml_type)

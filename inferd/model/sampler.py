@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from inferd.model.sampling_params import SamplingParams
+from inferd.model.tensors import device_tensor, to_device
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:  # [B, V] float32 -> [B] long, ties to the lowest id
@@ -53,7 +54,7 @@ def apply_penalties(
     for i, ids in enumerate(output_token_ids):
         if ids:
             padded[i, : len(ids)] = torch.as_tensor(ids, dtype=torch.long)
-    padded = padded.to(logits.device)
+    padded = to_device(padded, logits.device)
     counts = torch.zeros(B, V + 1, dtype=logits.dtype, device=logits.device)  # [B, V + 1]
     counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=logits.dtype))
     counts = counts[:, :V]  # [B, V]
@@ -117,8 +118,8 @@ class Sampler:
         if not any(p.has_penalties for p in params):
             return logits
         dev = logits.device
-        presence = torch.tensor([p.presence_penalty for p in params], device=dev)  # [B]
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=dev)  # [B]
+        presence = device_tensor([p.presence_penalty for p in params], torch.float32, dev)  # [B]
+        frequency = device_tensor([p.frequency_penalty for p in params], torch.float32, dev)  # [B]
         return apply_penalties(logits, presence, frequency, output_token_ids)
 
     def filter(
@@ -130,17 +131,17 @@ class Sampler:
         dev, V = logits.device, logits.shape[1]
         if any(p.temperature not in (0.0, 1.0) for p in params):
             # greedy rows divide by 1: their argmax is taken from the penalized logits anyway
-            temp = torch.tensor([p.temperature or 1.0 for p in params], device=dev)  # [B]
+            temp = device_tensor([p.temperature or 1.0 for p in params], torch.float32, dev)  # [B]
             logits = logits / temp[:, None]
         need_k = any(p.top_k > 0 for p in params)
         need_p = any(p.top_p < 1 for p in params)
         if need_k or need_p:
-            top_k = torch.tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params],
-                                 device=dev) if need_k else None  # [B]
-            top_p = torch.tensor([p.top_p for p in params], device=dev) if need_p else None  # [B]
+            top_k = device_tensor([min(p.top_k, V) if p.top_k > 0 else V for p in params],
+                                  torch.int64, dev) if need_k else None  # [B]
+            top_p = device_tensor([p.top_p for p in params], torch.float32, dev) if need_p else None  # [B]
             logits = apply_top_k_top_p(logits, top_k, top_p)
         if any(p.min_p > 0 for p in params):
-            logits = apply_min_p(logits, torch.tensor([p.min_p for p in params], device=dev))
+            logits = apply_min_p(logits, device_tensor([p.min_p for p in params], torch.float32, dev))
         return logits
 
     def _sample(
@@ -162,7 +163,7 @@ class Sampler:
                 q[i].exponential_(generator=generators[i])
         token_ids = _argmax(probs / q)  # [B]
         if any(greedy):
-            mask = torch.tensor(greedy, device=logits.device)  # [B] bool
+            mask = device_tensor(greedy, torch.bool, logits.device)  # [B] bool
             token_ids = torch.where(mask, _argmax(logits), token_ids)
         return token_ids
 

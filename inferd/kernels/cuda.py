@@ -1,0 +1,291 @@
+"""The CUDA path's kernels: CUDA C in `csrc/`, compiled at run time by NVRTC through CuPy and
+launched on torch's current stream.
+
+Each kernel is a template; a specialization (dtype, head size, block size, GQA group) is compiled
+the first time it is asked for and kept (CuPy also caches the binary on disk). Tensors cross from
+torch to the kernels as raw device pointers, without copies; a launch neither allocates nor
+synchronizes, so it can be captured in a CUDA graph (call each specialization once before
+capturing, so that its compilation happens outside the capture).
+
+The pure-torch functions in `reference.py` are the specification; `tests/kernels/test_cuda_*.py`
+check every kernel against them.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+import os
+import site
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from inferd.kernels import reference
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = ("reshape_and_cache.cu", "paged_attention.cu")
+
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+HEAD_SIZES = (64, 128, 256)
+BLOCK_SIZES = (16, 32)
+_CTYPE = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+
+THREADS = 128  # per CTA of the decode kernels (kDecodeThreads in paged_attention.cu)
+PARTITION_ALIGN = 128  # partition sizes are multiples of this (and so of every block size)
+MIN_PARTITION_SIZE = 256  # the split variant never cuts a context finer than this
+PARTITION_SIZE = 512  # a typical partition; tests probe context lengths around it
+_WHOLE_CONTEXT = 1 << 30  # the partition size that means "one partition": the single-pass kernel
+
+
+def is_available() -> bool:
+    """CuPy is installed and torch sees a CUDA device."""
+    return importlib.util.find_spec("cupy") is not None and torch.cuda.is_available()
+
+
+def supports(dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
+    """Whether these kernels cover a model and cache of this shape."""
+    return dtype in DTYPES and head_dim in HEAD_SIZES and block_size in BLOCK_SIZES
+
+
+# ------------------------------------------------------------------------------ compiling
+
+
+def include_dirs() -> list[str]:
+    """csrc/ and, where the nvidia-cuda-runtime wheel is installed, its CUDA headers
+    (cuda_fp16.h, cuda_bf16.h), so that NVRTC compiles without a CUDA toolkit."""
+    dirs = [str(CSRC)]
+    for root in [*site.getsitepackages(), site.getusersitepackages()]:
+        for sub in ("nvidia/cu13/include", "nvidia/cuda_runtime/include"):
+            if os.path.isfile(os.path.join(root, sub, "cuda_fp16.h")):
+                dirs.append(os.path.join(root, sub))
+    return dirs
+
+
+def compile_options() -> tuple[str, ...]:
+    return ("-std=c++17", *(f"-I{d}" for d in include_dirs()))
+
+
+def source(name: str) -> str:
+    return (CSRC / name).read_text()
+
+
+def decode_kernel_name(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> str:
+    return f"paged_decode<{_CTYPE[dtype]}, {head_dim}, {block_size}, {group}>"
+
+
+def reduce_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
+    return f"paged_decode_reduce<{_CTYPE[dtype]}, {head_dim}>"
+
+
+def cache_kernel_name(dtype: torch.dtype) -> str:
+    return f"reshape_and_cache<{_CTYPE[dtype]}>"
+
+
+def covering_specializations() -> dict[str, list[str]]:
+    """Per source file, a set of specializations that takes every code path: each kernel at every
+    dtype x head size x block size (what changes vector widths, lanes per row and passes per
+    block), and the decode kernel at the GQA groups of common models (SmolLM2: 3, Llama 3: 4).
+    CI compiles these for each target architecture; bench/kernel_resources.py reports them."""
+    return {
+        "reshape_and_cache.cu": [cache_kernel_name(dt) for dt in DTYPES],
+        "paged_attention.cu": [
+            *(decode_kernel_name(dt, hd, bs, 4) for dt in DTYPES for hd in HEAD_SIZES for bs in BLOCK_SIZES),
+            *(decode_kernel_name(torch.bfloat16, 64, 16, g) for g in (1, 3, 8)),
+            *(reduce_kernel_name(dt, hd) for dt in DTYPES for hd in HEAD_SIZES),
+        ],
+    }
+
+
+@functools.cache
+def _kernel(file: str, name: str, device_index: int):  # -> cupy.RawKernel
+    import cupy
+
+    with cupy.cuda.Device(device_index):
+        module = cupy.RawModule(code=source(file), options=compile_options(), name_expressions=[name])
+        return module.get_function(name)
+
+
+# ------------------------------------------------------------------------------ launching
+
+
+@functools.cache
+def _external_stream(handle: int, device_index: int):  # -> cupy.cuda.ExternalStream
+    import cupy
+
+    return cupy.cuda.ExternalStream(handle, device_index)
+
+
+def _launch(kernel, device: torch.device, grid: tuple[int, ...], args: tuple) -> None:
+    stream = _external_stream(torch.cuda.current_stream(device).cuda_stream, device.index or 0)
+    with stream:
+        kernel(grid, (THREADS,), args)
+
+
+def _ptr(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+@functools.cache
+def num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [T, n_kv, D], heads and dims contiguous (a row may be a strided slice)
+    value: torch.Tensor,  # [T, n_kv, D], likewise
+    key_cache: torch.Tensor,  # [num_blocks, block_size, n_kv, D], contiguous
+    value_cache: torch.Tensor,  # [num_blocks, block_size, n_kv, D], contiguous
+    slot_mapping: torch.Tensor,  # [T] int64; negative: skip this row
+) -> None:
+    """Store each token's K and V in its cache slot (spec: `reference.write_kv`)."""
+    num_tokens, n_kv, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    for name, t in (("key", key), ("value", value)):
+        if t.stride(2) != 1 or t.stride(1) != head_dim:
+            raise ValueError(f"{name}: heads and dims must be contiguous, got strides {t.stride()}")
+        if t.dtype != key_cache.dtype:
+            raise ValueError(f"{name} is {t.dtype}, the cache {key_cache.dtype}")
+    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+        raise ValueError("the caches must be contiguous")
+    if slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
+    kernel = _kernel("reshape_and_cache.cu", cache_kernel_name(key.dtype), key.device.index or 0)
+    args = (_ptr(key), _ptr(value), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping),
+            np.int64(key.stride(0)), np.int64(value.stride(0)), np.int32(n_kv * head_dim))
+    _launch(kernel, key.device, (num_tokens,), args)
+
+
+# ------------------------------------------------------------------------------ decode
+
+
+class DecodeWorkspace:
+    """Scratch of the split variant, allocated once (a captured graph may not allocate): each
+    partition's normalized output, max score and exp-sum, for up to `max_num_seqs` sequences of
+    `num_heads` heads in `max_partitions` partitions."""
+
+    def __init__(self, max_num_seqs: int, num_heads: int, head_dim: int, max_partitions: int,
+                 device: torch.device | str) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.max_partitions = max_partitions
+        rows = max_num_seqs * num_heads * max_partitions
+        self.part_out = torch.empty(rows * head_dim, dtype=torch.float32, device=device)
+        self.part_max = torch.empty(rows, dtype=torch.float32, device=device)
+        self.part_sum = torch.empty(rows, dtype=torch.float32, device=device)
+
+    def fits(self, num_seqs: int, num_heads: int, head_dim: int, num_partitions: int) -> bool:
+        return num_seqs * num_heads * num_partitions <= self.max_num_seqs * self.num_heads * self.max_partitions \
+            and head_dim == self.head_dim
+
+
+def choose_num_partitions(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """How many partitions to cut each context into. One (the single-pass kernel) when the
+    (sequence, KV head) pairs alone give every multiprocessor two CTAs; otherwise enough
+    partitions for about four CTAs per multiprocessor, none shorter than MIN_PARTITION_SIZE."""
+    pairs = num_seqs * num_kv_heads
+    if pairs >= 2 * num_sms:
+        return 1
+    by_length = max_seq_len // MIN_PARTITION_SIZE
+    return max(1, min(by_length, math.ceil(4 * num_sms / max(pairs, 1))))
+
+
+def partition_layout(max_seq_len: int, num_partitions: int) -> tuple[int, int]:
+    """(partition size, partitions actually needed) for contexts up to `max_seq_len` cut into
+    about `num_partitions` parts; the size is a multiple of PARTITION_ALIGN."""
+    if num_partitions <= 1:
+        return _WHOLE_CONTEXT, 1
+    size = math.ceil(math.ceil(max_seq_len / num_partitions) / PARTITION_ALIGN) * PARTITION_ALIGN
+    return size, max(1, math.ceil(max_seq_len / size))
+
+
+def decode_attention(
+    query: torch.Tensor,  # [N, H, D], contiguous
+    key_cache: torch.Tensor,  # [num_blocks, block_size, n_kv, D], contiguous
+    value_cache: torch.Tensor,  # [num_blocks, block_size, n_kv, D], contiguous
+    block_tables: torch.Tensor,  # [N, max_blocks] int32
+    seq_lens: torch.Tensor,  # [N] int32: context length incl. the new token; 0 = padding row
+    scale: float,
+    *,
+    max_seq_len: int | None = None,  # a bound on seq_lens; None reads it (a host sync)
+    num_partitions: int | None = None,  # None: choose_num_partitions; 1: the single-pass kernel
+    out: torch.Tensor | None = None,  # [N, H, D]
+    workspace: DecodeWorkspace | None = None,  # for the split variant; None allocates one
+) -> torch.Tensor:
+    """One query token per sequence against its paged context (spec: `reference.decode_attention`).
+    Capturable in a CUDA graph when max_seq_len, num_partitions, out and workspace are given."""
+    n, num_heads, head_dim = query.shape
+    _, block_size, n_kv, _ = key_cache.shape
+    if num_heads % n_kv:
+        raise ValueError(f"{num_heads} query heads do not share {n_kv} KV heads evenly")
+    if not supports(query.dtype, head_dim, block_size):
+        raise ValueError(f"no decode kernel for {query.dtype}, head size {head_dim}, block size {block_size}")
+    if query.dtype != key_cache.dtype or not (query.is_contiguous() and key_cache.is_contiguous()
+                                              and value_cache.is_contiguous()):
+        raise ValueError("query and caches must be contiguous and of one dtype")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or not block_tables.is_contiguous():
+        raise ValueError("block_tables (contiguous) and seq_lens must be int32")
+    if out is None:
+        out = torch.empty_like(query)
+    if n == 0:
+        return out
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    index = query.device.index or 0  # (a CUDA tensor always names its device)
+    if num_partitions is None:
+        num_partitions = choose_num_partitions(n, n_kv, max_seq_len, num_sms(index))
+    partition_size, num_partitions = partition_layout(max(max_seq_len, 1), num_partitions)
+    group = num_heads // n_kv
+    decode = _kernel("paged_attention.cu", decode_kernel_name(query.dtype, head_dim, block_size, group), index)
+    common = (_ptr(query), _ptr(key_cache), _ptr(value_cache), _ptr(block_tables), _ptr(seq_lens),
+              np.int32(block_tables.shape[1]), np.float32(scale), np.int32(partition_size))
+    if num_partitions == 1:
+        null = np.uint64(0)
+        _launch(decode, query.device, (n_kv, n, 1), (_ptr(out), null, null, null, *common))
+        return out
+    if workspace is None:
+        workspace = DecodeWorkspace(n, num_heads, head_dim, num_partitions, query.device)
+    elif not workspace.fits(n, num_heads, head_dim, num_partitions):
+        raise ValueError("the decode workspace is too small for this batch")
+    reduce = _kernel("paged_attention.cu", reduce_kernel_name(query.dtype, head_dim), index)
+    parts = (_ptr(workspace.part_out), _ptr(workspace.part_max), _ptr(workspace.part_sum))
+    _launch(decode, query.device, (n_kv, n, num_partitions), (_ptr(out), *parts, *common))
+    _launch(reduce, query.device, (num_heads, n),
+            (_ptr(out), *parts, _ptr(seq_lens), np.int32(num_partitions), np.int32(partition_size)))
+    return out
+
+
+# ------------------------------------------------------------------------------ prefill
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [T, H, D]: each sequence's chunk, concatenated
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [N, max_blocks]
+    query_lens: torch.Tensor,  # [N]
+    seq_lens: torch.Tensor,  # [N]
+    scale: float,
+) -> torch.Tensor:  # [T, H, D]
+    """Prefill chunks over the paged cache: the context is gathered into a contiguous buffer and
+    torch's fused SDPA (its memory-efficient kernel, which takes the causal-with-prefix mask)
+    does the rest. The gather reads each cached row once per chunk, which the chunk's own
+    quadratic work dwarfs; see bench/RESULTS.md for the measurement owed on a GPU."""
+    return reference.prefill_attention(query, key_cache, value_cache, block_tables.long(), query_lens.long(),
+                                       seq_lens.long(), scale)
+
+
+@dataclass
+class DecodePlan:
+    """What each layer's decode attention needs on the CUDA path, built once per step."""
+
+    block_tables: torch.Tensor  # [N, max_blocks] int32
+    seq_lens: torch.Tensor  # [N] int32
+    max_seq_len: int  # a bound on seq_lens, known on the host
+    num_partitions: int
+    workspace: DecodeWorkspace | None

@@ -1,0 +1,111 @@
+"""Attention backends: how a decoder layer writes its new K/V into the paged cache and attends
+over it. The runner asks the model's backend for per-step plans; every layer then runs the
+backend with them.
+
+- `TorchAttention`: the pure-torch reference (`inferd.kernels.reference`); the CPU path, and the
+  fallback for shapes the CUDA kernels do not cover.
+- `CudaAttention`: our CUDA kernels (`inferd.kernels.cuda`) for the cache writes and decode;
+  prefill chunks gather their context and call torch's fused SDPA, as the reference does.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from inferd.kernels import reference
+from inferd.model.tensors import device_tensor
+
+log = logging.getLogger(__name__)
+
+
+class TorchAttention:
+    name = "torch"
+
+    def plan_prefill(self, block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
+                     block_size: int, device: torch.device) -> reference.AttentionPlan:
+        return reference.plan_attention(
+            device_tensor(block_tables, torch.int64, device),  # [N, max_blocks]
+            device_tensor(seq_lens, torch.int64, device),  # [N]
+            device_tensor(query_lens, torch.int64, device),  # [N]
+            block_size,
+            max_seq_len=max(seq_lens), max_query_len=max(query_lens), num_query_tokens=sum(query_lens),
+        )
+
+    def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,
+                    device: torch.device) -> object:
+        return self.plan_prefill(block_tables, seq_lens, [1] * len(seq_lens), block_size, device)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: object,
+                scale: float) -> torch.Tensor:
+        return reference.attention_planned(query, key_cache, value_cache, plan, scale)  # type: ignore[arg-type]
+
+    def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: object,
+               scale: float) -> torch.Tensor:
+        return reference.attention_planned(query, key_cache, value_cache, plan, scale)  # type: ignore[arg-type]
+
+
+class CudaAttention(TorchAttention):
+    """Decode and cache writes through our kernels. The decode plan carries host-known bounds
+    (max context, partition count) so that no layer reads anything back from the device."""
+
+    name = "cuda"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, max_model_len: int,
+                 device: torch.device) -> None:
+        from inferd.kernels import cuda
+
+        self._cuda = cuda
+        self.num_kv_heads = num_kv_heads
+        self.num_sms = cuda.num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        # the split variant's scratch, sized for the worst case once, shared by all layers
+        # (they run one after another on one stream)
+        max_partitions = max(cuda.partition_layout(max_model_len, cuda.choose_num_partitions(
+            n, num_kv_heads, max_model_len, self.num_sms))[1] for n in range(1, max_num_seqs + 1))
+        self.workspace = cuda.DecodeWorkspace(max_num_seqs, num_heads, head_dim, max_partitions, device)
+
+    def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,
+                    device: torch.device) -> object:
+        return self.decode_plan(device_tensor(block_tables, torch.int32, device),
+                                device_tensor(seq_lens, torch.int32, device), max(seq_lens))
+
+    def decode_plan(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int) -> object:
+        """A plan over device tensors (a captured graph's static buffers, say)."""
+        num_partitions = self._cuda.choose_num_partitions(seq_lens.shape[0], self.num_kv_heads, max_seq_len,
+                                                          self.num_sms)
+        return self._cuda.DecodePlan(block_tables, seq_lens, max_seq_len, num_partitions, self.workspace)
+
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        self._cuda.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: object,
+               scale: float) -> torch.Tensor:
+        return self._cuda.decode_attention(
+            query.contiguous(), key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,  # type: ignore[attr-defined]
+            max_seq_len=plan.max_seq_len, num_partitions=plan.num_partitions,  # type: ignore[attr-defined]
+            workspace=plan.workspace)  # type: ignore[attr-defined]
+
+
+def select_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                     block_size: int, max_num_seqs: int, max_model_len: int) -> TorchAttention:
+    """Our CUDA kernels where the device, CuPy and the shapes allow; otherwise the reference."""
+    if device.type != "cuda":
+        return TorchAttention()
+    from inferd.kernels import cuda
+
+    if not cuda.is_available():
+        log.warning("CuPy is not installed (pip install 'inferd[cuda]'): attention runs on the torch reference")
+        return TorchAttention()
+    if not cuda.supports(dtype, head_dim, block_size):
+        log.warning("no CUDA kernel for %s, head size %d, block size %d (kernels cover head sizes %s, block sizes "
+                    "%s): attention runs on the torch reference", dtype, head_dim, block_size, cuda.HEAD_SIZES,
+                    cuda.BLOCK_SIZES)
+        return TorchAttention()
+    return CudaAttention(num_heads, num_kv_heads, head_dim, max_num_seqs, max_model_len, device)
+

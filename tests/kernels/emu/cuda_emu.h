@@ -1,0 +1,149 @@
+// A CPU stand-in for CUDA's execution model, enough to run inferd's kernel sources on the host
+// (tests only). Every CUDA thread of a CTA is a fiber (ucontext) on one OS thread, resumed round
+// robin; CTAs run one after another.
+//   __syncthreads      a barrier over the CTA's fibers
+//   __shfl_xor_sync    lanes exchange through memory between two barriers of their warp
+//   __shared__         a static: one copy, which the (sequential) CTAs take turns using
+// It checks what real hardware would fault on: vector loads from misaligned addresses.
+#pragma once
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __restrict__ __restrict
+#define __shared__ static
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(8) float2 {
+    float x, y;
+};
+
+namespace emu {
+inline dim3 grid_dim, block_dim, thread_idx, block_idx;
+
+struct Barrier {
+    unsigned expected = 0, arrived = 0, generation = 0;
+};
+inline Barrier cta_barrier;
+inline Barrier warp_barriers[32];
+inline float warp_lanes[32][32];  // [warp][lane]: the values in flight of one shuffle
+
+struct Fiber {
+    ucontext_t context;
+    std::vector<char> stack;
+    bool done = false;
+};
+inline ucontext_t scheduler;
+inline Fiber* fibers = nullptr;
+inline unsigned current = 0;
+inline std::function<void()> body;
+
+inline void yield() { swapcontext(&fibers[current].context, &scheduler); }
+
+inline void wait(Barrier& b) {
+    const unsigned generation = b.generation;
+    if (++b.arrived == b.expected) {
+        b.arrived = 0;
+        ++b.generation;
+        return;
+    }
+    while (b.generation == generation) yield();
+}
+
+inline void fiber_main() {
+    body();
+    fibers[current].done = true;
+    swapcontext(&fibers[current].context, &scheduler);
+}
+
+template <typename Kernel, typename... Args>
+void launch(dim3 grid, dim3 block, Kernel kernel, Args... args) {
+    const unsigned n = block.x * block.y * block.z;
+    grid_dim = grid;
+    block_dim = block;
+    std::vector<Fiber> pool(n);
+    fibers = pool.data();
+    body = [=] { kernel(args...); };
+    for (unsigned z = 0; z < grid.z; ++z)
+        for (unsigned y = 0; y < grid.y; ++y)
+            for (unsigned x = 0; x < grid.x; ++x) {
+                block_idx = dim3{x, y, z};
+                cta_barrier = Barrier{n};
+                for (unsigned w = 0; w < (n + 31) / 32; ++w) warp_barriers[w] = Barrier{std::min(32u, n - 32 * w)};
+                for (auto& f : pool) {
+                    f.done = false;
+                    f.stack.resize(256 * 1024);
+                    getcontext(&f.context);
+                    f.context.uc_stack.ss_sp = f.stack.data();
+                    f.context.uc_stack.ss_size = f.stack.size();
+                    f.context.uc_link = nullptr;
+                    makecontext(&f.context, fiber_main, 0);
+                }
+                for (unsigned live = n; live > 0;) {
+                    live = 0;
+                    for (current = 0; current < n; ++current) {
+                        if (pool[current].done) continue;
+                        thread_idx = dim3{current, 0, 0};
+                        swapcontext(&scheduler, &pool[current].context);
+                        live += !pool[current].done;
+                    }
+                }
+            }
+    fibers = nullptr;
+}
+}  // namespace emu
+
+#define threadIdx emu::thread_idx
+#define blockIdx emu::block_idx
+#define gridDim emu::grid_dim
+#define blockDim emu::block_dim
+
+inline void __syncthreads() { emu::wait(emu::cta_barrier); }
+
+inline float __shfl_xor_sync(unsigned, float value, int offset) {
+    const unsigned warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    emu::warp_lanes[warp][lane] = value;
+    emu::wait(emu::warp_barriers[warp]);
+    const float other = emu::warp_lanes[warp][lane ^ offset];
+    emu::wait(emu::warp_barriers[warp]);
+    return other;
+}
+
+inline float __int_as_float(int bits) {
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+using std::max;
+using std::min;
+
+// reinterpret_cast<const uint4*>/<const float4*> of a misaligned address faults on a GPU
+#define INFERD_CHECK_ALIGNED(p, n)                                                   \
+    do {                                                                                 \
+        if (reinterpret_cast<uintptr_t>(p) % (n)) {                                      \
+            fprintf(stderr, "misaligned %d-byte access at %p\n", (int)(n), (const void*)(p)); \
+            abort();                                                                     \
+        }                                                                                \
+    } while (0)

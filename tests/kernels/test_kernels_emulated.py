@@ -1,0 +1,117 @@
+"""The CUDA kernels, run on the CPU through an emulation of CUDA's threads (cuda_emulator.py),
+against the torch reference, on every machine.
+
+Their source is compiled by g++ and launched through `inferd.kernels.cuda`'s own host code, so
+indexing, partitioning, the online softmax, the warp and CTA reductions and the split-context
+reduce step are checked where CI runs (it has no GPU); tests/kernels/test_cuda_kernels.py covers
+the same and more on a real device. Shapes are small: the emulated CUDA threads take turns on one core.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import cuda_emulator
+from inferd.kernels import cuda, reference
+
+pytestmark = pytest.mark.skipif(cuda_emulator.compiler() is None, reason="needs g++ to build the CPU emulation")
+
+# (dtype, head size, block size, GQA group): together they take every path through the kernels:
+# 16-byte K rows per lane group of 8, 16 and 32 lanes and of 2 vectors per lane (float32, 256),
+# V rows combined by shuffles (fewer than 32 lanes per row) and across warps (32 and 64)
+CASES = [
+    (torch.float32, 64, 16, 3),
+    (torch.float16, 64, 32, 3),
+    (torch.bfloat16, 128, 16, 4),
+    (torch.float32, 128, 32, 1),
+    (torch.bfloat16, 256, 16, 2),
+    (torch.float32, 256, 16, 1),
+]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # as test_cuda_kernels
+GARBAGE = 30.0  # unowned cache slots: a kernel that reads one gets a visibly wrong answer
+
+
+@pytest.fixture(scope="module")
+def emulated(tmp_path_factory: pytest.TempPathFactory):
+    names = [cuda.cache_kernel_name(dt) for dt in cuda.DTYPES]
+    names += [cuda.decode_kernel_name(*case) for case in CASES]
+    names += sorted({cuda.reduce_kernel_name(dt, hd) for dt, hd, _, _ in CASES})
+    return cuda_emulator.build(names, tmp_path_factory.mktemp("cuda_emulator"))
+
+
+@pytest.fixture
+def kernels(emulated, monkeypatch: pytest.MonkeyPatch):
+    cuda_emulator.install(monkeypatch, emulated)
+    return cuda
+
+
+def paged(lengths: list[int], block_size: int, n_kv: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator):
+    """K/V caches with each sequence in shuffled blocks and garbage everywhere else, and block
+    tables ([N, widest + 2] int32) whose unused columns point at random blocks."""
+    needed = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(needed) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.randint(0, num_blocks, (len(lengths), max(needed) + 2), generator=gen, dtype=torch.int32)
+    shape = (num_blocks, block_size, n_kv, head_dim)
+    key_cache, value_cache = (GARBAGE * torch.randn(shape, generator=gen) for _ in range(2))
+    for s, n in enumerate(lengths):
+        tables[s, : needed[s]] = torch.tensor([order.pop() for _ in range(needed[s])], dtype=torch.int32)
+        positions = torch.arange(n)
+        slots = tables[s, positions // block_size].long() * block_size + positions % block_size
+        reference.write_kv(torch.randn(n, n_kv, head_dim, generator=gen), torch.randn(n, n_kv, head_dim, generator=gen),
+                           key_cache, value_cache, slots)
+    return key_cache.to(dtype), value_cache.to(dtype), tables
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}-b{c[2]}-g{c[3]}")
+def test_decode_single_pass_and_split_match_the_reference(kernels, case) -> None:
+    dtype, head_dim, block_size, group = case
+    gen = torch.Generator().manual_seed(head_dim + block_size + group)
+    n_kv = 2 if head_dim < 256 else 1
+    lengths = [1, block_size + 1, 0, 2 * block_size - 1, 520]  # a padding row; tiles past 4 blocks
+    key_cache, value_cache, tables = paged(lengths, block_size, n_kv, head_dim, dtype, gen)
+    query = torch.randn(len(lengths), n_kv * group, head_dim, generator=gen).to(dtype)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    live = seq_lens > 0
+    expected = reference.decode_attention(query[live].float(), key_cache.float(), value_cache.float(),
+                                          tables[live].long(), seq_lens[live].long(), head_dim**-0.5)
+    tol = TOLERANCE[dtype]
+    for num_partitions in (1, 3):  # 3: partitions of 256 tokens, the last one ragged
+        out = kernels.decode_attention(query, key_cache, value_cache, tables, seq_lens, head_dim**-0.5,
+                                       num_partitions=num_partitions)
+        torch.testing.assert_close(out[live].float(), expected, atol=tol, rtol=tol)
+        assert torch.equal(out[~live], torch.zeros_like(out[~live]))
+
+
+def test_split_workspace_can_be_larger_than_the_batch(kernels) -> None:
+    dtype, head_dim, block_size, group = CASES[0]
+    gen = torch.Generator().manual_seed(5)
+    lengths = [300, 7]
+    key_cache, value_cache, tables = paged(lengths, block_size, 2, head_dim, dtype, gen)
+    query = torch.randn(2, 2 * group, head_dim, generator=gen)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    workspace = cuda.DecodeWorkspace(8, 2 * group, head_dim, max_partitions=4, device="cpu")
+    out = torch.full_like(query, float("nan"))
+    result = kernels.decode_attention(query, key_cache, value_cache, tables, seq_lens, head_dim**-0.5,
+                                      max_seq_len=512, num_partitions=2, out=out, workspace=workspace)
+    assert result.data_ptr() == out.data_ptr()
+    expected = reference.decode_attention(query, key_cache, value_cache, tables.long(), seq_lens.long(), head_dim**-0.5)
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", cuda.DTYPES, ids=str)
+def test_reshape_and_cache_is_bit_exact(kernels, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(1)
+    n_q, n_kv, head_dim, block_size, num_blocks, num_tokens = 6, 2, 64, 16, 8, 40
+    qkv = torch.randn(num_tokens, n_q + 2 * n_kv, head_dim, generator=gen).to(dtype)
+    key, value = qkv[:, n_q : n_q + n_kv], qkv[:, n_q + n_kv :]  # strided rows, as the model's
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens]
+    slots[::5] = -1  # padding rows: skipped
+    shape = (num_blocks, block_size, n_kv, head_dim)
+    key_cache, value_cache = torch.randn(shape, generator=gen).to(dtype), torch.randn(shape, generator=gen).to(dtype)
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    keep = slots >= 0
+    reference.write_kv(key[keep], value[keep], expected_k, expected_v, slots[keep])
+    kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)

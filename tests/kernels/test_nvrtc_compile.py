@@ -1,0 +1,61 @@
+"""Every CUDA kernel source compiles for Ampere (sm_80) and Hopper (sm_90) through NVRTC, the
+compiler CuPy uses at run time, on any machine: the nvidia-cuda-nvrtc and nvidia-cuda-runtime
+wheels bring the compiler and the fp16/bf16 headers, no GPU needed. NVRTC is stricter than nvcc
+(no implicit host headers), so this is the check that a kernel will build where it runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from inferd.kernels import cuda
+
+
+def nvrtc_or_skip():
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("needs CuPy (the dev extra installs cupy-cuda13x)")
+    from cupy.cuda import nvrtc
+
+    try:
+        nvrtc.getVersion()
+    except Exception as e:  # the library itself is missing
+        pytest.skip(f"NVRTC is not loadable: {e}")
+    return nvrtc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("file", cuda.SOURCES)
+def test_every_kernel_compiles_with_nvrtc(arch: str, file: str) -> None:
+    nvrtc = nvrtc_or_skip()
+    names = cuda.covering_specializations()[file]
+    program = nvrtc.createProgram(cuda.source(file), file, [], [])
+    try:
+        for name in names:
+            nvrtc.addNameExpression(program, name)
+        try:
+            nvrtc.compileProgram(program, [*cuda.compile_options(), f"--gpu-architecture={arch}"])
+        except nvrtc.NVRTCError:
+            pytest.fail(f"{file} does not compile for {arch}:\n{nvrtc.getProgramLog(program)}")
+        log = nvrtc.getProgramLog(program).strip()
+        assert "warning" not in log.lower(), log
+        assert len(nvrtc.getCUBIN(program)) > 0
+        for name in names:  # each specialization was instantiated, under its own mangled name
+            assert nvrtc.getLoweredName(program, name).startswith("_Z")
+    finally:
+        nvrtc.destroyProgram(program)
+
+
+def test_a_broken_kernel_fails_to_compile() -> None:
+    """The check can fail: NVRTC has no host headers, so INFINITY (from math.h) is undefined."""
+    nvrtc = nvrtc_or_skip()
+    broken = '#include "common.cuh"\n__global__ void k(float* x) { x[0] = INFINITY; }\n'
+    program = nvrtc.createProgram(broken, "broken.cu", [], [])
+    try:
+        with pytest.raises(nvrtc.NVRTCError):
+            nvrtc.compileProgram(program, [*cuda.compile_options(), "--gpu-architecture=sm_90"])
+        assert "INFINITY" in nvrtc.getProgramLog(program)
+    finally:
+        nvrtc.destroyProgram(program)
