@@ -134,6 +134,56 @@ def percent(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0f}%"
 
 
+def prefill_section(say: Callable[[str], None], scale: float) -> bool:
+    """The prefill choice: gathering the paged context and calling SDPA (what inferd does)
+    against SDPA alone on the same context already contiguous, i.e. what the gather and the
+    paging cost. True if a shape failed."""
+    import torch.nn.functional as F
+
+    from inferd.kernels import cuda
+
+    say("Prefill chunks of 512 tokens: gather + SDPA (`cuda.prefill_attention`) against SDPA alone on the same,"
+        " already contiguous context (the paging's cost)")
+    say()
+    say("| sequences | cached prefix | gather + SDPA µs | SDPA alone µs | ratio |")
+    say("|---|---|---|---|---|")
+    chunk, failed = 512, False
+    for batch in (1, 4):
+        for cached in (0, 1536, 3584):
+            context = cached + chunk
+            shape = Shape(batch, context)
+            shape.layers = 1
+            shape.allocate()
+            try:
+                query = torch.randn(batch * chunk, N_HEADS, HEAD_DIM, dtype=DTYPE, device="cuda")  # [T, H, D]
+                query_lens = torch.full((batch,), chunk, dtype=torch.int64, device="cuda")
+                seq_lens = torch.full((batch,), context, dtype=torch.int64, device="cuda")
+                kc, vc = shape.key_cache[0], shape.value_cache[0]
+
+                def paged() -> None:
+                    cuda.prefill_attention(query, kc, vc, shape.block_tables, query_lens, seq_lens, scale)
+
+                slots = (shape.block_tables.long()[:, :, None] * BLOCK_SIZE
+                         + torch.arange(BLOCK_SIZE, device="cuda")).view(batch, -1)[:, :context]  # [B, L]
+                k = kc.view(-1, N_KV, HEAD_DIM)[slots].transpose(1, 2).contiguous()  # [B, kv, L, D]
+                v = vc.view(-1, N_KV, HEAD_DIM)[slots].transpose(1, 2).contiguous()
+                q = query.view(batch, chunk, N_HEADS, HEAD_DIM).transpose(1, 2)  # [B, H, Q, D]
+                q_pos = cached + torch.arange(chunk, device="cuda")
+                mask = torch.arange(context, device="cuda")[None, :] <= q_pos[:, None]  # [Q, L]
+
+                def contiguous() -> None:
+                    F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+
+                paged_ms = median_ms(paged, trials=5, per_trial=10)
+                alone_ms = median_ms(contiguous, trials=5, per_trial=10)
+                say(f"| {batch} | {cached} | {paged_ms * 1e3:.0f} | {alone_ms * 1e3:.0f} | {paged_ms / alone_ms:.2f} |")
+            except Exception as e:
+                failed = True
+                say(f"| {batch} | {cached} | error: {type(e).__name__}: {e} | | |")
+            shape.free()
+    return failed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the markdown report to this file")
@@ -235,6 +285,8 @@ def main() -> int:
             failed = True
             say(f"torch reference at batch {batch} × {context // 1024}k: error: {type(e).__name__}: {e}")
         shape.free()
+    say()
+    failed |= prefill_section(say, scale)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

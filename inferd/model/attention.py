@@ -62,7 +62,7 @@ class CudaAttention(TorchAttention):
 
         self._cuda = cuda
         self.num_kv_heads = num_kv_heads
-        self.num_sms = cuda.num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        self.num_sms = cuda.num_sms(device.index or 0)
         # the split variant's scratch, sized for the worst case once, shared by all layers
         # (they run one after another on one stream)
         max_partitions = max(cuda.partition_layout(max_model_len, cuda.choose_num_partitions(

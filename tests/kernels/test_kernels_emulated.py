@@ -9,6 +9,9 @@ the same and more on a real device. Shapes are small: the emulated CUDA threads 
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -115,3 +118,35 @@ def test_reshape_and_cache_is_bit_exact(kernels, dtype: torch.dtype) -> None:
     reference.write_kv(key[keep], value[keep], expected_k, expected_v, slots[keep])
     kernels.reshape_and_cache(key, value, key_cache, value_cache, slots)
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+
+
+def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path) -> None:
+    """The CUDA attention backend end to end (strided K/V into reshape_and_cache, int32 decode
+    plans, the split kernel for a context past 512 tokens), inside the engine on the CPU: greedy
+    tokens equal transformers' in float32, as with the reference backend."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("sentencepiece")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    import tiny_models as tm
+
+    from inferd.engine.llm_engine import EngineConfig, LLMEngine
+    from inferd.model.attention import CudaAttention
+    from inferd.model.sampling_params import SamplingParams
+
+    vocab_size = tm.train_sentencepiece(tmp_path)
+    # head size 64, 3 query heads per KV head: the decode specialization CASES[0] compiles
+    model = tm.tiny_llama(vocab_size, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
+                          intermediate_size=256, max_position_embeddings=1024)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    engine = LLMEngine.from_config(EngineConfig(model=str(tmp_path), dtype="float32", kv_cache_memory=16 * 2**20,
+                                                block_size=16, max_num_seqs=8))
+    cfg = engine.model.cfg
+    engine.model.set_attention(CudaAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 8, engine.max_model_len,
+                                             torch.device("cpu")))
+    prompts = [engine.tokenizer.encode(p) for p in tm.PROMPTS[:3]]
+    prompts.append(engine.tokenizer.encode(" ".join(tm.PROMPTS) * 30)[:530])  # the split kernel's range
+    with tm.torch_threads(1):
+        expected = tm.greedy_reference(model, prompts, 12)
+    completions = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [c.token_ids for c in completions] == expected
+    assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
