@@ -214,7 +214,7 @@ def main() -> int:
     say(f"- torch {torch.__version__}, CUDA {torch.version.cuda}, CuPy {cupy.__version__}, Python {python}")
     say(
         f"- shape: {N_HEADS} query heads, {N_KV} KV heads, head size {HEAD_DIM}, {str(DTYPE).removeprefix('torch.')},"
-        f" block size {BLOCK_SIZE}, partition size {cuda.PARTITION_SIZE}"
+        f" block size {BLOCK_SIZE}; the split variant's partitions: at least {cuda.MIN_PARTITION_SIZE} tokens"
     )
     copy_gbps, copy_bytes = copy_bandwidth()
     say(f"- copy bandwidth: {copy_gbps:.0f} GB/s (torch copy_ of {copy_bytes / 2**30:.1f} GiB, read + written)")

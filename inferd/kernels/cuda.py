@@ -37,7 +37,6 @@ _CTYPE = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv
 THREADS = 128  # per CTA of the decode kernels (kDecodeThreads in paged_attention.cu)
 PARTITION_ALIGN = 128  # partition sizes are multiples of this (and so of every block size)
 MIN_PARTITION_SIZE = 256  # the split variant never cuts a context finer than this
-PARTITION_SIZE = 512  # a typical partition; tests probe context lengths around it
 _WHOLE_CONTEXT = 1 << 30  # the partition size that means "one partition": the single-pass kernel
 
 

@@ -177,7 +177,7 @@ def test_reshape_and_cache_is_bit_exact(kernels: ModuleType, dtype: torch.dtype,
 @pytest.mark.parametrize("head_dim", HEAD_SIZES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_matches_reference(kernels: ModuleType, dtype: torch.dtype, head_dim: int, block_size: int) -> None:
-    lengths = decode_lengths(block_size, kernels.PARTITION_SIZE)
+    lengths = decode_lengths(block_size, 2 * kernels.MIN_PARTITION_SIZE)
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)  # [N]
     num_sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     for group, n_kv in KV_HEADS_OF_GROUP.items():
@@ -308,7 +308,7 @@ def test_decode_replays_in_a_cuda_graph(kernels: ModuleType, num_partitions: int
 def test_choose_num_partitions(kernels: ModuleType) -> None:
     num_sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
     # a batch whose (sequence, KV head) pairs fill the GPU needs no split; a 1-token context can't be
-    assert kernels.choose_num_partitions(64, 8, kernels.PARTITION_SIZE, num_sms) == 1
+    assert kernels.choose_num_partitions(64, 8, 512, num_sms) == 1
     assert kernels.choose_num_partitions(1, 8, 1, num_sms) == 1
     # one sequence, 8 KV heads, 16k tokens: a single pass would keep a few SMs of a hundred busy
     assert kernels.choose_num_partitions(1, 8, 16384, num_sms) > 1
