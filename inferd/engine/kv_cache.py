@@ -10,6 +10,7 @@ import os
 import torch
 
 from inferd.model.config import ModelConfig
+from inferd.model.tensors import device_tensor, to_device
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -95,8 +96,9 @@ class KVCache:
         """Copy-on-write: block src's contents into block dst, in every layer."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.layers[0][0].device)
-        dst = torch.tensor([d for _, d in pairs], device=self.layers[0][0].device)
+        device = self.storage.device
+        src = device_tensor([s for s, _ in pairs], torch.int64, device)
+        dst = device_tensor([d for _, d in pairs], torch.int64, device)
         for key_cache, value_cache in self.layers:
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
@@ -106,7 +108,7 @@ class KVCache:
         if not pairs:
             return
         host = self._host()
-        device_idx = torch.tensor([d for d, _ in pairs], device=self.storage.device)
+        device_idx = device_tensor([d for d, _ in pairs], torch.int64, self.storage.device)
         host_idx = torch.tensor([h for _, h in pairs])
         # [num_layers, 2, len(pairs), block_size, n_kv_heads, head_dim]
         host[:, :, host_idx] = self.storage[:, :, device_idx].cpu()
@@ -117,9 +119,9 @@ class KVCache:
             return
         host = self._host()
         host_idx = torch.tensor([h for h, _ in pairs])
-        device_idx = torch.tensor([d for _, d in pairs], device=self.storage.device)
+        device_idx = device_tensor([d for _, d in pairs], torch.int64, self.storage.device)
         # [num_layers, 2, len(pairs), block_size, n_kv_heads, head_dim]
-        self.storage[:, :, device_idx] = host[:, :, host_idx].to(self.storage.device)
+        self.storage[:, :, device_idx] = to_device(host[:, :, host_idx], self.storage.device)
 
     def _host(self) -> torch.Tensor:
         if self.host_storage is None:
