@@ -43,6 +43,8 @@ from inferd.model.config import ModelConfig  # noqa: E402
 from inferd.model.llama import LlamaModel  # noqa: E402
 from inferd.model.sampling_params import SamplingParams  # noqa: E402
 
+from gpu_kernels import copy_bandwidth  # noqa: E402 - bench/, this script's folder
+
 BLOCK_SIZE = 16
 LLAMA3_8B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
                         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
@@ -53,26 +55,6 @@ SMOLLM2_135M = ModelConfig(architecture="llama", vocab_size=49152, hidden_size=5
                            rope_theta=100000.0, max_position_embeddings=8192, tie_word_embeddings=True,
                            name="smollm2-135m-shaped")
 GREEDY_IDS = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-
-
-def copy_bandwidth(gib: float = 2.0) -> float:
-    """Bytes per second of a device-to-device copy, reads plus writes (median of 20)."""
-    n = int(gib * 2**30)
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / statistics.median(times)
 
 
 def random_weights(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -251,7 +233,7 @@ def main() -> None:
     name = torch.cuda.get_device_name(0)
     lines = [f"## GPU engine benchmark: {name}, {datetime.date.today()}", "",
              f"torch {torch.__version__}, CuPy {cupy.__version__}", ""]
-    bandwidth = copy_bandwidth()
+    bandwidth = copy_bandwidth()[0] * 1e9  # bytes/s
     lines += [f"device copy bandwidth: {bandwidth / 1e9:,.0f} GB/s (bytes read + written)", ""]
     if not args.skip_8b:
         bench_8b(lines, bandwidth)
