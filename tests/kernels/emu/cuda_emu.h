@@ -1,6 +1,6 @@
 // A CPU stand-in for CUDA's execution model, enough to run inferd's kernel sources on the host
-// (tests only). Every CUDA thread of a CTA is a fiber (ucontext) on one OS thread, resumed round
-// robin; CTAs run one after another.
+// (tests only). Every CUDA thread of a CTA is a fiber (ucontext) on one OS thread, resumed in
+// rounds until it blocks at a barrier; CTAs run one after another.
 //   __syncthreads      a barrier over the CTA's fibers
 //   __shfl_xor_sync    lanes exchange through memory between two barriers of their warp
 //   __shared__         a static: one copy, which the (sequential) CTAs take turns using
@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <random>
 #include <vector>
 
 #define __global__
@@ -84,6 +85,9 @@ void launch(dim3 grid, dim3 block, Kernel kernel, Args... args) {
     block_dim = block;
     std::vector<Fiber> pool(n);
     fibers = pool.data();
+    std::vector<unsigned> order(n);
+    for (unsigned t = 0; t < n; ++t) order[t] = t;
+    std::mt19937 rng(12345);
     body = [=] { kernel(args...); };
     for (unsigned z = 0; z < grid.z; ++z)
         for (unsigned y = 0; y < grid.y; ++y)
@@ -100,13 +104,22 @@ void launch(dim3 grid, dim3 block, Kernel kernel, Args... args) {
                     f.context.uc_link = nullptr;
                     makecontext(&f.context, fiber_main, 0);
                 }
+                // each round resumes a random half of the fibers in a random order, so warps
+                // drift apart as far as the barriers let them: a kernel that reads shared memory
+                // another warp writes without a barrier in between reads it too early
                 for (unsigned live = n; live > 0;) {
                     live = 0;
-                    for (current = 0; current < n; ++current) {
-                        if (pool[current].done) continue;
-                        thread_idx = dim3{current, 0, 0};
-                        swapcontext(&scheduler, &pool[current].context);
-                        live += !pool[current].done;
+                    std::shuffle(order.begin(), order.end(), rng);
+                    for (const unsigned t : order) {
+                        if (pool[t].done) continue;
+                        if (rng() & 1) {
+                            ++live;
+                            continue;
+                        }
+                        current = t;
+                        thread_idx = dim3{t, 0, 0};
+                        swapcontext(&scheduler, &pool[t].context);
+                        live += !pool[t].done;
                     }
                 }
             }
