@@ -34,6 +34,7 @@ generate: $(VENV)/.base
 	$(VENV)/bin/inferd generate --chat --temperature 0 "$(PROMPT)"
 
 test: $(VENV)/.dev
+	$(VENV)/bin/lint-imports --no-cache --no-logo pyproject.toml
 	$(VENV)/bin/pytest -q
 
 bench: $(VENV)/.dev

@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from inferd.engine.llm_engine import EngineConfig, LLMEngine
+from inferd.engine.config import EngineConfig
+from inferd.engine.llm_engine import LLMEngine
 from inferd.model.loader import default_model_path
 from inferd.model.sampling_params import SamplingParams
 

@@ -98,7 +98,7 @@ class EngineLoop:
         while self.scheduler.has_work():
             plan = self.scheduler.schedule()
             result = self.runner.execute(plan)
-            self.scheduler.update(plan, dict(zip(result.request_ids, result.sampled.token_ids)))
+            self.scheduler.update(plan, dict(zip(result.seq_ids, result.sampled.token_ids)))
             for c in plan.chunks:
                 if c.request.status == RequestStatus.RUNNING and c.request.num_tokens >= c.request.max_total_tokens:
                     self.scheduler.finish(c.request, RequestStatus.FINISHED_LENGTH)

@@ -6,11 +6,12 @@ table of the ops over 20 steps.
 """
 import time, torch
 from torch.profiler import profile, ProfilerActivity
-from inferd.engine.llm_engine import EngineConfig, LLMEngine
+from inferd.engine.config import EngineConfig
+from inferd.engine.llm_engine import LLMEngine
 from inferd.model.sampling_params import SamplingParams
 eng = LLMEngine.from_config(EngineConfig(dtype="bfloat16", kv_cache_memory=64 * 2**20))
 p = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-eng.add_request("Tell me a long story about the sea.", p)
+eng.add("Tell me a long story about the sea.", p)
 for _ in range(20): eng.step()
 # wall time per step, and the part inside model.forward
 fwd = eng.model.forward

@@ -38,7 +38,7 @@ def make_scheduler(num_running: int, steps: int, seed: int = 0) -> Scheduler:
         scheduler.add(Request(i, [rng.randrange(1, 49152) for _ in range(n)], params, max_len))
     plan = scheduler.schedule()
     assert len(plan.prefills) == num_running and not scheduler.waiting
-    scheduler.update(plan, {c.request.request_id: 42 for c in plan.chunks})
+    scheduler.update(plan, {c.request.seq_id: 42 for c in plan.chunks})
     return scheduler
 
 
@@ -50,7 +50,7 @@ def bench(num_running: int, steps: int) -> list[float]:
         t0 = time.perf_counter()
         plan = scheduler.schedule()
         t1 = time.perf_counter()
-        sampled = {c.request.request_id: 100 + step for c in plan.decodes}
+        sampled = {c.request.seq_id: 100 + step for c in plan.decodes}
         t2 = time.perf_counter()
         scheduler.update(plan, sampled)
         t3 = time.perf_counter()

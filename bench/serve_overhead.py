@@ -43,11 +43,13 @@ from typing import Any
 
 import torch
 
-from inferd.engine.llm_engine import EngineConfig, LLMEngine
+from inferd.engine.config import EngineConfig
+from inferd.engine.llm_engine import LLMEngine
 from inferd.model.config import ModelConfig
 from inferd.model.loader import default_model_path
 from inferd.model.sampling_params import SamplingParams
-from inferd.model.tokenizer import Tokenizer, load_tokenizer
+from inferd.model.tokenizer import Tokenizer
+from inferd.model.tokenizer_loader import load_tokenizer
 
 MODEL_NAME = "synthetic-zero-cost"
 # ordinary one-token words of the SmolLM2 vocabulary: row r of every step samples WORDS[r % 8]
@@ -175,13 +177,13 @@ def engine_only(args: argparse.Namespace) -> None:
     rates = []
     for run in range(args.runs):
         for _ in range(args.concurrency):
-            engine.add_request(prompt_ids, params)
+            engine.add(prompt_ids, params)
         tokens, chars = 0, 0
         start = time.perf_counter()
         if profile and run == 0:
             profile.enable()
         while engine.has_work():
-            for out in engine.step():
+            for out in engine.step().outputs:
                 tokens += len(out.new_token_ids)
                 chars += len(out.text)
         if profile and run == 0:
@@ -214,14 +216,14 @@ def serve(args: argparse.Namespace) -> None:
 
     from inferd.api.app import create_app
     from inferd.config import load_settings
-    from inferd.engine.engine import AsyncEngine
+    from inferd.engine.async_engine import AsyncEngine
 
     torch.set_num_threads(args.threads)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
     llm = build_engine(args.concurrency, args.vocab_size)
     timer = StepTimer(llm)
-    engine = AsyncEngine(llm, MODEL_NAME)
+    engine = AsyncEngine(llm)
     settings = load_settings(None, {
         "scheduler": {"max_num_seqs": args.concurrency},
         "limits": {"max_tokens_limit": max(4096, args.max_tokens)},

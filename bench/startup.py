@@ -18,7 +18,7 @@ import sys
 
 SNIPPETS = {
     "inferd": (
-        "from inferd.engine.llm_engine import EngineConfig, LLMEngine\n"
+        "from inferd.engine.config import EngineConfig; from inferd.engine.llm_engine import LLMEngine\n"
         "LLMEngine.from_config(EngineConfig(dtype='bfloat16'))\n"
     ),
     "GGUFReader (metadata only)": (

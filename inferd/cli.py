@@ -49,6 +49,7 @@ def generate(
 ) -> None:
     """Generate a completion offline and print it as it is produced."""
     from inferd.config import SettingsError, load_settings
+    from inferd.engine.config import EngineConfig
     from inferd.engine.llm_engine import LLMEngine
     from inferd.model.errors import ModelLoadError
     from inferd.model.sampling_params import SamplingParams
@@ -61,7 +62,7 @@ def generate(
     _configure_runtime(settings.runtime.threads)
     start = time.perf_counter()
     try:
-        engine = LLMEngine.from_config(settings.engine_config())
+        engine = LLMEngine.from_config(EngineConfig.from_settings(settings))
     except (ModelLoadError, ValueError) as e:
         _fail(str(e))
     loaded = time.perf_counter()
@@ -113,8 +114,11 @@ def serve(
     """Serve the OpenAI-compatible API (completions, chat completions, models) over HTTP."""
     from inferd.api.auth import load_api_keys
     from inferd.config import SettingsError, load_settings
-    from inferd.model.errors import ModelLoadError
     from inferd.api.server import run_server
+    from inferd.engine.async_engine import AsyncEngine
+    from inferd.engine.config import EngineConfig
+    from inferd.engine.llm_engine import LLMEngine
+    from inferd.model.errors import ModelLoadError
 
     overrides = {
         "server": {"host": host, "port": port, "drain_seconds": drain_seconds, "probe_interval_seconds": probe_interval,
@@ -132,7 +136,7 @@ def serve(
         _fail(str(e))
     _configure_runtime(settings.runtime.threads, serving=True, log_format=settings.server.log_format)
     try:
-        run_server(settings, api_keys)
+        run_server(settings, api_keys, lambda: AsyncEngine(LLMEngine.from_config(EngineConfig.from_settings(settings))))
     except (ModelLoadError, ValueError, OSError) as e:
         _fail(str(e))
 

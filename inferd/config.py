@@ -14,7 +14,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from inferd.engine.llm_engine import EngineConfig
 from inferd.engine.policy import DEFAULT_CLASSES, PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -204,22 +203,6 @@ class Settings(_Section):
                 min_samples=shed.min_samples, escalate_seconds=shed.escalate_seconds,
                 recover_seconds=shed.recover_seconds, max_running=shed.max_running, max_tokens=shed.max_tokens,
             ),
-        )
-
-    def engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model.path,
-            dtype=self.model.dtype,
-            device=self.model.device,
-            block_size=self.cache.block_size,
-            kv_cache_memory=self.cache.kv_cache_memory,
-            max_num_seqs=self.scheduler.max_num_seqs,
-            max_num_batched_tokens=self.scheduler.max_num_batched_tokens,
-            max_model_len=self.model.max_model_len,
-            cuda_graphs=self.model.cuda_graphs,
-            policy=self.policy(),
-            enable_prefix_caching=self.cache.prefix_caching,
-            swap_space=self.cache.swap_space,
         )
 
 

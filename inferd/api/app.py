@@ -18,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from aiohttp import web
 
@@ -26,10 +27,12 @@ from inferd.api.errors import error_middleware
 from inferd.api.logs import request_log_middleware
 from inferd.api.metrics import setup_metrics
 from inferd.api.probe import InferenceProbe
+from inferd.api.door import FrontDoor
+from inferd.api.logprobs import TokenTexts
 from inferd.api.routes import add_routes
-from inferd.api.serving import ENGINE, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS, ServerState, TokenTexts
+from inferd.api.state import DOOR, ENGINE, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS, ServerState
 from inferd.config import Settings
-from inferd.engine.engine import AsyncEngine
+from inferd.engine.async_engine import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +42,14 @@ MAX_BODY_BYTES = 32 * 2**20  # a batch of long token-id prompts is large JSON
 STREAMS_END_SECONDS = 5.0  # how long shutdown waits for open streams to write their last event
 
 
+def served_name(settings: Settings, model_path: str) -> str:
+    """The model name clients send: the setting, else the file's stem or the folder's name."""
+    if settings.model.name:
+        return settings.model.name
+    path = Path(model_path)
+    return path.stem if path.is_file() else path.name
+
+
 def create_app(engine: AsyncEngine, settings: Settings, api_keys: frozenset[str] = frozenset()) -> web.Application:
     # outermost first: the request log sees the final status, which the error middleware renders
     middlewares = [request_log_middleware, error_middleware]
@@ -46,10 +57,11 @@ def create_app(engine: AsyncEngine, settings: Settings, api_keys: frozenset[str]
         middlewares.append(auth_middleware(api_keys, settings.server.open_paths))
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
+    app[DOOR] = FrontDoor(engine)
     app[SETTINGS] = settings
     app[TOKEN_TEXTS] = TokenTexts(engine.tokenizer)
     app[SSE_RESPONSES] = set()
-    app[STATE] = ServerState()
+    app[STATE] = ServerState(served_name(settings, engine.limits.model_path))
     add_routes(app)
     setup_metrics(app)
     app.cleanup_ctx.append(_engine_lifecycle)
@@ -59,6 +71,7 @@ def create_app(engine: AsyncEngine, settings: Settings, api_keys: frozenset[str]
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
     engine = app[ENGINE]
+    app[DOOR].open()
     await engine.start()
     probe = InferenceProbe(engine, app[STATE], app[SETTINGS].server.probe_interval_seconds)
     app[PROBE] = probe
@@ -73,7 +86,7 @@ async def _end_streams(app: web.Application) -> None:
     if open_streams:
         log.info("shutting down: ending %d open streams", len(open_streams))
     app[STATE].draining = True
-    app[ENGINE].engine.admission.start_draining()  # new requests: 503 with a Retry-After
+    app[DOOR].start_draining()  # new requests: 503 with a Retry-After
     await app[ENGINE].stop()  # every unfinished request gets an abort output
     deadline = time.monotonic() + STREAMS_END_SECONDS
     while open_streams and time.monotonic() < deadline:

@@ -3,7 +3,8 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
 
 Handlers raise `APIError` (or let a domain error through: pydantic's ValidationError, a JSON
-decode error, the engine's RequestError / EngineDeadError); `error_middleware` renders them.
+decode error, the engine's EngineDeadError); `error_middleware` renders them. The door's
+refusals, the engine's aborts and timeouts become errors here too.
 Anything else is a bug: a 500 in the same shape, logged with its traceback.
 """
 
@@ -18,8 +19,8 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from pydantic import ValidationError
 
-from inferd.engine.engine import EngineDeadError
-from inferd.engine.llm_engine import RequestError
+from inferd.api.admission import AdmissionError
+from inferd.engine.protocol import EngineDeadError, EngineOutput
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,38 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return APIError(400, message, param=param, code=code)
 
 
+def admission_error(e: AdmissionError) -> APIError:
+    """A refusal at the door: 429 (queue full, shed, predicted deadline miss) or 503 (draining),
+    with when to come back; 400 for a request too large for its class's queue ever to hold."""
+    if e.oversized:
+        return bad_request(e.message, param="prompt", code="queue_too_small")
+    return APIError(e.status, e.message, type="rate_limit_error" if e.status == 429 else None,
+                    code=e.reason, headers={"Retry-After": str(e.retry_after)})
+
+
+def engine_abort_error(out: EngineOutput) -> APIError:
+    """An abort the engine made (shutdown, engine failure): the request could not finish."""
+    reason = out.stop_reason if isinstance(out.stop_reason, str) else "the request was aborted"
+    return APIError(503, f"generation stopped: {reason}", code="service_unavailable",
+                    headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+TIMEOUT_MESSAGES = {
+    "queue": "waited longer than its queue timeout to be scheduled",
+    "ttft": "got no first token within its TTFT timeout",
+    "token": "waited longer than its per-token timeout for the next token",
+    "total": "ran longer than its total timeout",
+}
+
+
+def timeout_error(out: EngineOutput) -> APIError:
+    """The error that names which timeout ended a request (an SSE event, or the 503 of a
+    non-streaming request that timed out before its first token)."""
+    kind = str(out.stop_reason)
+    return APIError(503, f"the request {TIMEOUT_MESSAGES.get(kind, 'timed out')}", type="timeout_error",
+                    code=f"{kind}_timeout", headers={"Retry-After": "1"})
+
+
 def from_validation_error(e: ValidationError) -> APIError:
     """400 naming the offending field as a dotted path ("messages.0.role").
 
@@ -91,8 +124,6 @@ def to_api_error(e: BaseException) -> APIError:
         return from_validation_error(e)
     if isinstance(e, (json.JSONDecodeError, UnicodeDecodeError)):
         return bad_request(f"invalid JSON in the request body: {e}")
-    if isinstance(e, RequestError):
-        return bad_request(str(e), param=e.param, code=e.code)
     if isinstance(e, EngineDeadError):
         return APIError(503, f"the model is not available: {e}", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
     if isinstance(e, web.HTTPException):

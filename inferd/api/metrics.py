@@ -1,7 +1,7 @@
 """GET /metrics: Prometheus text format through prometheus-client, one registry per app.
 
 Nothing is counted here: at each scrape a collector turns the engine's latest published
-`EngineStats` (counters, per-class state and histograms the engine keeps without any
+`EngineSnapshot` (counters, per-class state and histograms the engine keeps without any
 Prometheus import) into metric families. Label values come from configuration (class names,
 the served model name, fixed reasons and kinds), never from request text, so cardinality is
 bounded.
@@ -16,16 +16,17 @@ from __future__ import annotations
 import importlib.util
 from collections.abc import Iterator
 
-import torch
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from inferd.api.serving import ENGINE, STATE, ServerState
-from inferd.engine.accounting import Histogram
-from inferd.engine.admission import REASONS
-from inferd.engine.engine import AsyncEngine
+from inferd.api.admission import REASONS
+from inferd.api.door import FrontDoor
+from inferd.api.state import DOOR, ENGINE, STATE, ServerState
+from inferd.engine.accounting import ClassSnapshot, Histogram
+from inferd.engine.async_engine import AsyncEngine
+from inferd.engine.protocol import EngineSnapshot
 from inferd.engine.policy import TIMEOUT_KINDS
 
 REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
@@ -48,105 +49,114 @@ def _buckets(h: Histogram) -> list[tuple[str, float]]:
     return out
 
 
+def _per_class(name: str, doc: str, kind: type, values: dict[str, float]) -> Metric:
+    family = kind(name, doc, labels=["class"])
+    for cls, value in values.items():
+        family.add_metric([cls], value)
+    return family
+
+
+def _counter_by(name: str, doc: str, label: str, known: tuple[str, ...], values: dict[str, int]) -> Metric:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key in known:  # every known label value, at 0 too, so rate() works from the start
+        family.add_metric([key], values.get(key, 0))
+    return family
+
+
+def _class_metrics(classes: tuple[ClassSnapshot, ...]) -> Iterator[Metric]:
+    yield _per_class("inferd_requests_waiting", "Requests waiting to be scheduled.", GaugeMetricFamily,
+                     {c.name: c.waiting for c in classes})
+    yield _per_class("inferd_requests_running", "Requests (choices) running.", GaugeMetricFamily,
+                     {c.name: c.running for c in classes})
+    yield _per_class("inferd_queued_tokens", "Prompt tokens still to compute for waiting requests.",
+                     GaugeMetricFamily, {c.name: c.queued_tokens for c in classes})
+    yield _per_class("inferd_queued_token_seconds", "Queued prompt tokens integrated over time.",
+                     CounterMetricFamily, {c.name: c.queued_token_seconds for c in classes})
+    yield _per_class("inferd_oldest_wait_seconds", "How long the longest-waiting request has waited.",
+                     GaugeMetricFamily, {c.name: c.oldest_wait for c in classes})
+    yield _per_class("inferd_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
+                     CounterMetricFamily, {c.name: c.prompt_tokens for c in classes})
+    yield _per_class("inferd_generation_tokens", "Tokens generated.", CounterMetricFamily,
+                     {c.name: c.generation_tokens for c in classes})
+    yield _per_class("inferd_class_kv_blocks_used", "KV blocks in the tables of a class's running requests.",
+                     GaugeMetricFamily, {c.name: c.kv_blocks_used for c in classes})
+    misses = CounterMetricFamily("inferd_deadline_misses", "Requests past their class's soft target.",
+                                 labels=["class", "kind"])
+    for c in classes:
+        for kind in ("ttft", "tpot"):
+            misses.add_metric([c.name, kind], c.deadline_misses.get(kind, 0))
+    yield misses
+
+
+def _cache_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
+    yield GaugeMetricFamily("inferd_kv_blocks_total", "KV cache blocks.", value=stats.kv_blocks_total)
+    yield GaugeMetricFamily("inferd_kv_blocks_used", "KV cache blocks held by requests.", value=stats.kv_blocks_used)
+    yield GaugeMetricFamily("inferd_kv_blocks_cached", "Prefix-cache blocks no request holds (evictable).",
+                            value=stats.kv_blocks_cached)
+    yield GaugeMetricFamily("inferd_kv_usage_ratio", "KV blocks held by requests / all KV blocks.",
+                            value=stats.kv_blocks_used / stats.kv_blocks_total)
+    yield CounterMetricFamily("inferd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                              value=stats.prefix_queries)
+    yield CounterMetricFamily("inferd_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                              value=stats.prefix_hits)
+
+
+def _histograms(stats: EngineSnapshot, model: str) -> Iterator[Metric]:
+    for name, (field, doc) in LATENCIES.items():
+        family = HistogramMetricFamily(name, doc, labels=["class", "model"])
+        for c in stats.classes:
+            h = c.histograms[field]
+            family.add_metric([c.name, model], _buckets(h), h.total)
+        yield family
+    for name, h, doc in (("inferd_step_seconds", stats.step_seconds, "Duration of an engine step."),
+                         ("inferd_batch_tokens", stats.batch_tokens, "Tokens computed in an engine step.")):
+        family = HistogramMetricFamily(name, doc, labels=["model"])
+        family.add_metric([model], _buckets(h), h.total)
+        yield family
+
+
 class EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine, state: ServerState) -> None:
+    def __init__(self, engine: AsyncEngine, door: FrontDoor, state: ServerState) -> None:
         self.engine = engine
+        self.door = door
         self.state = state
         self._nvml = importlib.util.find_spec("pynvml") is not None
 
     def collect(self) -> Iterator[Metric]:
-        engine = self.engine
-        stats = engine.stats
-        model = engine.model_name
-
-        def per_class(name: str, doc: str, kind: type, values: dict[str, float]) -> Metric:
-            family = kind(name, doc, labels=["class"])
-            for cls, value in values.items():
-                family.add_metric([cls], value)
-            return family
-
-        classes = stats.classes
-        yield per_class("inferd_requests_waiting", "Requests waiting to be scheduled.", GaugeMetricFamily,
-                        {c.name: c.waiting for c in classes})
-        yield per_class("inferd_requests_running", "Requests (choices) running.", GaugeMetricFamily,
-                        {c.name: c.running for c in classes})
-        yield per_class("inferd_queued_tokens", "Prompt tokens still to compute for waiting requests.",
-                        GaugeMetricFamily, {c.name: c.queued_tokens for c in classes})
-        yield per_class("inferd_queued_token_seconds", "Queued prompt tokens integrated over time.",
-                        CounterMetricFamily, {c.name: c.queued_token_seconds for c in classes})
-        yield per_class("inferd_oldest_wait_seconds", "How long the longest-waiting request has waited.",
-                        GaugeMetricFamily, {c.name: c.oldest_wait for c in classes})
-        yield per_class("inferd_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
-                        CounterMetricFamily, {c.name: c.prompt_tokens for c in classes})
-        yield per_class("inferd_generation_tokens", "Tokens generated.", CounterMetricFamily,
-                        {c.name: c.generation_tokens for c in classes})
-        yield per_class("inferd_class_kv_blocks_used", "KV blocks in the tables of a class's running requests.",
-                        GaugeMetricFamily, {c.name: c.kv_blocks_used for c in classes})
-
-        yield GaugeMetricFamily("inferd_kv_blocks_total", "KV cache blocks.", value=stats.kv_blocks_total)
-        yield GaugeMetricFamily("inferd_kv_blocks_used", "KV cache blocks held by requests.", value=stats.kv_blocks_used)
-        yield GaugeMetricFamily("inferd_kv_blocks_cached", "Prefix-cache blocks no request holds (evictable).",
-                                value=stats.kv_blocks_cached)
-        yield GaugeMetricFamily("inferd_kv_usage_ratio", "KV blocks held by requests / all KV blocks.",
-                                value=stats.kv_blocks_used / stats.kv_blocks_total)
-        yield CounterMetricFamily("inferd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  value=stats.prefix_queries)
-        yield CounterMetricFamily("inferd_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                  value=stats.prefix_hits)
-
-        for name, (field, doc) in LATENCIES.items():
-            family = HistogramMetricFamily(name, doc, labels=["class", "model"])
-            for c in classes:
-                h = c.histograms[field]
-                family.add_metric([c.name, model], _buckets(h), h.total)
-            yield family
-        for name, h, doc in (("inferd_step_seconds", stats.step_seconds, "Duration of an engine step."),
-                             ("inferd_batch_tokens", stats.batch_tokens, "Tokens computed in an engine step.")):
-            family = HistogramMetricFamily(name, doc, labels=["model"])
-            family.add_metric([model], _buckets(h), h.total)
-            yield family
-
-        def by(name: str, doc: str, label: str, known: tuple[str, ...], values: dict[str, int]) -> Metric:
-            family = CounterMetricFamily(name, doc, labels=[label])
-            for key in known:  # every known label value, at 0 too, so rate() works from the start
-                family.add_metric([key], values.get(key, 0))
-            return family
-
-        yield by("inferd_preemptions", "Running requests preempted, by how.", "mode", PREEMPTION_MODES,
-                 stats.preemptions)
-        yield by("inferd_timeouts", "Requests ended by a timeout, by which.", "kind", TIMEOUT_KINDS, stats.timeouts)
-        yield by("inferd_rejections", "Requests refused at the door, by why.", "reason", REASONS, stats.rejections)
-        misses = CounterMetricFamily("inferd_deadline_misses", "Requests past their class's soft target.",
-                                     labels=["class", "kind"])
-        for c in classes:
-            for kind in ("ttft", "tpot"):
-                misses.add_metric([c.name, kind], c.deadline_misses.get(kind, 0))
-        yield misses
+        stats = self.engine.snapshot
+        yield from _class_metrics(stats.classes)
+        yield from _cache_metrics(stats)
+        yield from _histograms(stats, self.state.model_name)
+        yield _counter_by("inferd_preemptions", "Running requests preempted, by how.", "mode", PREEMPTION_MODES,
+                          stats.preemptions)
+        yield _counter_by("inferd_timeouts", "Requests ended by a timeout, by which.", "kind", TIMEOUT_KINDS,
+                          stats.timeouts)
+        yield _counter_by("inferd_rejections", "Requests refused at the door, by why.", "reason", REASONS,
+                          self.door.rejections())
         yield GaugeMetricFamily("inferd_shed_level", "Load shedding level (0 normal .. 3).", value=stats.shed_level)
         yield CounterMetricFamily("inferd_drain_cut_requests", "Requests still running when a drain ended.",
                                   value=self.state.drain_cut)
-        yield from self._device()
+        yield from self._device(stats)
 
-    def _device(self) -> Iterator[Metric]:
-        device = self.engine.engine.model.device
-        if device.type != "cuda":
+    def _device(self, stats: EngineSnapshot) -> Iterator[Metric]:
+        memory = stats.device_memory
+        if memory is None:
             return
-        free, total = torch.cuda.mem_get_info(device)
-        yield GaugeMetricFamily("inferd_device_memory_used_bytes", "Device memory in use.", value=total - free)
-        yield GaugeMetricFamily("inferd_device_memory_total_bytes", "Device memory.", value=total)
+        yield GaugeMetricFamily("inferd_device_memory_used_bytes", "Device memory in use.", value=memory.used_bytes)
+        yield GaugeMetricFamily("inferd_device_memory_total_bytes", "Device memory.", value=memory.total_bytes)
         if self._nvml:
             import pynvml  # nvidia-ml-py: optional
 
             pynvml.nvmlInit()
-            handle = pynvml.nvmlDeviceGetHandleByIndex(device.index or 0)
-            utilization = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+            index = int(self.engine.limits.device.partition(":")[2] or 0)
+            utilization = pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(index)).gpu
             yield GaugeMetricFamily("inferd_device_utilization_ratio", "GPU utilization (NVML).",
                                     value=utilization / 100)
 
 
 def setup_metrics(app: web.Application) -> None:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(app[ENGINE], app[STATE]))
+    registry.register(EngineCollector(app[ENGINE], app[DOOR], app[STATE]))
     app[REGISTRY] = registry
     app.router.add_get("/metrics", metrics)
 

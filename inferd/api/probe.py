@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from inferd.api.serving import ServerState
-from inferd.engine.engine import AsyncEngine
+from inferd.api.state import ServerState
+from inferd.engine.async_engine import AsyncEngine
+from inferd.engine.protocol import EngineRequest
 from inferd.model.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,10 @@ class InferenceProbe:
         if engine.open_requests or not engine.alive or self.state.draining:
             return None  # (a draining server runs what it has, and nothing new)
         submitted = engine.submitted
-        stream = engine.submit(self._prompt, self._params)
+        # NOTE: past the door on purpose: the probe is the server's own, never refused or counted
+        request = EngineRequest(engine.new_group_id(), self._prompt, self._params,
+                                engine.limits.policy.default_class)
+        stream = engine.submit(request)
         tokens: list[int] = []
         try:
             async for out in stream:

@@ -12,8 +12,6 @@ import functools
 import time
 from typing import Any
 
-import torch
-
 from aiohttp import web
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
@@ -22,15 +20,15 @@ from inferd import __version__
 from inferd.api import protocol as p
 from inferd.api.chat import create_chat_completion
 from inferd.api.completions import create_completion
-from inferd.api.serving import ENGINE, SETTINGS, STATE
+from inferd.api.state import DOOR, ENGINE, SETTINGS, STATE
 from inferd.engine.policy import PriorityClass
 
 _STARTED = 0  # ModelCard.created: fixed, as nothing here knows when the weights were made
 
 
 async def list_models(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    models = p.ModelList(data=[p.ModelCard(id=engine.model_name, created=_STARTED, max_model_len=engine.max_model_len)])
+    name, limits = request.app[STATE].model_name, request.app[ENGINE].limits
+    models = p.ModelList(data=[p.ModelCard(id=name, created=_STARTED, max_model_len=limits.max_model_len)])
     return web.json_response(p.dump(models))
 
 
@@ -64,23 +62,12 @@ def _limits(cls: PriorityClass) -> p.ClassLimits:
     )
 
 
-def _device_memory(device: torch.device) -> p.DeviceMemory | None:
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    return p.DeviceMemory(used_bytes=total - free, total_bytes=total)
-
-
-async def status(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    llm = engine.engine
-    stats = engine.stats
-    now = time.monotonic()
-    generation_rate, prompt_rate = engine.throughput.rates(now)
+def _classes(request: web.Request) -> list[p.ClassStatus]:
+    engine, door = request.app[ENGINE], request.app[DOOR]
     rejections: dict[str, dict[str, int]] = {}
-    for (name, reason), count in engine.engine.admission.rejections.items():
+    for (name, reason), count in door.admission.rejections.items():
         rejections.setdefault(name, {})[reason] = count
-    classes = [
+    return [
         p.ClassStatus(
             name=c.name, priority=c.priority, waiting=c.waiting, queued_tokens=c.queued_tokens,
             oldest_wait_seconds=c.oldest_wait, running=c.running, kv_blocks_used=c.kv_blocks_used,
@@ -89,41 +76,37 @@ async def status(request: web.Request) -> web.Response:
             ttft_p50_seconds=c.ttft_p50, ttft_p95_seconds=c.ttft_p95, tpot_p50_seconds=c.tpot_p50,
             queue_time_p95_seconds=c.queue_time_p95, finished=c.finished, preemptions=c.preemptions,
             timeouts=c.timeouts, rejections=rejections.get(c.name, {}), deadline_misses=c.deadline_misses,
-            limits=_limits(llm.policy.lookup(c.name)),
+            limits=_limits(engine.limits.priority_class(c.name)),
         )
-        for c in stats.classes
+        for c in engine.snapshot.classes
     ]
+
+
+async def status(request: web.Request) -> web.Response:
+    engine, state = request.app[ENGINE], request.app[STATE]
+    stats, limits = engine.snapshot, engine.limits
+    now = time.monotonic()
+    generation_rate, prompt_rate = engine.throughput.rates(now)
     requests = [
-        p.RequestStatus(id=r.request_id, index=r.index, class_=r.class_name, state=r.state, age_seconds=r.age,
+        p.RequestStatus(id=r.group_id, index=r.index, class_=r.class_name, state=r.state, age_seconds=r.age,
                         prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens, ttft_seconds=r.ttft)
         for r in stats.requests
     ]
+    memory = stats.device_memory
     body = p.StatusResponse(
-        model=engine.model_name,
-        dtype=str(llm.model.dtype).removeprefix("torch."),
-        device=str(llm.model.device),
-        version=__version__,
-        uptime_seconds=now - request.app[STATE].started,
-        state=request.app[STATE].name(engine.alive),
-        max_model_len=engine.max_model_len,
-        kv_blocks_total=stats.kv_blocks_total,
-        kv_blocks_used=stats.kv_blocks_used,
-        kv_blocks_cached=stats.kv_blocks_cached,
-        running=stats.running,
-        waiting=stats.waiting,
-        steps=stats.steps,
-        preemptions=stats.preemptions,
-        timeouts=stats.timeouts,
-        rejections=stats.rejections,
-        prefix_cache_queries=stats.prefix_queries,
-        prefix_cache_hits=stats.prefix_hits,
-        shed_level=stats.shed_level,
-        shed_actions=stats.shed_actions,
+        model=state.model_name, dtype=limits.dtype, device=limits.device, version=__version__,
+        uptime_seconds=now - state.started, state=state.name(engine.alive), max_model_len=limits.max_model_len,
+        kv_blocks_total=stats.kv_blocks_total, kv_blocks_used=stats.kv_blocks_used,
+        kv_blocks_cached=stats.kv_blocks_cached, running=stats.running, waiting=stats.waiting, steps=stats.steps,
+        preemptions=stats.preemptions, timeouts=stats.timeouts, rejections=request.app[DOOR].rejections(),
+        prefix_cache_queries=stats.prefix_queries, prefix_cache_hits=stats.prefix_hits,
+        shed_level=stats.shed_level, shed_actions=stats.shed_actions,
         kv_usage_ratio=stats.kv_blocks_used / stats.kv_blocks_total,
         throughput=p.Throughput(generation_tokens_per_second=generation_rate, prompt_tokens_per_second=prompt_rate,
                                 history=engine.throughput.history(now)),
-        device_memory=_device_memory(llm.model.device),
-        classes=classes,
+        device_memory=None if memory is None else p.DeviceMemory(used_bytes=memory.used_bytes,
+                                                                  total_bytes=memory.total_bytes),
+        classes=_classes(request),
         requests=requests,
     )
     return web.json_response(p.dump(body))

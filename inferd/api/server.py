@@ -11,59 +11,47 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import uvloop
 from aiohttp import web
 
 from inferd.api.app import create_app
-from inferd.api.serving import STATE
+from inferd.api.state import DOOR, STATE
 from inferd.api.systemd import Notifier
 from inferd.config import Settings
-from inferd.engine.engine import AsyncEngine
-from inferd.engine.llm_engine import LLMEngine
-from inferd.model.loader import default_model_path
+from inferd.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("inferd")
 
 
-def served_name(settings: Settings) -> str:
-    if settings.model.name:
-        return settings.model.name
-    path = Path(settings.model.path) if settings.model.path else default_model_path()
-    return path.stem if path.is_file() else path.name
-
-
-async def serve(settings: Settings, api_keys: frozenset[str]) -> None:
+async def serve(settings: Settings, api_keys: frozenset[str], load_engine: Callable[[], AsyncEngine]) -> None:
+    """Serve the engine `load_engine` builds (the caller knows how: the API never imports torch)."""
     notifier = Notifier.from_environ()
     notifier.status("loading the model")
-    llm = LLMEngine.from_config(settings.engine_config())
-    engine = AsyncEngine(llm, served_name(settings))
+    engine = load_engine()
     app = create_app(engine, settings, api_keys)
+    state, limits = app[STATE], engine.limits
     # handler_cancellation: a non-streaming request whose client left is aborted at once
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, settings.server.host, settings.server.port)
     await site.start()
     host, port = runner.addresses[0][:2]
-    cfg = llm.model_config
     log.info(
         "inferd serving %s (%s, %d layers) dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
         "api_keys=%d on http://%s:%d",
-        engine.model_name, cfg.architecture, cfg.num_layers, str(llm.model.dtype).removeprefix("torch."),
-        llm.model.device, llm.block_manager.pool.num_blocks, llm.config.block_size, llm.max_model_len,
-        len(api_keys), host, port,
+        state.model_name, limits.architecture, limits.num_layers, limits.dtype, limits.device,
+        limits.num_kv_blocks, limits.block_size, limits.max_model_len, len(api_keys), host, port,
     )
     signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
-    state = app[STATE]
     waiting_for_signal = asyncio.ensure_future(signals.get())
     while not state.probed and not waiting_for_signal.done():  # READY=1 once the probe has run
         await asyncio.wait([waiting_for_signal], timeout=0.05)
     if state.probed:
-        notifier.ready(f"ready: serving {engine.model_name} on http://{host}:{port}")
+        notifier.ready(f"ready: serving {state.model_name} on http://{host}:{port}")
         if notifier.watchdog_interval is not None:  # (systemd's watchdog counts from READY=1)
             engine.heartbeat = _Pacer(notifier.watchdog, notifier.watchdog_interval)
     try:
@@ -80,7 +68,7 @@ async def _drain(app: web.Application, engine: AsyncEngine, notifier: Notifier, 
     """Stop admitting (/ready and new requests: 503), let what runs finish for up to `grace`
     seconds, or until a second signal; what still runs then ends with an error event."""
     app[STATE].draining = True
-    engine.engine.admission.start_draining()
+    app[DOOR].start_draining()
     notifier.stopping(f"draining: {engine.open_requests} requests in flight")
     log.info("%s: draining %d requests in flight (up to %.0f s; a second signal stops at once)",
              signal_name, engine.open_requests, grace)
@@ -113,5 +101,5 @@ class _Pacer:
             self.action()
 
 
-def run_server(settings: Settings, api_keys: frozenset[str]) -> None:
-    uvloop.run(serve(settings, api_keys))
+def run_server(settings: Settings, api_keys: frozenset[str], load_engine: Callable[[], AsyncEngine]) -> None:
+    uvloop.run(serve(settings, api_keys, load_engine))

@@ -17,8 +17,8 @@ from typing import Any
 
 from aiohttp import web
 
-from inferd.engine.engine import RequestStream
-from inferd.engine.llm_engine import RequestOutput
+from inferd.engine.async_engine import RequestStream
+from inferd.engine.protocol import EngineOutput
 
 SSE_HEADERS = {
     "Content-Type": "text/event-stream",
@@ -72,14 +72,14 @@ class EventStream:
 class OutputQueue:
     """The outputs of one HTTP request's engine requests (one per prompt), in batches.
 
-    Tracks which choices have finished, so `done` is exact; an output for a choice that already
-    finished is dropped.
+    `done` once the final output of every choice has been taken (each stream, the one tracker
+    of its choices, delivers exactly one final output per choice).
     """
 
     def __init__(self, streams: Sequence[RequestStream]) -> None:
         self._streams = list(streams)
-        self._open: set[tuple[int, int]] = {(p, i) for p, s in enumerate(streams) for i in range(s.n)}
-        self._merged: asyncio.Queue[tuple[int, RequestOutput]] | None = None
+        self._unfinished = sum(s.n for s in self._streams)  # final outputs not taken yet
+        self._merged: asyncio.Queue[tuple[int, EngineOutput]] | None = None
         self._forwarders: list[asyncio.Task[None]] = []
         if len(self._streams) > 1:
             # NOTE: one forwarding task per prompt; the single-prompt case reads its stream directly
@@ -88,17 +88,17 @@ class OutputQueue:
 
     @property
     def done(self) -> bool:
-        return not self._open
+        return self._unfinished == 0
 
     async def _forward(self, prompt: int, stream: RequestStream) -> None:
         assert self._merged is not None
         while True:
             self._merged.put_nowait((prompt, await stream.get()))
 
-    async def next_batch(self, timeout: float | None) -> list[tuple[int, RequestOutput]]:
+    async def next_batch(self, timeout: float | None) -> list[tuple[int, EngineOutput]]:
         """Wait for at least one output and take everything queued; [] after `timeout` seconds
         without any (time for a keep-alive)."""
-        batch: list[tuple[int, RequestOutput]] = []
+        batch: list[tuple[int, EngineOutput]] = []
         if self._merged is None:  # the common case, kept cheap: it runs per token per stream
             for out in await self._streams[0].get_batch(timeout):
                 self._take(batch, 0, out)
@@ -112,12 +112,8 @@ class OutputQueue:
             pass
         return batch
 
-    def _take(self, batch: list[tuple[int, RequestOutput]], prompt: int, out: RequestOutput) -> None:
-        key = (prompt, out.index)
-        if key not in self._open:
-            return
-        if out.finished:
-            self._open.discard(key)
+    def _take(self, batch: list[tuple[int, EngineOutput]], prompt: int, out: EngineOutput) -> None:
+        self._unfinished -= out.finished
         batch.append((prompt, out))
 
     def close(self) -> None:

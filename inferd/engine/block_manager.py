@@ -1,5 +1,9 @@
-"""Paged KV block allocator: refcounted blocks, per-sequence block tables, a prefix cache over
-full blocks, and host copies of swapped-out sequences (no tensors here).
+"""Per-sequence block tables over the paged KV block pool, and host copies of swapped-out
+sequences (no tensors here). The scheduler's check-then-act API to KV memory.
+
+    block_manager  tables, token counts, copy-on-write, swap      (this module)
+    block_pool     refcounts and the free list                    BlockPool
+    prefix_cache   block keys, lookup, evictable LRU              PrefixCache, block_key
 
 The KV cache (allocated elsewhere, once) is, per layer, `[num_blocks, block_size, n_kv_heads,
 head_dim]`. A sequence owns a *block table*: the list of block ids that hold its tokens in order.
@@ -25,20 +29,15 @@ filled; the first sequence that appends to a *shared* partial block gets a fresh
     KV cache, then writes position 10 into block 4.
     parent [7, 2, 5]   child [7, 2, 4]
 
-Prefix caching: once a block is full and computed, `commit` files it under a key that hashes its
-tokens and, through the parent key, every token before it. A later sequence whose prompt starts
-with the same tokens reuses those blocks instead of computing them again:
+Prefix caching: once a block is full and computed, `commit` files it in the prefix cache under a
+key that hashes its tokens and every token before them. `allocate` with the prompt's token ids
+reuses the leading cached blocks, and the caller computes from the first position they miss:
 
-    block_size = 4     a: [1 2 3 4 | 5 6 7 8 | 9 .  .  . ]   keys k0 = H(b"", 1234), k1 = H(k0, 5678)
+    block_size = 4     a: [1 2 3 4 | 5 6 7 8 | 9 .  .  . ]   committed: both full blocks cached
                        b: [1 2 3 4 | 5 6 7 8 | 9 9 .  . ]   allocate(b, 10, token_ids=b) -> 8
                            ^ same block ^ same block  ^ fresh block, computed from position 8
 
-A freed block that is still in the cache is *evictable*: it keeps its contents until the free
-list runs dry, then the least recently freed one is taken (and dropped from the cache).
-
-    used       refcount > 0, in one or more block tables
-    free       refcount 0, on the free list
-    evictable  refcount 0, in the cache, in LRU order; allocatable like a free block
+A freed block that is still cached stays *evictable* (see block_pool.py for the three states).
 
 Swap: `swap_out` gives a sequence's blocks host copies and frees its device blocks; `swap_in`
 brings them back into fresh device blocks. The caller copies the returned pairs, in one step, in
@@ -51,113 +50,12 @@ then nothing has changed, so the scheduler can pick a sequence to preempt and tr
 
 from __future__ import annotations
 
-import struct
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from hashlib import blake2b
 
-
-class BlockError(RuntimeError):
-    """A misuse of the allocator (double free, unknown sequence) or a broken invariant."""
-
-
-def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
-    """The prefix-cache key of a full block: its tokens, chained to every block before it.
-
-    NOTE: a cryptographic hash, not Python's `hash()`: a client can craft prompts whose int tuples
-    collide under `hash()`, and a collision hands one tenant another's KV (wrong output, and a
-    data leak). `parent_key` is b"" for a sequence's first block.
-    """
-    return blake2b(parent_key + struct.pack(f"<{len(token_ids)}i", *token_ids), digest_size=16).digest()
-
-
-class BlockPool:
-    """`num_blocks` refcounted blocks, each used, free or evictable (see the module docstring)."""
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        self.num_blocks = num_blocks
-        self._refcounts = [0] * num_blocks
-        # NOTE: FIFO reuse (oldest freed block first) keeps recently freed blocks intact longest;
-        # any order is correct.
-        self._free: deque[int] = deque(range(num_blocks))
-        self._keys: list[bytes | None] = [None] * num_blocks  # each block's prefix-cache key
-        self._cached: dict[bytes, int] = {}  # key -> block id; used or evictable blocks only
-        # refcount-0 cached blocks, least recently freed first (values unused)
-        self._evictable: OrderedDict[int, None] = OrderedDict()
-
-    @property
-    def num_free(self) -> int:
-        """Blocks that `allocate` can hand out now: free plus evictable."""
-        return len(self._free) + len(self._evictable)
-
-    @property
-    def num_evictable(self) -> int:
-        return len(self._evictable)
-
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free) + len(self._evictable)
-
-    def allocate(self) -> int | None:
-        """A block with refcount 1: from the free list, else the least recently freed evictable."""
-        if self._free:
-            block_id = self._free.popleft()
-        elif self._evictable:
-            block_id, _ = self._evictable.popitem(last=False)
-            del self._cached[self._keys[block_id]]  # type: ignore[index]
-            self._keys[block_id] = None
-        else:
-            return None
-        self._refcounts[block_id] = 1
-        return block_id
-
-    def incref(self, block_id: int) -> None:
-        if self._refcounts[block_id] == 0:
-            raise BlockError(f"incref of free block {block_id}")
-        self._refcounts[block_id] += 1
-
-    def decref(self, block_id: int) -> None:
-        rc = self._refcounts[block_id]
-        if rc == 0:
-            raise BlockError(f"double free of block {block_id}")
-        self._refcounts[block_id] = rc - 1
-        if rc == 1:
-            if self._keys[block_id] is None:
-                self._free.append(block_id)
-            else:
-                self._evictable[block_id] = None
-
-    def refcount(self, block_id: int) -> int:
-        return self._refcounts[block_id]
-
-    # ---- prefix cache ----
-
-    def key(self, block_id: int) -> bytes | None:
-        return self._keys[block_id]
-
-    def lookup(self, key: bytes) -> int | None:
-        return self._cached.get(key)
-
-    def register(self, block_id: int, key: bytes) -> bool:
-        """File a used block under `key`; False (and nothing changes) if the key is taken or the
-        block already has a key."""
-        if self._refcounts[block_id] == 0:
-            raise BlockError(f"register of free block {block_id}")
-        if key in self._cached or self._keys[block_id] is not None:
-            return False
-        self._cached[key] = block_id
-        self._keys[block_id] = key
-        return True
-
-    def acquire(self, block_id: int) -> None:
-        """Take one more reference to a cached block, which may be evictable (refcount 0)."""
-        if self._keys[block_id] is None:
-            raise BlockError(f"acquire of uncached block {block_id}")
-        if self._refcounts[block_id] == 0:
-            del self._evictable[block_id]
-        self._refcounts[block_id] += 1
+from inferd.engine.block_pool import BlockPool
+from inferd.engine.prefix_cache import BlockError, PrefixCache
 
 
 @dataclass(slots=True)
@@ -170,7 +68,8 @@ class SwappedSeq:
 
 
 class BlockManager:
-    """Block tables of all live sequences over one `BlockPool`; the only writer of both."""
+    """Block tables of all live sequences over one `BlockPool` and its `PrefixCache`; the only
+    writer of all three."""
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True) -> None:
@@ -179,6 +78,7 @@ class BlockManager:
         if num_host_blocks < 0:
             raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
         self.pool = BlockPool(num_blocks)
+        self.prefix_cache: PrefixCache = self.pool.cache
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[int, list[int]] = {}
@@ -205,7 +105,7 @@ class BlockManager:
     @property
     def num_cached_blocks(self) -> int:
         """Evictable blocks: freed, but still holding a cached prefix."""
-        return self.pool.num_evictable
+        return self.prefix_cache.num_evictable
 
     @property
     def num_used_blocks(self) -> int:
@@ -247,7 +147,7 @@ class BlockManager:
         len(token_ids) - 1 (the last token is always computed, for its logits). Changes nothing."""
         if not self.enable_prefix_caching:
             return 0
-        return len(self._match(token_ids, len(token_ids) - 1)[0]) * self.block_size
+        return len(self.prefix_cache.match(token_ids, len(token_ids) - 1, self.block_size)[0]) * self.block_size
 
     # ---- check ----
 
@@ -336,24 +236,13 @@ class BlockManager:
         keys = self._keys.get(seq_id)
         if keys is None:
             raise BlockError(f"unknown seq {seq_id}")
-        bs = self.block_size
-        num_full = num_computed_tokens // bs
+        num_full = num_computed_tokens // self.block_size
         if not self.enable_prefix_caching or num_full <= len(keys):
             return
         if num_computed_tokens > self._num_tokens[seq_id]:
             raise BlockError(f"seq {seq_id}: {num_computed_tokens} computed tokens but room "
                              f"for {self._num_tokens[seq_id]}")
-        table = self._tables[seq_id]
-        parent = keys[-1] if keys else b""
-        for i in range(len(keys), num_full):
-            block_tokens = tokens(i * bs, (i + 1) * bs)
-            if len(block_tokens) != bs:
-                raise ValueError(f"tokens({i * bs}, {(i + 1) * bs}) gave {len(block_tokens)} tokens")
-            parent = block_key(parent, block_tokens)
-            # NOTE: the key goes on the sequence's list even when register refuses it (another
-            # block holds it): the next block's key chains from it either way.
-            self.pool.register(table[i], parent)
-            keys.append(parent)
+        self.prefix_cache.fill(self._tables[seq_id], keys, num_full, tokens, self.block_size)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares all the parent's blocks and has the same token count."""
@@ -416,8 +305,6 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Raise BlockError if a block is lost, misfiled or refcounted wrongly, the cache map and
         the blocks' keys disagree, or a host block is lost or held twice. O(blocks)."""
-        pool = self.pool
-        bs = self.block_size
         if self._keys.keys() != self._tables.keys():
             raise BlockError("sequences with keys and with tables differ")
         refs: Counter[int] = Counter()
@@ -425,38 +312,16 @@ class BlockManager:
             n = self._num_tokens[seq_id]
             if len(table) != self.blocks_for(n):
                 raise BlockError(f"seq {seq_id}: {len(table)} blocks for {n} tokens")
-            if len(self._keys[seq_id]) > n // bs:
+            if len(self._keys[seq_id]) > n // self.block_size:
                 raise BlockError(f"seq {seq_id}: {len(self._keys[seq_id])} keys for {n} tokens")
             refs.update(table)
-        if not self.enable_prefix_caching and (pool._cached or any(self._keys.values())):
+        if not self.enable_prefix_caching and (len(self.prefix_cache) or any(self._keys.values())):
             raise BlockError("prefix caching is off but blocks are cached")
-        free = Counter(pool._free)
-        for block_id in range(pool.num_blocks):
-            rc = pool.refcount(block_id)
-            on_free = free[block_id]
-            evictable = block_id in pool._evictable
-            key = pool.key(block_id)
-            if on_free > 1:
-                raise BlockError(f"block {block_id} is {on_free} times on the free list")
-            if rc != refs[block_id]:
-                raise BlockError(f"block {block_id}: refcount {rc} != {refs[block_id]} references")
-            states = (rc > 0) + on_free + evictable
-            if states != 1:
-                raise BlockError(f"block {block_id}: refcount {rc}, free {bool(on_free)}, "
-                                 f"evictable {evictable}: lost or misfiled")
-            if evictable and key is None:
-                raise BlockError(f"evictable block {block_id} is not cached")
-            if on_free and key is not None:
-                raise BlockError(f"free block {block_id} is still cached")
-            if key is not None and pool._cached.get(key) != block_id:
-                raise BlockError(f"block {block_id}: its key maps to {pool._cached.get(key)}")
-        for key, block_id in pool._cached.items():
-            if not 0 <= block_id < pool.num_blocks or pool.key(block_id) != key:
-                raise BlockError(f"cache maps a key to block {block_id}, which has another key")
-        unknown = [b for b in [*free, *pool._evictable] if not 0 <= b < pool.num_blocks]
-        if unknown:
-            raise BlockError(f"free or evictable lists hold unknown block ids {unknown}")
+        self.pool.check_invariants(refs)  # and the prefix cache's own
+        self._check_host()
 
+    def _check_host(self) -> None:
+        """Swapped sequences are not live, and each host block is free or held by one of them."""
         if self._swapped.keys() & self._tables.keys():
             raise BlockError(f"seqs {self._swapped.keys() & self._tables.keys()} are live and swapped")
         host_refs = Counter(self._host_free)
@@ -464,7 +329,7 @@ class BlockManager:
             if len(swapped.host_table) != self.blocks_for(swapped.num_tokens):
                 raise BlockError(f"swapped seq {seq_id}: {len(swapped.host_table)} host blocks "
                                  f"for {swapped.num_tokens} tokens")
-            if len(swapped.keys) > swapped.num_tokens // bs:
+            if len(swapped.keys) > swapped.num_tokens // self.block_size:
                 raise BlockError(f"swapped seq {seq_id}: {len(swapped.keys)} keys "
                                  f"for {swapped.num_tokens} tokens")
             host_refs.update(swapped.host_table)
@@ -504,22 +369,6 @@ class BlockManager:
         fits: the reserve limits what an allocation takes, not what others left."""
         return need <= 0 or need + reserve <= self.pool.num_free
 
-    def _match(self, token_ids: Sequence[int], max_tokens: int) -> tuple[list[int], list[bytes]]:
-        """The cached blocks (and their keys) holding the leading full blocks of `token_ids`, at
-        most `max_tokens` tokens' worth."""
-        bs = self.block_size
-        blocks: list[int] = []
-        keys: list[bytes] = []
-        parent = b""
-        for i in range(max(max_tokens, 0) // bs):
-            parent = block_key(parent, token_ids[i * bs:(i + 1) * bs])
-            block_id = self.pool.lookup(parent)
-            if block_id is None:
-                break
-            blocks.append(block_id)
-            keys.append(parent)
-        return blocks, keys
-
     def _allocate_plan(self, num_tokens: int,
                        token_ids: Sequence[int] | None) -> tuple[list[int], list[bytes], int]:
         """(cached blocks to reuse, their keys, blocks the allocation takes from the allocatable
@@ -529,7 +378,7 @@ class BlockManager:
         blocks: list[int] = []
         keys: list[bytes] = []
         if token_ids is not None and self.enable_prefix_caching:
-            blocks, keys = self._match(token_ids, min(len(token_ids) - 1, num_tokens))
+            blocks, keys = self.prefix_cache.match(token_ids, min(len(token_ids) - 1, num_tokens), self.block_size)
         refcount = self.pool.refcount
         need = self.blocks_for(num_tokens) - len(blocks) + sum(refcount(b) == 0 for b in blocks)
         return blocks, keys, need

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from inferd.engine.policy import PriorityClass, Timeouts
 from inferd.model.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from inferd.engine.protocol import LogitsConstraint
 
 
 class RequestStatus(enum.IntEnum):
@@ -35,7 +39,7 @@ class RequestStatus(enum.IntEnum):
 
 @dataclass(eq=False)
 class Request:
-    request_id: int
+    seq_id: int  # one choice; the engine hands them out
     prompt_ids: list[int]
     params: SamplingParams
     max_model_len: int  # the model's context: prompt + output never exceed it
@@ -53,7 +57,6 @@ class Request:
     rank: int = 0  # the class's position, 0 = most important
     timeouts: Timeouts = field(default_factory=Timeouts)  # the request's own; add() tightens by the class's
     arrival_time: float | None = None  # when it reached the server, on the scheduler's clock
-    admitted_tokens: int = 0  # prompt tokens counted in the door's queue bound until scheduled
     # timeline, on the scheduler's clock (None: not yet)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -64,10 +67,13 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at its (last) admission
     token_cap: int | None = None  # load shedding's lower max_tokens, when in force
     timeout_kind: str | None = None  # which timeout ended it
+    # its own logits constraint (a grammar's matcher), advanced with every token it samples; its
+    # state survives a preemption, as the sampled tokens do
+    constraint: LogitsConstraint | None = None
 
     def __post_init__(self) -> None:
         if self.group_id < 0:
-            self.group_id = self.request_id
+            self.group_id = self.seq_id
 
     @property
     def forks_pending(self) -> list[Request]:

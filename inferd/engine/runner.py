@@ -17,7 +17,7 @@ from inferd.model.tensors import device_tensor
 
 @dataclass
 class StepResult:
-    request_ids: list[int]  # the requests that sampled a token, in row order
+    seq_ids: list[int]  # the sequences (choices) that sampled a token, in row order
     sampled: SamplerOutput
 
 
@@ -56,22 +56,23 @@ class ModelRunner:
             [r.params for r in rows],
             [r.output_ids for r in rows],
             [self._generator(r) for r in rows],
+            [r.constraint.allowed() if r.constraint is not None else None for r in rows],
         )
-        return StepResult([r.request_id for r in rows], sampled)
+        return StepResult([r.seq_id for r in rows], sampled)
 
-    def release(self, request_id: int) -> None:
+    def release(self, seq_id: int) -> None:
         """Forget a finished request's sampling state."""
-        self._generators.pop(request_id, None)
+        self._generators.pop(seq_id, None)
 
     def _generator(self, request: Request) -> torch.Generator | None:
         seed = request.params.seed
         if seed is None:
             return None
-        gen = self._generators.get(request.request_id)
+        gen = self._generators.get(request.seq_id)
         if gen is None:
             # choice i of a seeded n > 1 request draws from seed + i, so choices differ
             gen = torch.Generator(device=self.device).manual_seed(seed + request.index)
-            self._generators[request.request_id] = gen
+            self._generators[request.seq_id] = gen
         return gen
 
     def _prepare(

@@ -25,11 +25,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inferd.engine.accounting import ClassSnapshot, ClassStats, RequestSnapshot
+from inferd.engine.accounting import ClassSnapshot, RequestSnapshot, SchedulerAccounting, requests_snapshot
 from inferd.engine.block_manager import BlockManager
 from inferd.engine.policy import PriorityClass, SchedulingPolicy
 from inferd.engine.request import Request, RequestStatus
@@ -79,14 +78,8 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(
-        self,
-        block_manager: BlockManager,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        policy: SchedulingPolicy | None = None,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: SchedulingPolicy | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -99,10 +92,9 @@ class Scheduler:
         self.shedder = LoadShedder(policy.shedding, policy.classes)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
-        self.stats = {c.name: ClassStats(c.name) for c in policy.ranked}
-        self.preemptions: Counter[str] = Counter()  # by mode, all classes
-        self.timeouts: Counter[str] = Counter()  # by kind, all classes
-        self._last_account = clock()
+        self.accounting = acct = SchedulerAccounting(policy, clock(), self.shedder.observe)
+        # its counters, where the engine reads them: per class; totals by preemption mode, timeout kind
+        self.stats, self.preemptions, self.timeouts = acct.stats, acct.preemptions, acct.timeouts
         self._applied_level = 0
         # per schedule() call
         self._budget = 0
@@ -140,7 +132,7 @@ class Scheduler:
         out = SchedulerOutput()
         self._budget = self.max_num_batched_tokens
         self._scheduled = {}
-        self._account(now)
+        self.accounting.on_step(now, self.waiting)
         self._expire(now, out)
         self._shed(self.shedder.update(now), out)
 
@@ -154,7 +146,7 @@ class Scheduler:
                 break
             if req.status == RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
                 # (the common case inline: blocks suffice; _grow preempts when they do not)
-                copies = bm.append(req.request_id, 1, reserve=self._reserve[req.priority_class.name])
+                copies = bm.append(req.seq_id, 1, reserve=self._reserve[req.priority_class.name])
                 if copies is None:
                     self._grow(req, 1, out)
                 else:
@@ -171,7 +163,7 @@ class Scheduler:
                 break
             if req in out.preempted:
                 admitting = False  # a victim of this step waits for the next; no one overtakes it
-            if req.request_id in self._scheduled or req.priority_class.name in held_back:
+            if req.seq_id in self._scheduled or req.priority_class.name in held_back:
                 continue
             if req.status == RequestStatus.RUNNING:
                 n = min(req.num_tokens - req.num_computed_tokens, self._budget)
@@ -194,7 +186,7 @@ class Scheduler:
         aging = self.policy.aging_seconds
         if aging > 0 and req.status == RequestStatus.WAITING:
             rank = max(0, rank - int((now - req.arrival_time) // aging))
-        return rank, self._deadline(req), req.arrival_time, req.request_id
+        return rank, self._deadline(req), req.arrival_time, req.seq_id
 
     @staticmethod
     def _deadline(req: Request) -> float:
@@ -212,7 +204,7 @@ class Scheduler:
         needed; schedules the chunk. False when it got nothing this step."""
         bm = self.block_manager
         reserve = self._reserve[req.priority_class.name]
-        while (copies := bm.append(req.request_id, n, reserve=reserve)) is None:
+        while (copies := bm.append(req.seq_id, n, reserve=reserve)) is None:
             victim = self._pick_victim(req, strictly_lower=False)
             if victim is None:
                 return False
@@ -239,18 +231,18 @@ class Scheduler:
             self._preempt(victim, out)
 
         if req.swapped:
-            while (pairs := bm.swap_in(req.request_id, reserve=reserve)) is None:
+            while (pairs := bm.swap_in(req.seq_id, reserve=reserve)) is None:
                 victim = self._pick_victim(req, strictly_lower=True)
                 if victim is None:
-                    return _SKIP if bm.can_swap_in(req.request_id) else _STOP
+                    return _SKIP if bm.can_swap_in(req.seq_id) else _STOP
                 self._preempt(victim, out)
             out.swap_in += pairs
             req.swapped = False
             self._start(req, now, out)
             n = min(req.num_tokens - req.num_computed_tokens, self._budget)
             # (the table may already cover a token whose step was taken back when it was swapped)
-            grow = max(0, req.num_computed_tokens + n - bm.num_tokens(req.request_id))
-            copies = bm.append(req.request_id, grow, reserve=reserve)
+            grow = max(0, req.num_computed_tokens + n - bm.num_tokens(req.seq_id))
+            copies = bm.append(req.seq_id, grow, reserve=reserve)
             if copies is not None:  # else it runs from the next step on
                 out.block_copies += copies
                 self._add_chunk(out, req, n, copies)
@@ -260,7 +252,7 @@ class Scheduler:
         while True:
             cached = bm.cached_prefix(tokens)
             n = min(req.num_tokens - cached, self._budget)
-            if bm.allocate(req.request_id, cached + n, tokens, reserve=reserve) is not None:
+            if bm.allocate(req.seq_id, cached + n, tokens, reserve=reserve) is not None:
                 break
             victim = self._pick_victim(req, strictly_lower=True)
             if victim is None:  # short for everyone, or only for this class (its KV reserve)?
@@ -269,7 +261,7 @@ class Scheduler:
         req.num_computed_tokens = cached
         if req.num_preemptions == 0:
             req.num_cached_tokens = cached
-            self.stats[cls.name].cached_prompt_tokens += cached
+            self.accounting.on_cached(req, cached)
         self._start(req, now, out)
         self._add_chunk(out, req, n, [])
         return _ADMITTED
@@ -281,13 +273,13 @@ class Scheduler:
         req.progress_mark = len(req.output_ids)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = now
-            self.stats[req.priority_class.name].queue_time.add(now - req.arrival_time)
+            self.accounting.on_start(req, now)
             out.started.append(req)
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, copies: list[tuple[int, int]]) -> None:
-        chunk = ScheduledChunk(req, req.num_computed_tokens, n, self.block_manager.block_table(req.request_id))
+        chunk = ScheduledChunk(req, req.num_computed_tokens, n, self.block_manager.block_table(req.seq_id))
         (out.decodes if n == 1 else out.prefills).append(chunk)
-        self._scheduled[req.request_id] = (chunk, copies)
+        self._scheduled[req.seq_id] = (chunk, copies)
         self._budget -= n
 
     # ------------------------------------------------------------------------------ preemption
@@ -296,7 +288,7 @@ class Scheduler:
         """Whom to preempt so that `needy` can run: the lowest class first, then the cheapest
         to resume. A running `needy` competes too (it may be the one to give way)."""
         def worse(r: Request) -> tuple[int, int, float, int]:
-            return r.rank, -r.num_computed_tokens, r.arrival_time, r.request_id
+            return r.rank, -r.num_computed_tokens, r.arrival_time, r.seq_id
 
         pool = [r for r in self.running if r.rank > needy.rank] if strictly_lower else \
             [r for r in self.running if r.rank >= needy.rank]
@@ -317,7 +309,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        scheduled = self._scheduled.pop(req.request_id, None)
+        scheduled = self._scheduled.pop(req.seq_id, None)
         if scheduled is not None:  # it was given a chunk earlier in this step: take it back
             chunk, copies = scheduled
             (out.decodes if chunk.num_tokens == 1 else out.prefills).remove(chunk)
@@ -326,7 +318,7 @@ class Scheduler:
             self._budget += chunk.num_tokens
         mode = "recompute"
         if self.policy.preemption_mode == "swap":
-            pairs = self.block_manager.swap_out(req.request_id)
+            pairs = self.block_manager.swap_out(req.seq_id)
             if pairs is not None:
                 mode = "swap"
                 # NOTE: a copy-on-write taken back above never ran: its destination holds
@@ -335,12 +327,11 @@ class Scheduler:
                 out.swap_out += [(cow.get(device, device), host) for device, host in pairs]
                 req.swapped = True
         if mode == "recompute":
-            self.block_manager.free(req.request_id)
+            self.block_manager.free(req.seq_id)
             req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
-        self.preemptions[mode] += 1
-        self.stats[req.priority_class.name].preemptions[mode] += 1
+        self.accounting.on_preempt(req, mode)
         self.waiting.insert(0, req)  # (the order is by key; the front is where it usually sorts)
         out.preempted.append(req)
 
@@ -351,15 +342,14 @@ class Scheduler:
             kind = self._expired(req, now)
             if kind is not None:
                 req.timeout_kind = kind
-                self.timeouts[kind] += 1
-                self.stats[req.priority_class.name].timeouts[kind] += 1
+                self.accounting.on_timeout(req, kind)
                 self.finish(req, RequestStatus.FINISHED_TIMEOUT)
                 out.timed_out.append(req)
 
     @staticmethod
     def _expired(req: Request, now: float) -> str | None:
         if req.timeout_kind is not None:
-            return req.timeout_kind  # its last token came too late (see _on_token)
+            return req.timeout_kind  # its last token came too late (see SchedulerAccounting.on_token)
         t = req.timeouts
         age = now - req.arrival_time
         if req.first_scheduled_time is None and t.queue is not None and age > t.queue:
@@ -390,16 +380,7 @@ class Scheduler:
                     req.token_cap = cap
         self._applied_level = level
 
-    def _account(self, now: float) -> None:
-        """Integrate queued tokens over the time since the last step."""
-        dt = now - self._last_account
-        self._last_account = now
-        if dt <= 0:
-            return
-        for req in self.waiting:
-            self.stats[req.priority_class.name].queued_token_seconds += (req.num_tokens - req.num_computed_tokens) * dt
-
-    # -------------------------------------------------------------------------------- results
+    # -------------------------------------------------------------------- results, snapshots
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> None:
         """Record a finished step: computed counts and the sampled token of each request.
@@ -410,57 +391,36 @@ class Scheduler:
         now = self.clock()
         bm = self.block_manager
         block_size = bm.block_size
+        acct = self.accounting
+        on_token = acct.on_token  # (bound once: called per token)
         for chunks in (out.prefills, out.decodes):  # out.chunks' order, without the copy
             for chunk in chunks:
                 req = chunk.request
                 req.num_computed_tokens += chunk.num_tokens
                 if req.num_computed_tokens // block_size != chunk.start // block_size:  # a block filled up
-                    bm.commit(req.request_id, req.num_computed_tokens, req.token_ids)
+                    bm.commit(req.seq_id, req.num_computed_tokens, req.token_ids)
                 if chunk.start < len(req.prompt_ids):
-                    self.stats[req.priority_class.name].prompt_tokens += \
-                        min(req.num_computed_tokens, len(req.prompt_ids)) - chunk.start
-                token = sampled.get(req.request_id)
+                    acct.on_prefill(req, chunk.start)
+                token = sampled.get(req.seq_id)
                 if token is None:
                     continue
                 if req.forks and not req.output_ids:  # req.forks_pending, without a list per call
-                    for fork in req.forks:
-                        bm.fork(req.request_id, fork.request_id)
-                        self._adopt(fork, req)
-                        fork.num_computed_tokens = req.num_computed_tokens
-                        fork.output_ids.append(sampled[fork.request_id])
-                        self._on_token(fork, now)
-                        self.running.append(fork)
+                    self._start_forks(req, sampled, now)
                 req.output_ids.append(token)
-                self._on_token(req, now)
+                on_token(req, now)
 
-    def _adopt(self, fork: Request, root: Request) -> None:
-        """A fork starts with its root's class, deadlines and timeline."""
-        fork.priority_class, fork.rank, fork.timeouts = root.priority_class, root.rank, root.timeouts
-        fork.arrival_time, fork.first_scheduled_time = root.arrival_time, root.first_scheduled_time
-        fork.token_cap = root.token_cap
-        fork.status = RequestStatus.RUNNING
-
-    def _on_token(self, req: Request, now: float) -> None:
-        """Account a new token. One that came later than a TTFT or per-token timeout allows is
-        still delivered, and the request ends at the next schedule()."""
-        stats = self.stats[req.priority_class.name]
-        stats.generation_tokens += 1
-        t = req.timeouts
-        if req.first_token_time is None:
-            req.first_token_time = now
-            ttft = now - req.arrival_time
-            stats.ttft.add(ttft)
-            self.shedder.observe(req.priority_class.name, ttft, now)
-            if ttft > req.priority_class.ttft_target:
-                stats.deadline_misses["ttft"] += 1
-            if t.ttft is not None and ttft > t.ttft:
-                req.timeout_kind = "ttft"
-        else:
-            gap = now - req.last_token_time  # type: ignore[operator]
-            stats.itl.add(gap)
-            if t.token is not None and gap > t.token:
-                req.timeout_kind = "token"
-        req.last_token_time = now
+    def _start_forks(self, root: Request, sampled: dict[int, int], now: float) -> None:
+        """At the root's first token each fork takes its blocks, class, deadlines and timeline."""
+        for fork in root.forks:
+            self.block_manager.fork(root.seq_id, fork.seq_id)
+            fork.priority_class, fork.rank, fork.timeouts = root.priority_class, root.rank, root.timeouts
+            fork.arrival_time, fork.first_scheduled_time = root.arrival_time, root.first_scheduled_time
+            fork.token_cap = root.token_cap
+            fork.status = RequestStatus.RUNNING
+            fork.num_computed_tokens = root.num_computed_tokens
+            fork.output_ids.append(sampled[fork.seq_id])
+            self.accounting.on_token(fork, now)
+            self.running.append(fork)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request (stopped, length, aborted, timed out) and return its blocks at once."""
@@ -469,71 +429,22 @@ class Scheduler:
         bm = self.block_manager
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
-            bm.free(req.request_id)
+            bm.free(req.seq_id)
         elif req in self.waiting:
             self.waiting.remove(req)
             if req.swapped:
-                bm.free_swapped(req.request_id)
+                bm.free_swapped(req.seq_id)
                 req.swapped = False
         # else: a fork that never started (its group ended before the prompt finished)
         req.status = status
         if req.priority_class is None:
             return  # never queued here
-        stats = self.stats[req.priority_class.name]
-        stats.finished[status.finish_reason or status.name] += 1
-        stats.e2e.add(self.clock() - req.arrival_time)
-        n_out = len(req.output_ids)
-        if n_out > 1 and req.first_token_time is not None and req.last_token_time is not None:
-            tpot = (req.last_token_time - req.first_token_time) / (n_out - 1)
-            stats.tpot.add(tpot)
-            if tpot > req.priority_class.tpot_target:
-                stats.deadline_misses["tpot"] += 1
-
-    # ------------------------------------------------------------------------------ snapshots
+        self.accounting.on_finish(req, status, self.clock())
 
     def requests_snapshot(self, limit: int) -> list[RequestSnapshot]:
         """Up to `limit` unfinished requests, running ones first."""
-        now = self.clock()
-        out = []
-        for req in [*self.running, *self.waiting][:limit]:
-            state = "running" if req.status == RequestStatus.RUNNING else "swapped" if req.swapped else "waiting"
-            ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
-            out.append(RequestSnapshot(req.group_id, req.index, req.priority_class.name, state,
-                                       now - req.arrival_time, len(req.prompt_ids), len(req.output_ids), ttft))
-        return out
+        return requests_snapshot([*self.running, *self.waiting][:limit], self.clock())
 
     def snapshot(self) -> list[ClassSnapshot]:
         """Every class's state now, most important first (O(waiting + running))."""
-        now = self.clock()
-        waiting: Counter[str] = Counter()
-        queued: Counter[str] = Counter()
-        oldest: dict[str, float] = {}
-        for req in self.waiting:
-            name = req.priority_class.name
-            waiting[name] += 1
-            queued[name] += req.num_tokens - req.num_computed_tokens
-            oldest[name] = max(oldest.get(name, 0.0), now - req.arrival_time)
-        running: Counter[str] = Counter()
-        blocks: Counter[str] = Counter()
-        for req in self.running:
-            running[req.priority_class.name] += 1
-            blocks[req.priority_class.name] += len(self.block_manager.block_table(req.request_id))
-        return [
-            _snapshot(cls, self.stats[cls.name], waiting[cls.name], queued[cls.name],
-                      oldest.get(cls.name, 0.0), running[cls.name], blocks[cls.name])
-            for cls in self.policy.ranked
-        ]
-
-
-def _snapshot(cls: PriorityClass, s: ClassStats, waiting: int, queued: int, oldest: float,
-              running: int, blocks: int) -> ClassSnapshot:
-    return ClassSnapshot(
-        name=cls.name, priority=cls.priority, waiting=waiting, queued_tokens=queued, oldest_wait=oldest,
-        running=running, kv_blocks_used=blocks, queued_token_seconds=s.queued_token_seconds,
-        prompt_tokens=s.prompt_tokens, cached_prompt_tokens=s.cached_prompt_tokens,
-        generation_tokens=s.generation_tokens, ttft_p50=s.ttft.percentile(50), ttft_p95=s.ttft.percentile(95),
-        tpot_p50=s.tpot.percentile(50), queue_time_p95=s.queue_time.percentile(95),
-        finished=dict(s.finished), preemptions=dict(s.preemptions), timeouts=dict(s.timeouts),
-        deadline_misses=dict(s.deadline_misses),
-        histograms={name: getattr(s, name).histogram.copy() for name in ("ttft", "itl", "tpot", "e2e", "queue_time")},
-    )
+        return self.accounting.snapshot(self.clock(), self.waiting, self.running, self.block_manager.block_table)

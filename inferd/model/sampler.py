@@ -93,6 +93,22 @@ def apply_min_p(
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
+def apply_allowed(
+    logits: torch.Tensor,  # [B, V] float32
+    allowed: Sequence[Sequence[int] | None],  # [B]
+) -> torch.Tensor:  # [B, V] float32, a copy
+    """-inf for every token a constrained row may not take next (a grammar's mask), before
+    greedy and sampled choices alike."""
+    masked = logits.clone()
+    for row, ids in enumerate(allowed):
+        if ids is None:
+            continue
+        keep = masked[row, device_tensor(list(ids), torch.int64, logits.device)]
+        masked[row] = float("-inf")
+        masked[row, device_tensor(list(ids), torch.int64, logits.device)] = keep
+    return masked
+
+
 class Sampler:
     """Stateless; one call samples one token for each row of a batch."""
 
@@ -102,9 +118,12 @@ class Sampler:
         params: Sequence[SamplingParams],  # [B]
         output_token_ids: Sequence[Sequence[int]],  # [B][n_row] generated so far, for penalties
         generators: Sequence[torch.Generator | None],  # [B], None: unseeded row
+        allowed: Sequence[Sequence[int] | None] | None = None,  # [B]: a row's permitted next tokens; None: any
     ) -> SamplerOutput:
         raw = logits.float()  # [B, V]
         processed = self.process(raw, params, output_token_ids)  # [B, V]
+        if allowed is not None and any(a is not None for a in allowed):
+            processed = apply_allowed(processed, allowed)
         token_ids = self._sample(processed, params, generators)  # [B] long
         return self._output(raw, params, token_ids)
 

@@ -1,85 +1,28 @@
-"""Tokenizers: one `Tokenizer` interface over byte-level BPE (`tokenizers`) and SentencePiece.
+"""Tokenizers at run time: one `Tokenizer` interface over byte-level BPE and SentencePiece.
 
-Sources `load_tokenizer` understands:
+    Tokenizer              what the engine and the API use: encode / decode / chat template,
+                           BOS / EOS insertion, special-token ids, raw pieces for logprobs
+    TokenizerBackend       text <-> ids, nothing else; two of them:
+      HFBackend            a `tokenizers.Tokenizer` (byte-level BPE, or any tokenizer.json)
+      SentencePieceBackend a SentencePiece model, with added / control tokens matched first
 
-    GGUF, tokenizer.ggml.model == "gpt2"   byte-level BPE rebuilt from the vocab + merges;
-                                           `tokenizer.ggml.pre` picks the split regex
-    GGUF, tokenizer.ggml.model == "llama"  SentencePiece BPE rebuilt from tokens, scores, types
-    folder with tokenizer.json             `tokenizers.Tokenizer.from_file`
-    folder with tokenizer.model only       SentencePiece
-    (folders: BOS / EOS / chat template from tokenizer_config.json, special_tokens_map.json,
-     generation_config.json, config.json and chat_template.jinja)
-
-Both backends only turn text into ids and back; BOS / EOS insertion and the hiding of special
-tokens happen here, once, so every backend behaves the same way for the engine.
+Building one from a GGUF file or a Hugging Face folder is `inferd.model.tokenizer_loader`'s job.
+Backends only turn text into ids and back; BOS / EOS insertion and the hiding of special tokens
+happen in `Tokenizer`, once, so every backend behaves the same way for the engine.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import re
 from collections.abc import Sequence
 from functools import lru_cache
-from pathlib import Path
 from typing import Any, Protocol
 
 from inferd.model.chat_template import render_chat_template
-from inferd.model.errors import ModelLoadError
-
-logger = logging.getLogger(__name__)
-
-# GGUF token types (the same numbers as SentencePiece's ModelProto.SentencePiece.Type)
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-# Control tokens that end a turn although the file does not name them EOS (llama.cpp's EOG list).
-_END_OF_GENERATION_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
-    "<EOT>", "_<EOT>", "<|eom_id|>", "<｜end▁of▁sentence｜>", "<|return|>", "<|call|>",
-})
-
-# ---------------------------------------------------------------------------------------------
-# byte-level BPE pre-tokenizers, keyed by llama.cpp's `tokenizer.ggml.pre`
-
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_GPT4O_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_TEKKEN_SPLIT = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*"
-    r"|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-# pre type -> ("gpt2" | "digits" | a split regex); "gpt2" is the GPT-2 regex built into ByteLevel
-_PRE_TOKENIZERS: dict[str, str] = {
-    **dict.fromkeys(["default", "gpt2", "mpt", "olmo", "jais", "trillion", "gpt-2"], "gpt2"),
-    **dict.fromkeys(
-        ["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"], "digits"
-    ),
-    **dict.fromkeys(
-        ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "dbrx", "smaug-bpe"],
-        _LLAMA3_SPLIT,
-    ),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2", "megrez", "hunyuan"], _QWEN2_SPLIT),
-    **dict.fromkeys(["gpt-4o", "llama4", "minimax-m2"], _GPT4O_SPLIT),
-    "tekken": _TEKKEN_SPLIT,
-}
-# NOTE: llama.cpp sets ignore_merges for these (Llama-3's tokenizer.json does too): a pre-token
-# that is itself in the vocabulary is taken whole instead of being merged up from bytes.
-_IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral"})
 
 
 @lru_cache(maxsize=1)
-def _byte_to_unicode() -> dict[int, str]:
+def byte_to_unicode() -> dict[int, str]:
     """GPT-2's printable spelling of the 256 bytes (the alphabet of byte-level vocabularies)."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))
     chars = list(printable)
@@ -92,16 +35,23 @@ def _byte_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars)}
 
 
+@lru_cache(maxsize=1)
+def _unicode_to_byte() -> dict[str, int]:
+    return {c: b for b, c in byte_to_unicode().items()}
+
+
 # ---------------------------------------------------------------------------------------------
 # backends: text <-> ids, nothing else
 
 
-class _Backend(Protocol):
+class TokenizerBackend(Protocol):
+    """Text <-> ids for one vocabulary; it never adds BOS / EOS nor hides special tokens."""
+
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
 
 
-class _HFBackend:
+class HFBackend:
     """A `tokenizers.Tokenizer` (byte-level BPE from a GGUF, or any tokenizer.json)."""
 
     def __init__(self, tok: Any) -> None:
@@ -114,7 +64,7 @@ class _HFBackend:
         return self.tok.decode(list(ids), skip_special_tokens=False)
 
 
-class _SPMBackend:
+class SentencePieceBackend:
     """SentencePiece, with added / control tokens matched in the text first (as HF and llama.cpp do).
 
     `prefix_space`: where a "▁" is prepended to a run of plain text --
@@ -194,7 +144,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: _Backend,
+        backend: TokenizerBackend,
         pieces: list[str],
         *,
         vocab_size: int,
@@ -272,267 +222,3 @@ class Tokenizer:
             eos_token=self.eos_token,
             **kwargs,
         )
-
-
-@lru_cache(maxsize=1)
-def _unicode_to_byte() -> dict[str, int]:
-    return {c: b for b, c in _byte_to_unicode().items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# loading
-
-
-def load_tokenizer(path: str | Path, gguf_metadata: dict | None = None) -> Tokenizer:
-    """The tokenizer of a GGUF file or a Hugging Face-style model folder."""
-    path = Path(path)
-    if gguf_metadata is not None or path.is_file():
-        if gguf_metadata is None:
-            from inferd.model.gguf_file import GGUFFile
-
-            gguf = GGUFFile(path)
-            gguf_metadata = gguf.metadata
-            gguf.close()
-        return _from_gguf(gguf_metadata, str(path))
-    if path.is_dir():
-        return _from_folder(path)
-    raise ModelLoadError(f"{path}: no such file or folder")
-
-
-def _from_gguf(md: dict, where: str) -> Tokenizer:
-    kind = md.get("tokenizer.ggml.model")
-    tokens: list[str] | None = md.get("tokenizer.ggml.tokens")
-    if not tokens:
-        raise ModelLoadError(f"{where}: GGUF has no tokenizer.ggml.tokens")
-    types: list[int] = md.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)
-    if len(types) != len(tokens):
-        raise ModelLoadError(f"{where}: GGUF has {len(tokens)} tokens but {len(types)} token types")
-
-    if kind == "gpt2":
-        backend: _Backend = _HFBackend(_gguf_byte_level_bpe(md, tokens, types, where))
-        default_add_bos = False
-    elif kind == "llama":
-        backend = _SPMBackend(
-            _gguf_spm_proto(md, tokens, types, where),
-            {i: t for i, t in enumerate(tokens) if types[i] in (CONTROL, USER_DEFINED, UNKNOWN)},
-            "llama.cpp" if md.get("tokenizer.ggml.add_space_prefix", True) else "never",
-        )
-        default_add_bos = True
-    else:
-        raise ModelLoadError(f"{where}: unsupported tokenizer.ggml.model {kind!r} (supported: gpt2, llama)")
-
-    def token_id(key: str) -> int | None:
-        value = md.get(f"tokenizer.ggml.{key}")
-        return int(value) if value is not None and 0 <= int(value) < len(tokens) else None
-
-    eos = token_id("eos_token_id")
-    end_ids = {i for i in (eos, token_id("eot_token_id"), token_id("eom_token_id")) if i is not None}
-    end_ids |= {i for i, t in enumerate(tokens) if types[i] == CONTROL and t in _END_OF_GENERATION_TEXTS}
-    return Tokenizer(
-        backend,
-        list(tokens),
-        vocab_size=len(tokens),
-        bos_token_id=token_id("bos_token_id"),
-        eos_token_ids=frozenset(end_ids),
-        eos_token_id=eos,
-        pad_token_id=token_id("padding_token_id"),
-        add_bos=bool(md.get("tokenizer.ggml.add_bos_token", default_add_bos)),
-        add_eos=bool(md.get("tokenizer.ggml.add_eos_token", False)),
-        special_ids=frozenset(i for i, t in enumerate(types) if t == CONTROL),
-        chat_template=md.get("tokenizer.chat_template"),
-        byte_level=kind == "gpt2",
-    )
-
-
-def _gguf_byte_level_bpe(md: dict, tokens: list[str], types: list[int], where: str) -> Any:
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
-
-    merges_raw: list[str] = md.get("tokenizer.ggml.merges") or []
-    merges = []
-    for m in merges_raw:
-        a, sep, b = m.partition(" ")
-        if not sep:
-            raise ModelLoadError(f"{where}: malformed merge {m!r} in tokenizer.ggml.merges")
-        merges.append((a, b))
-    alphabet = set(_byte_to_unicode().values())
-    b2u = _byte_to_unicode()
-    vocab: dict[str, int] = {}
-    for i, t in enumerate(tokens):
-        # NOTE: added tokens keep their raw text (llama.cpp's converter stores them so); a normal
-        # token outside the byte alphabet is respelled in it, as transformers' GGUF loader does.
-        if types[i] not in (CONTROL, USER_DEFINED) and not set(t) <= alphabet:
-            t = "".join(b2u[b] for b in t.encode())
-        vocab.setdefault(t, i)
-
-    pre = md.get("tokenizer.ggml.pre", "default")
-    split = _PRE_TOKENIZERS.get(pre)
-    if split is None:
-        logger.warning("%s: unknown tokenizer.ggml.pre %r; using the GPT-2 pre-tokenizer", where, pre)
-        split = "gpt2"
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=pre in _IGNORE_MERGES))
-    if split == "gpt2":
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif split == "digits":
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(
-        [AddedToken(t, normalized=False, special=True) for i, t in enumerate(tokens) if types[i] == CONTROL]
-    )
-    tok.add_tokens(
-        [AddedToken(t, normalized=False, special=False) for i, t in enumerate(tokens) if types[i] == USER_DEFINED]
-    )
-    return tok
-
-
-def _gguf_spm_proto(md: dict, tokens: list[str], types: list[int], where: str) -> Any:
-    from sentencepiece import sentencepiece_model_pb2 as pb
-
-    scores: list[float] = md.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
-    proto = pb.ModelProto()
-    proto.trainer_spec.model_type = pb.TrainerSpec.BPE
-    byte_pieces = {t for i, t in enumerate(tokens) if types[i] == BYTE}
-    proto.trainer_spec.byte_fallback = len(byte_pieces) == 256
-    proto.normalizer_spec.name = "identity"
-    proto.normalizer_spec.add_dummy_prefix = False  # the backend adds the prefix itself
-    proto.normalizer_spec.remove_extra_whitespaces = False
-    proto.normalizer_spec.escape_whitespaces = True
-    unk = [i for i, t in enumerate(types) if t == UNKNOWN]
-    if len(unk) != 1:
-        raise ModelLoadError(f"{where}: SentencePiece vocabulary needs one unknown token, found {len(unk)}")
-    proto.trainer_spec.unk_id = unk[0]
-    proto.trainer_spec.bos_id = int(md.get("tokenizer.ggml.bos_token_id", -1))
-    proto.trainer_spec.eos_id = int(md.get("tokenizer.ggml.eos_token_id", -1))
-    proto.trainer_spec.pad_id = -1
-    for t, s, ty in zip(tokens, scores, types):
-        piece = proto.pieces.add()
-        piece.piece, piece.score = t, float(s)
-        piece.type = ty if ty in (NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE) else NORMAL
-    return proto
-
-
-def _read_json(path: Path) -> dict:
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"{path}: cannot read ({e})") from None
-
-
-def _token_text(value: Any) -> str | None:
-    """A special token as tokenizer_config.json writes it: a string or {"content": ...}."""
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) else None
-
-
-def _from_folder(folder: Path) -> Tokenizer:
-    config = _read_json(folder / "tokenizer_config.json")
-    special_map = _read_json(folder / "special_tokens_map.json")
-    gen_config = _read_json(folder / "generation_config.json")
-    model_config = _read_json(folder / "config.json")
-
-    if (folder / "tokenizer.json").is_file():
-        from tokenizers import Tokenizer as HFTokenizer
-
-        try:
-            tok = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-        except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception subclasses
-            raise ModelLoadError(f"{folder / 'tokenizer.json'}: cannot load ({e})") from None
-        backend: _Backend = _HFBackend(tok)
-        vocab_size = tok.get_vocab_size(with_added_tokens=True)
-        pieces = [tok.id_to_token(i) or "" for i in range(vocab_size)]
-        added = tok.get_added_tokens_decoder()
-        special_ids = {i for i, t in added.items() if t.special}
-        byte_level = "ByteLevel" in repr(tok.decoder)
-        default_add_bos = None  # decided below from the post-processor
-    elif (folder / "tokenizer.model").is_file():
-        from sentencepiece import sentencepiece_model_pb2 as pb
-
-        proto = pb.ModelProto()
-        try:
-            proto.ParseFromString((folder / "tokenizer.model").read_bytes())
-        except Exception as e:  # noqa: BLE001 - protobuf's DecodeError
-            raise ModelLoadError(f"{folder / 'tokenizer.model'}: not a SentencePiece model ({e})") from None
-        prefix = proto.normalizer_spec.add_dummy_prefix and config.get("add_prefix_space", True) is not False
-        if proto.normalizer_spec.remove_extra_whitespaces:
-            prefix = False  # spm collapses the spaces itself; leave its own prefixing on
-        else:
-            proto.normalizer_spec.add_dummy_prefix = False
-        pieces = [p.piece for p in proto.pieces]
-        added = {i: p.piece for i, p in enumerate(proto.pieces) if p.type in (CONTROL, USER_DEFINED, UNKNOWN)}
-        special_ids = {i for i, p in enumerate(proto.pieces) if p.type in (CONTROL, UNKNOWN)}
-        for key, entry in (config.get("added_tokens_decoder") or {}).items():
-            i, text = int(key), entry.get("content", "")
-            added[i] = text
-            if entry.get("special", False):
-                special_ids.add(i)
-            if i >= len(pieces):
-                pieces += [""] * (i + 1 - len(pieces))
-            pieces[i] = text
-        mode = "never" if not prefix else ("always" if config.get("legacy", False) else "first")
-        backend = _SPMBackend(proto, added, mode)
-        vocab_size = len(pieces)
-        byte_level = False
-        default_add_bos = True  # the Llama convention
-    else:
-        raise ModelLoadError(f"{folder}: no tokenizer.json or tokenizer.model in the folder")
-
-    index = {p: i for i, p in reversed(list(enumerate(pieces)))}
-
-    def id_of(key: str) -> int | None:
-        text = _token_text(config.get(key)) or _token_text(special_map.get(key))
-        if text is not None and text in index:
-            return index[text]
-        for source in (gen_config, model_config):
-            value = source.get(f"{key}_id")
-            if isinstance(value, list):
-                value = value[0] if value else None
-            if isinstance(value, int):
-                return value
-        return None
-
-    bos, eos, pad = id_of("bos_token"), id_of("eos_token"), id_of("pad_token")
-    eos_ids = {eos} if eos is not None else set()
-    for source in (gen_config, model_config):
-        value = source.get("eos_token_id")
-        eos_ids |= set(value) if isinstance(value, list) else {value} if isinstance(value, int) else set()
-
-    add_bos = config.get("add_bos_token", default_add_bos)
-    if add_bos is None:
-        # a tokenizer.json says so through its post-processor (e.g. Llama-3's TemplateProcessing)
-        with_special = tok.encode("a", add_special_tokens=True).ids
-        add_bos = bos is not None and with_special[:1] == [bos] != tok.encode("a", add_special_tokens=False).ids[:1]
-
-    template = None
-    if (folder / "chat_template.jinja").is_file():
-        template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
-    elif isinstance(config.get("chat_template"), str):
-        template = config["chat_template"]
-    elif isinstance(config.get("chat_template"), list):
-        named = {t.get("name"): t.get("template") for t in config["chat_template"]}
-        template = named.get("default") or next(iter(named.values()), None)
-
-    return Tokenizer(
-        backend,
-        pieces,
-        vocab_size=vocab_size,
-        bos_token_id=bos,
-        eos_token_ids=frozenset(eos_ids),
-        eos_token_id=eos,
-        pad_token_id=pad,
-        add_bos=bool(add_bos and bos is not None),
-        add_eos=bool(config.get("add_eos_token", False)),
-        special_ids=frozenset(special_ids),
-        chat_template=template,
-        byte_level=byte_level,
-    )

@@ -14,9 +14,10 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 
 from inferd.api.app import create_app
-from inferd.api.serving import STATE, ServerState
+from inferd.api.door import FrontDoor
+from inferd.api.state import DOOR, STATE, ServerState
 from inferd.config import Settings
-from inferd.engine.engine import AsyncEngine
+from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.llm_engine import LLMEngine
 
 MODEL = "smollm2"
@@ -24,7 +25,8 @@ MODEL = "smollm2"
 
 @dataclass
 class Server:
-    engine: AsyncEngine
+    engine: AsyncEngine  # its public face only: limits, snapshot, tokenizer, alive
+    door: FrontDoor
     session: aiohttp.ClientSession
     test_server: TestServer
 
@@ -55,16 +57,19 @@ def data_events(events: list[str]) -> list[Any]:
 
 @asynccontextmanager
 async def serve(llm: LLMEngine, settings: Settings | None = None, api_keys: frozenset[str] = frozenset()) -> AsyncIterator[Server]:
-    engine = AsyncEngine(llm, model_name=MODEL)
-    app = create_app(engine, settings or Settings(), api_keys)
+    engine = AsyncEngine(llm)
+    settings = settings or Settings()
+    if settings.model.name is None:
+        settings = settings.model_copy(update={"model": settings.model.model_copy(update={"name": MODEL})})
+    app = create_app(engine, settings, api_keys)
     test_server = TestServer(app)
     await test_server.start_server()
     try:
         async with aiohttp.ClientSession(base_url=test_server.make_url("")) as session:
             await wait_ready(app[STATE])
-            yield Server(engine, session, test_server)
+            yield Server(engine, app[DOOR], session, test_server)
         if engine.alive:  # (a test may have stopped it)
-            await assert_pool_whole(llm)
+            await assert_pool_whole(engine, app[DOOR])
     finally:
         await test_server.close()
 
@@ -77,18 +82,21 @@ async def wait_ready(state: ServerState, within: float = 30.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def assert_pool_whole(llm: LLMEngine, within: float = 10.0) -> None:
-    """After a test: once its requests have ended (or been aborted as their clients left), no
-    KV block is held (cached prefix blocks are evictable) and no queue counts a request."""
-    bm = llm.block_manager
+async def assert_pool_whole(engine: AsyncEngine, door: FrontDoor, within: float = 10.0) -> None:
+    """After a test: once its requests have ended (or been aborted as their clients left), the
+    published snapshot shows no request and no KV block held (cached prefix blocks are
+    evictable), and the door's queues count no request."""
     deadline = time.monotonic() + within
-    while llm.request_ids() or bm.num_used_blocks:
-        assert time.monotonic() < deadline, (llm.request_ids(), bm.num_used_blocks)
+
+    def busy() -> tuple[int, int, int, int]:
+        s = engine.snapshot
+        return s.running, s.waiting, s.kv_blocks_used, engine.open_requests
+
+    while any(busy()):
+        assert time.monotonic() < deadline, busy()
         await asyncio.sleep(0.02)
-    bm.check_invariants()
-    assert bm.num_free_blocks == bm.pool.num_blocks
-    for cls in llm.policy.classes:
-        assert llm.admission.queued(cls.name) == (0, 0), cls.name
+    for cls in engine.limits.policy.classes:
+        assert door.admission.queued(cls.name) == (0, 0), cls.name
 
 
 def assert_error(status: int, body: Any, expected_status: int, param: str | None = None, code: str | None = None) -> None:

@@ -9,7 +9,8 @@ import pytest
 import pytest_asyncio
 from apiserver import Server, serve
 
-from inferd.engine.llm_engine import EngineConfig, LLMEngine
+from inferd.engine.config import EngineConfig
+from inferd.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="session")

@@ -33,11 +33,15 @@ async def wait_idle(server: Server, within: float = 1.0) -> dict[str, Any]:
 
 
 async def wait_blocks_free(server: Server, within: float = 1.0) -> None:
-    """Wait until the engine holds no request and no block (read from the engine itself)."""
-    llm = server.engine.engine
+    """Wait until the engine holds no request and no block (its published snapshot)."""
     deadline = time.monotonic() + within
-    while llm.request_ids() or llm.block_manager.num_free_blocks != llm.block_manager.pool.num_blocks:
-        assert time.monotonic() < deadline, (llm.request_ids(), llm.block_manager.num_free_blocks)
+
+    def held() -> tuple[int, int, int]:
+        s = server.engine.snapshot
+        return s.running, s.waiting, s.kv_blocks_used
+
+    while any(held()):
+        assert time.monotonic() < deadline, held()
         await asyncio.sleep(0.02)
 
 
@@ -259,7 +263,7 @@ async def test_disconnect_mid_stream_frees_blocks(server: Server) -> None:
     async with server.session.post("/v1/chat/completions", json=body) as r:
         assert r.status == 200
         await read_events(r, 3)  # the role, then two tokens
-        assert server.engine.stats.kv_blocks_used > 0
+        assert server.engine.snapshot.kv_blocks_used > 0
         r.close()  # the client goes away
     await wait_blocks_free(server, within=1.0)
 

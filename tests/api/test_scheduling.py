@@ -13,7 +13,8 @@ import pytest
 import pytest_asyncio
 from apiserver import MODEL, Server, assert_error, data_events, serve
 
-from inferd.engine.llm_engine import EngineConfig, LLMEngine
+from inferd.engine.config import EngineConfig
+from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.policy import DEFAULT_CLASSES, SchedulingPolicy
 
 pytestmark = pytest.mark.asyncio
@@ -120,7 +121,7 @@ async def test_a_predicted_deadline_miss_is_refused_at_the_door(server: Server) 
 
 
 async def test_draining_answers_503_with_retry_after(server: Server) -> None:
-    server.engine.engine.admission.start_draining()
+    server.door.start_draining()
     async with server.session.post(COMPLETIONS, json={**GREEDY, "prompt": "Hi"}) as r:
         assert_error(r.status, await r.json(), 503, code="draining")
         assert r.headers["Retry-After"] == "5"

@@ -97,14 +97,14 @@ async def test_unknown_model_is_404(server: Server) -> None:
 
 
 async def test_prompt_longer_than_context(server: Server) -> None:
-    ids = [100] * server.engine.max_model_len
+    ids = [100] * server.engine.limits.max_model_len
     status, body = await server.post(COMPLETIONS, {**PROMPT, "prompt": ids})
     assert_error(status, body, 400, param="prompt", code="context_length_exceeded")
-    assert str(server.engine.max_model_len) in body["error"]["message"]
+    assert str(server.engine.limits.max_model_len) in body["error"]["message"]
 
 
 async def test_max_tokens_past_context(server: Server) -> None:
-    context = server.engine.max_model_len
+    context = server.engine.limits.max_model_len
     ids = [100] * (context - 100)
     status, body = await server.post(COMPLETIONS, {**PROMPT, "prompt": ids, "max_tokens": 200})
     assert_error(status, body, 400, param="max_tokens", code="context_length_exceeded")
@@ -119,7 +119,7 @@ async def test_max_tokens_past_limit(server: Server) -> None:
 
 async def test_request_bigger_than_kv_cache(server: Server) -> None:
     # fits the context, but not the KV cache: the engine's own check, mapped by errors.py
-    capacity = server.engine.stats.kv_blocks_total * server.engine.engine.config.block_size
+    capacity = server.engine.limits.num_kv_blocks * server.engine.limits.block_size
     ids = [100] * (capacity - 10)
     status, body = await server.post(COMPLETIONS, {**PROMPT, "prompt": ids, "max_tokens": 100})
     assert_error(status, body, 400, param="max_tokens")
@@ -132,9 +132,9 @@ async def test_invalid_token_ids(server: Server, bad_id: int) -> None:
 
 
 async def test_token_id_at_vocab_size(server: Server, llm: LLMEngine) -> None:
-    status, body = await server.post(COMPLETIONS, {**PROMPT, "prompt": [[5], [llm.model_config.vocab_size]]})
+    status, body = await server.post(COMPLETIONS, {**PROMPT, "prompt": [[5], [server.engine.limits.vocab_size]]})
     assert_error(status, body, 400, param="prompt")
-    assert server.engine.stats.running == 0 and server.engine.stats.waiting == 0
+    assert server.engine.snapshot.running == 0 and server.engine.snapshot.waiting == 0
 
 
 @pytest.mark.parametrize("prompt", ["", [], [[]], ["ok", ""]], ids=["string", "list", "nested", "one_of_batch"])
@@ -156,7 +156,7 @@ async def test_chat_template_raise_exception(server: Server, llm: LLMEngine, mon
         "{{ raise_exception('System message must be first') }}{% endif %}"
         "{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
     )
-    monkeypatch.setattr(llm.tokenizer, "chat_template", template)
+    monkeypatch.setattr(server.engine.tokenizer, "chat_template", template)
     messages = [{"role": "user", "content": "Hi"}, {"role": "system", "content": "late"}]
     status, body = await server.post(CHAT, {**CHAT_BODY, "messages": messages})
     assert_error(status, body, 400, param="messages")
@@ -165,7 +165,7 @@ async def test_chat_template_raise_exception(server: Server, llm: LLMEngine, mon
 
 async def test_chat_template_type_error(server: Server, llm: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     # a template doing arithmetic on client input: not a jinja error, still the client's 400
-    monkeypatch.setattr(llm.tokenizer, "chat_template", "{{ messages[0]['content'] + 1 }}")
+    monkeypatch.setattr(server.engine.tokenizer, "chat_template", "{{ messages[0]['content'] + 1 }}")
     assert_error(*await server.post(CHAT, CHAT_BODY), 400, param="messages")
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from inferd.engine.llm_engine import EngineConfig, LLMEngine
+from inferd.engine.config import EngineConfig
+from inferd.engine.llm_engine import LLMEngine
 from inferd.model.sampling_params import SamplingParams
 
 

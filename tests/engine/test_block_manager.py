@@ -1,4 +1,5 @@
-"""BlockPool / BlockManager: unit tests, then a hypothesis state machine against a shadow model.
+"""BlockPool / PrefixCache / BlockManager: unit tests, then a hypothesis state machine against a
+shadow model.
 
 The state machine also keeps a fake KV cache (one int per slot) and a fake host cache. A slot holds
 an id of the whole prefix up to its position, which is what a real KV entry depends on: every
@@ -17,7 +18,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from inferd.engine.block_manager import BlockError, BlockManager, BlockPool, block_key
+from inferd.engine.block_manager import BlockError, BlockManager
+from inferd.engine.block_pool import BlockPool
+from inferd.engine.prefix_cache import block_key
 
 
 def snapshot(bm: BlockManager) -> tuple:
@@ -26,7 +29,7 @@ def snapshot(bm: BlockManager) -> tuple:
         bm.num_free_blocks,
         [(s, list(bm.block_table(s)), bm.num_tokens(s), list(bm._keys[s])) for s in seqs],
         [bm.pool.refcount(b) for b in range(bm.pool.num_blocks)],
-        list(bm.pool._free), list(bm.pool._evictable), sorted(bm.pool._cached.items()),
+        list(bm.pool._free), list(bm.prefix_cache._evictable), sorted(bm.prefix_cache._cached.items()),
         list(bm._host_free),
         sorted((s, list(w.host_table), w.num_tokens, list(w.keys)) for s, w in bm._swapped.items()),
         bm.prefix_queries, bm.prefix_hits,
@@ -232,9 +235,9 @@ def test_pool_cached_block_goes_evictable_and_is_evicted_last() -> None:
     assert pool.register(a, b"k") and not pool.register(b, b"k") and not pool.register(a, b"j")
     pool.decref(a)
     pool.decref(b)
-    assert pool.num_free == 2 and pool.num_evictable == 1 and pool.lookup(b"k") == a
+    assert pool.num_free == 2 and pool.cache.num_evictable == 1 and pool.cache.lookup(b"k") == a
     assert pool.allocate() == b  # the free list first
-    assert pool.allocate() == a and pool.lookup(b"k") is None and pool.key(a) is None  # evicted
+    assert pool.allocate() == a and pool.cache.lookup(b"k") is None and pool.cache.key(a) is None  # evicted
     with pytest.raises(BlockError):
         pool.acquire(a)  # no longer cached
 
@@ -307,13 +310,13 @@ def test_eviction_is_lru_and_takes_a_freed_tail_before_its_head() -> None:
     run(bm, 1, a)
     b0, b1, b2, b3 = bm.block_table(1)
     bm.free(1)  # tail first: b3 to the free list, then b2, b1, b0 evictable in that order
-    assert list(bm.pool._evictable) == [b2, b1, b0] and list(bm.pool._free) == [b3]
+    assert list(bm.prefix_cache._evictable) == [b2, b1, b0] and list(bm.pool._free) == [b3]
     assert bm.cached_prefix(a) == 6
     bm.allocate(2, 1)
     assert bm.block_table(2) == [b3] and bm.num_cached_blocks == 3  # the free list first
     bm.allocate(3, 2)
     assert bm.block_table(3) == [b2] and bm.cached_prefix(a) == 4
-    assert bm.pool.key(b2) is None
+    assert bm.prefix_cache.key(b2) is None
     bm.allocate(4, 2)
     assert bm.block_table(4) == [b1] and bm.cached_prefix(a) == 2
     bm.check_invariants()
@@ -331,13 +334,13 @@ def test_a_taken_key_keeps_its_first_block_and_still_chains() -> None:
     bm.commit(2, 5, lambda s, e: a[s:e])
     key = chain_keys(a, 4)[0]
     assert bm._keys[1] == bm._keys[2] == [key]
-    assert bm.pool.lookup(key) == t1[0] and bm.pool.key(t2[0]) is None
+    assert bm.prefix_cache.lookup(key) == t1[0] and bm.prefix_cache.key(t2[0]) is None
     bm.check_invariants()
     # seq 2's next block chains from the key its first block could not take
     b = a + [6, 7, 8, 9]
     bm.append(2, 4)
     bm.commit(2, 9, lambda s, e: b[s:e])
-    assert bm._keys[2] == chain_keys(b, 4)[:2] and bm.pool.key(t2[1]) == bm._keys[2][1]
+    assert bm._keys[2] == chain_keys(b, 4)[:2] and bm.prefix_cache.key(t2[1]) == bm._keys[2][1]
     assert bm.allocate(3, 10, b + [0]) == 8 and bm.block_table(3)[:2] == [t1[0], t2[1]]
     bm.free(3)
     bm.free(2)  # its unkeyed first block goes to the free list, its keyed second one is evictable
@@ -432,7 +435,7 @@ def test_swap_round_trip_of_the_table() -> None:
     assert back is not None and [h for h, _ in back] == host
     assert [d for _, d in back] == bm.block_table(1) and bm.num_tokens(1) == 10
     assert bm._keys[1] == keys and not bm.is_swapped(1) and bm.num_free_host_blocks == 4
-    assert all(bm.pool.key(b) is None for b in bm.block_table(1))  # not cached again
+    assert all(bm.prefix_cache.key(b) is None for b in bm.block_table(1))  # not cached again
     bm.check_invariants()
     with pytest.raises(BlockError):
         bm.swap_in(1)
@@ -478,7 +481,7 @@ def test_caching_disabled_behaves_like_before() -> None:
         assert bm.allocate(3, 5, ids) == 0
         bm.free(2)
         bm.check_invariants()
-    assert off.cached_prefix(a) == 0 and off.num_cached_blocks == 0 and not off.pool._cached
+    assert off.cached_prefix(a) == 0 and off.num_cached_blocks == 0 and not off.prefix_cache._cached
     assert all(keys == [] for keys in off._keys.values())
     assert snapshot(off)[:4] == snapshot(plain)[:4]  # tables, refcounts, free-list order
     assert off.prefix_queries == 10 and off.prefix_hits == 0
@@ -488,7 +491,7 @@ def test_check_invariants_detects_cache_and_host_corruption() -> None:
     bm = BlockManager(4, 2)
     run(bm, 1, [1, 2, 3])
     b0 = bm.block_table(1)[0]
-    bm.pool._cached[b"bogus"] = b0
+    bm.prefix_cache._cached[b"bogus"] = b0
     with pytest.raises(BlockError, match="another key"):
         bm.check_invariants()
 
@@ -502,7 +505,7 @@ def test_check_invariants_detects_cache_and_host_corruption() -> None:
 
     bm = BlockManager(4, 2)
     run(bm, 1, [1, 2, 3])
-    bm.pool._keys[bm.block_table(1)[0]] = None  # mapped, but the block forgot its key
+    bm.prefix_cache._keys[bm.block_table(1)[0]] = None  # mapped, but the block forgot its key
     with pytest.raises(BlockError):
         bm.check_invariants()
 
@@ -567,7 +570,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         table = bm.block_table(seq)
         for p, s in zip(range(start, end), bm.slots(seq, start, end)):
             block = table[p // bm.block_size]
-            assert bm.pool.refcount(block) == 1 and bm.pool.key(block) is None
+            assert bm.pool.refcount(block) == 1 and bm.prefix_cache.key(block) is None
             self.cache[s] = ids[p]
 
     def _fits(self, need: int, reserve: int) -> bool:
@@ -596,7 +599,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not bm.enable_prefix_caching:
             assert cached == 0
         hit_blocks = min(cached, num_tokens) // bs if use_ids else 0
-        reused = [bm.pool.lookup(k) for k in chain_keys(prompt, bs)[:hit_blocks]]
+        reused = [bm.prefix_cache.lookup(k) for k in chain_keys(prompt, bs)[:hit_blocks]]
         # fresh blocks, and reused ones that were evictable
         taken = bm.blocks_for(num_tokens) - hit_blocks + sum(bm.pool.refcount(b) == 0 for b in reused)
         fits = self._fits(taken, reserve)
@@ -664,7 +667,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         bm, bs = self.bm, self.bm.block_size
         tokens = self.tokens[seq]
         keys_before = list(bm._keys[seq])
-        mapped_before = dict(bm.pool._cached)
+        mapped_before = dict(bm.prefix_cache._cached)
         calls: list[tuple[int, int]] = []
 
         def get(start: int, end: int) -> list[int]:
@@ -682,7 +685,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for i in range(len(keys_before), full):
             key, block = bm._keys[seq][i], table[i]
             # cached now: this block, unless another block had the key first
-            assert bm.pool.lookup(key) == mapped_before.get(key, block)
+            assert bm.prefix_cache.lookup(key) == mapped_before.get(key, block)
 
     @precondition(lambda self: self.tables)
     @rule(data=st.data())
@@ -703,11 +706,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = data.draw(st.sampled_from(sorted(self.tables)))
         table = self.tables[seq]
         last_ref = [b for b in reversed(table) if bm.pool.refcount(b) == 1]
-        cached = [b for b in last_ref if bm.pool.key(b) is not None]
-        evictable = list(bm.pool._evictable)
+        cached = [b for b in last_ref if bm.prefix_cache.key(b) is not None]
+        evictable = list(bm.prefix_cache._evictable)
         bm.free(seq)
         # the blocks that lost their last reference: cached ones join the LRU end, tail first
-        assert list(bm.pool._evictable) == evictable + cached
+        assert list(bm.prefix_cache._evictable) == evictable + cached
         del self.tables[seq], self.tokens[seq]
         with pytest.raises(BlockError):
             bm.free(seq)
@@ -781,7 +784,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             host_table = bm._swapped[seq].host_table
             assert [self.host[host_table[p // bs] * bs + p % bs] for p in range(len(tokens))] == self._ids(tokens)
         # every cached block, used or evictable, holds exactly the prefix its key names
-        for key, block in bm.pool._cached.items():
+        for key, block in bm.prefix_cache._cached.items():
             contents = self.cache[block * bs:(block + 1) * bs]
             assert all(self.parent[c][0] == prev for prev, c in zip(contents, contents[1:]))
             assert self._key_of(contents[-1]) == key

@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inferd.engine.llm_engine import EngineConfig, LLMEngine
+from inferd.engine.config import EngineConfig
+from inferd.engine.llm_engine import LLMEngine
+from inferd.engine.protocol import EngineRequest
 from inferd.model.sampling_params import SamplingParams
 
 
@@ -79,7 +81,7 @@ def test_logprobs_match_a_full_forward(engine: LLMEngine) -> None:
 
 def test_abort_returns_blocks_at_once(engine: LLMEngine) -> None:
     params = SamplingParams(max_tokens=50, temperature=0, ignore_eos=True)
-    ids = [engine.add_request("A long story about dragons", params) for _ in range(3)]
+    ids = [engine.add("A long story about dragons", params) for _ in range(3)]
     engine.step()
     engine.step()
     assert engine.block_manager.num_free_blocks < engine.block_manager.pool.num_blocks
@@ -107,22 +109,21 @@ def test_preemption_under_memory_pressure_keeps_tokens() -> None:
     assert_pool_whole(tight)
 
 
-def test_bad_prompts_are_rejected(engine: LLMEngine) -> None:
+def test_requests_the_door_must_refuse_are_refused(engine: LLMEngine) -> None:
+    # the front door validates (tests/api/test_door.py); the engine still refuses what would break it
     params = SamplingParams(max_tokens=4)
-    with pytest.raises(ValueError, match="empty"):
-        engine.add_request([], params)
-    with pytest.raises(ValueError, match="outside the vocabulary"):
-        engine.add_request([1, 10**6], params)
-    with pytest.raises(ValueError, match="context"):
-        engine.add_request([1] * engine.max_model_len, params)
-    capacity = engine.block_manager.pool.num_blocks * engine.config.block_size
-    assert capacity < 4000
-    with pytest.raises(ValueError, match="KV cache"):
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4000))
-    with pytest.raises(ValueError, match="at most 4096 in the 'interactive' class"):
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=5000))
-    with pytest.raises(ValueError, match="unknown priority 'vip'"):
-        engine.add_request([1, 2, 3], SamplingParams(max_tokens=4), priority="vip")
+    with pytest.raises(ValueError, match="door"):
+        engine.add([], params)
+    with pytest.raises(ValueError, match="door"):
+        engine.add([1] * engine.max_model_len, params)
+    with pytest.raises(ValueError, match="door"):
+        engine.add([1, 2, 3], params, n=engine.config.max_num_seqs + 1)
+    group = engine.add([1, 2, 3], params)
+    with pytest.raises(ValueError, match="in use"):
+        engine.add_request(EngineRequest(group, [1, 2, 3], params, "interactive"))
+    with pytest.raises(KeyError):
+        engine.add([1, 2, 3], params, priority="vip")
+    engine.abort(group)
     assert_pool_whole(engine)
 
 
@@ -136,11 +137,11 @@ def test_bfloat16_engine_generates_sensible_greedy_text() -> None:
 
 
 def run_group(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[int, list[int]]:
-    request_id = engine.add_request(prompt_ids, params, n=n)
+    request_id = engine.add(prompt_ids, params, n=n)
     tokens: dict[int, list[int]] = {i: [] for i in range(n)}
     while engine.has_work():
-        for out in engine.step():
-            assert out.request_id == request_id
+        for out in engine.step().outputs:
+            assert out.group_id == request_id
             tokens[out.index] += out.new_token_ids
     return tokens
 
@@ -150,14 +151,14 @@ def test_n_choices_share_the_prompt_blocks(engine: LLMEngine) -> None:
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     [alone] = engine.generate([prompt_ids], greedy)
     bm = engine.block_manager
-    request_id = engine.add_request(prompt_ids, greedy, n=3)
+    request_id = engine.add(prompt_ids, greedy, n=3)
     engine.step()  # the prompt's prefill: the two forks take shared copies of its blocks
     prompt_blocks = bm.blocks_for(len(prompt_ids))
     used = bm.pool.num_blocks - bm.num_free_blocks
     assert used == prompt_blocks  # not 3x: the forks share them
     while engine.has_work():
         engine.step()
-    assert request_id not in engine.requests
+    assert request_id not in engine.group_ids()
     assert_pool_whole(engine)
     tokens = run_group(engine, prompt_ids, greedy, 3)
     assert all(t == alone.token_ids for t in tokens.values())  # greedy choices are identical
@@ -177,6 +178,47 @@ def test_n_seeded_choices_differ_and_repeat(engine: LLMEngine) -> None:
 
 
 def test_abort_of_a_group_before_its_forks_start(engine: LLMEngine) -> None:
-    request_id = engine.add_request("Hello there", SamplingParams(max_tokens=5), n=4)
+    request_id = engine.add("Hello there", SamplingParams(max_tokens=5), n=4)
     engine.abort(request_id)
+    assert_pool_whole(engine)
+
+
+class ForcedTokens:
+    """A LogitsConstraint that allows exactly one next token: the text's, then EOS."""
+
+    def __init__(self, tokens: list[int], eos: int) -> None:
+        self.tokens, self.eos, self.position = tokens, eos, 0
+
+    def allowed(self) -> list[int]:
+        return [self.tokens[self.position]] if self.position < len(self.tokens) else [self.eos]
+
+    def accept(self, token_id: int) -> None:
+        assert token_id in self.allowed(), (token_id, self.allowed())
+        self.position += 1
+
+    def fork(self) -> ForcedTokens:
+        assert self.position == 0
+        return ForcedTokens(self.tokens, self.eos)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=20, temperature=0),
+                                    SamplingParams(max_tokens=20, temperature=1.0, top_p=0.9, seed=3)],
+                         ids=["greedy", "sampled"])
+def test_a_logits_constraint_decides_every_choice(engine: LLMEngine, params: SamplingParams) -> None:
+    forced = engine.tokenizer.encode(" purple elephants dance quietly", add_special_tokens=False)
+    eos = min(engine.tokenizer.eos_token_ids)
+    engine.add_request(EngineRequest(10**6, engine.tokenizer.encode("The sky is"), params, "interactive", n=2,
+                                     constraint=ForcedTokens(forced, eos)))
+    tokens: dict[int, list[int]] = {0: [], 1: []}
+    texts: dict[int, str] = {0: "", 1: ""}
+    finish: dict[int, str | None] = {}
+    while engine.has_work():
+        for out in engine.step().outputs:
+            tokens[out.index] += out.new_token_ids
+            texts[out.index] += out.text
+            if out.finished:
+                finish[out.index] = out.finish_reason
+    assert tokens == {0: forced + [eos], 1: forced + [eos]}  # each choice its own matcher
+    assert texts[0] == texts[1] == " purple elephants dance quietly"
+    assert finish == {0: "stop", 1: "stop"}
     assert_pool_whole(engine)

@@ -8,8 +8,10 @@ from collections.abc import Sequence
 
 import pytest
 
-from inferd.engine.llm_engine import EngineConfig, LLMEngine
+from inferd.engine.config import EngineConfig
+from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.policy import SchedulingPolicy, Timeouts
+from inferd.engine.protocol import EngineRequest
 from inferd.model.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -31,9 +33,9 @@ def run(engine: LLMEngine, ids: Sequence[int]) -> dict[int, tuple[list[int], str
     """Step until idle; each request's tokens, finish reason and stop reason."""
     results: dict[int, tuple[list[int], str | None, object]] = {i: ([], None, None) for i in ids}
     while engine.has_work():
-        for out in engine.step():
-            tokens, _, _ = results[out.request_id]
-            results[out.request_id] = (tokens + out.new_token_ids, out.finish_reason, out.stop_reason)
+        for out in engine.step().outputs:
+            tokens, _, _ = results[out.group_id]
+            results[out.group_id] = (tokens + out.new_token_ids, out.finish_reason, out.stop_reason)
     return results
 
 
@@ -43,8 +45,6 @@ def assert_pool_whole(engine: LLMEngine) -> None:
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == bm.pool.num_blocks  # cached ones are evictable
     assert bm.num_free_host_blocks == bm.num_host_blocks
     assert not engine.requests and not engine.scheduler.running and not engine.scheduler.waiting
-    for cls in engine.policy.classes:
-        assert engine.admission.queued(cls.name) == (0, 0)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -54,7 +54,7 @@ def test_a_pool_too_small_for_the_running_set_gives_the_same_greedy_text(roomy: 
     tight = sibling(roomy, block_size=4, kv_cache_memory=14 * per_block, swap_space=64 * per_block,
                     policy=SchedulingPolicy(preemption_mode=mode))
     assert tight.block_manager.pool.num_blocks == 14
-    ids = [tight.add_request(p, GREEDY, priority=("interactive", "batch")[i % 2]) for i, p in enumerate(PROMPTS)]
+    ids = [tight.add(p, GREEDY, priority=("interactive", "batch")[i % 2]) for i, p in enumerate(PROMPTS)]
     results = run(tight, ids)
     assert [results[i][0] for i in ids] == expected
     assert all(results[i][1] == "length" for i in ids)
@@ -89,13 +89,19 @@ def test_a_shared_system_prompt_is_computed_once(roomy: LLMEngine) -> None:
 def test_a_timeout_ends_the_request_and_its_unstarted_choices(roomy: LLMEngine) -> None:
     engine = sibling(roomy, block_size=4, kv_cache_memory=8 * 2**20)
     prompt = engine.tokenizer.encode("Hello")
-    engine.admission.admit("interactive", 1, len(prompt))  # as the server's door does
     # it arrived a second ago with a 0.5 s TTFT limit: it ends at the first step
-    late = engine.add_request(prompt, GREEDY, n=3, timeouts=Timeouts(ttft=0.5),
-                              arrival_time=time.monotonic() - 1.0, admitted=True)
-    fine = engine.add_request("Hello there", GREEDY)
+    late = 1000
+    engine.add_request(EngineRequest(late, prompt, GREEDY, "interactive", n=3, timeouts=Timeouts(ttft=0.5),
+                                     arrival_time=time.monotonic() - 1.0))
+    fine = engine.add("Hello there", GREEDY)
+    first = engine.step()
+    assert first.started == [fine]  # the door hears that only `fine` left the queue by starting
+    ended = sorted((o.index, o.new_token_ids, o.finished, o.finish_reason, o.stop_reason)
+                   for o in first.outputs if o.group_id == late)
+    assert ended == [(i, [], True, "timeout", "ttft") for i in range(3)]  # the choice and its forks
     results = run(engine, [late, fine])
-    assert results[late] == ([], "timeout", "ttft")
-    assert len(results[fine][0]) == 16 and results[fine][1] == "length"
+    assert results[late] == ([], None, None)  # nothing more for it
+    fine_first = [t for o in first.outputs if o.group_id == fine for t in o.new_token_ids]
+    assert len(fine_first + results[fine][0]) == 16 and results[fine][1] == "length"
     assert engine.scheduler.timeouts == {"ttft": 1}
     assert_pool_whole(engine)

@@ -36,7 +36,7 @@ def make_request(request_id: int, prompt_len: int, max_tokens: int = 16, n: int 
 
 def fake_token(req: Request) -> int:
     """The made-up token a request samples next: distinct per request and output position."""
-    return 10_000 * (req.request_id + 1) + len(req.output_ids)
+    return 10_000 * (req.seq_id + 1) + len(req.output_ids)
 
 
 def fabricate(plan: SchedulerOutput) -> dict[int, int]:
@@ -45,7 +45,7 @@ def fabricate(plan: SchedulerOutput) -> dict[int, int]:
     for chunk in plan.chunks:
         if chunk.samples:
             for req in (chunk.request, *chunk.request.forks_pending):
-                sampled[req.request_id] = fake_token(req)
+                sampled[req.seq_id] = fake_token(req)
     return sampled
 
 
@@ -57,11 +57,11 @@ def step(scheduler: Scheduler) -> SchedulerOutput:
 
 def layout(chunks: list) -> list[tuple[int, int, int]]:
     """(request id, start, num_tokens) of each chunk, in order."""
-    return [(c.request.request_id, c.start, c.num_tokens) for c in chunks]
+    return [(c.request.seq_id, c.start, c.num_tokens) for c in chunks]
 
 
 def ids(requests) -> list[int]:
-    return [r.request_id for r in requests]
+    return [r.seq_id for r in requests]
 
 
 def assert_pool_whole(scheduler: Scheduler) -> None:
@@ -277,7 +277,7 @@ def test_no_block_leaks_under_memory_pressure() -> None:
                 s.finish(r, RequestStatus.FINISHED_LENGTH)
     assert s.num_preemptions > 0
     for r in reqs:  # outputs survive preemption: each token was sampled exactly once, in order
-        assert r.output_ids == [10_000 * (r.request_id + 1) + i for i in range(r.params.max_tokens)]
+        assert r.output_ids == [10_000 * (r.seq_id + 1) + i for i in range(r.params.max_tokens)]
     assert_pool_whole(s)
 
 

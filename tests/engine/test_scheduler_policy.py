@@ -56,7 +56,7 @@ def req(s: Scheduler, clock: FakeClock, request_id: int, prompt_len: int, cls: P
 
 def fabricate(plan: SchedulerOutput) -> dict[int, int]:
     """One made-up token per sampling chunk: distinct per request and output position."""
-    return {c.request.request_id: 10_000 * (c.request.request_id + 1) + len(c.request.output_ids)
+    return {c.request.seq_id: 10_000 * (c.request.seq_id + 1) + len(c.request.output_ids)
             for c in plan.chunks if c.samples}
 
 
@@ -69,7 +69,7 @@ def step(s: Scheduler, clock: FakeClock | None = None, dt: float = 0.0) -> Sched
 
 
 def ids(requests) -> list[int]:
-    return [r.request_id for r in requests]
+    return [r.seq_id for r in requests]
 
 
 def scheduled(plan: SchedulerOutput) -> list[int]:
@@ -87,7 +87,7 @@ def finish_all(s: Scheduler) -> None:
 
 
 def expected_outputs(r: Request) -> list[int]:
-    return [10_000 * (r.request_id + 1) + i for i in range(len(r.output_ids))]
+    return [10_000 * (r.seq_id + 1) + i for i in range(len(r.output_ids))]
 
 
 # ---------------------------------------------------------------------------------- order
@@ -114,7 +114,7 @@ def test_three_classes_in_priority_number_order() -> None:
     order = []
     for _ in range(5):
         plan = s.schedule()
-        order += [c.request.request_id for c in plan.prefills]
+        order += [c.request.seq_id for c in plan.prefills]
         s.update(plan, {})  # only prefills matter here; nobody samples (1-token budget after)
         for r in list(s.running):
             s.finish(r, RequestStatus.FINISHED_STOPPED)
@@ -385,7 +385,7 @@ def test_preemption_under_pressure_loses_nothing_in_either_mode() -> None:
         assert not s.has_work()
         assert s.num_preemptions > 0, mode
         for r in reqs:
-            assert r.output_ids == [10_000 * (r.request_id + 1) + i for i in range(r.params.max_tokens)]
+            assert r.output_ids == [10_000 * (r.seq_id + 1) + i for i in range(r.params.max_tokens)]
         finish_all(s)
 
 
@@ -494,11 +494,11 @@ def test_random_workloads_keep_every_invariant(mode, num_blocks, host_blocks, se
                     max_tokens=min(max_tokens, capacity - prompt_len), timeouts=Timeouts(token=token_timeout))
             reqs.append(r)
             if abort:
-                aborted.add(r.request_id)
+                aborted.add(r.seq_id)
         if not arrivals and not s.has_work():
             break
         for r in reqs:
-            if r.request_id in aborted and len(r.output_ids) == 2:
+            if r.seq_id in aborted and len(r.output_ids) == 2:
                 s.finish(r, RequestStatus.FINISHED_ABORTED)
         plan = step(s, clock, dt=0.05)
         s.block_manager.check_invariants()

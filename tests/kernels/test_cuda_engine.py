@@ -54,7 +54,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory):
 
 
 def engine_on_cuda(folder: Path, dtype: str, cuda_graphs: bool = True):
-    from inferd.engine.llm_engine import EngineConfig, LLMEngine
+    from inferd.engine.config import EngineConfig
+    from inferd.engine.llm_engine import LLMEngine
 
     return LLMEngine.from_config(EngineConfig(
         model=str(folder), dtype=dtype, device="cuda", kv_cache_memory=64 * 2**20, block_size=16,
@@ -132,7 +133,8 @@ def test_float16_is_close_to_the_float32_reference(tiny) -> None:
 def test_default_model_float32_matches_transformers_on_cuda() -> None:
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("gguf", reason="loading the default GGUF needs the gguf package")
-    from inferd.engine.llm_engine import EngineConfig, LLMEngine
+    from inferd.engine.config import EngineConfig
+    from inferd.engine.llm_engine import LLMEngine
     from inferd.model.loader import default_model_path
 
     try:

@@ -129,7 +129,8 @@ def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path) -> 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
     import tiny_models as tm
 
-    from inferd.engine.llm_engine import EngineConfig, LLMEngine
+    from inferd.engine.config import EngineConfig
+    from inferd.engine.llm_engine import LLMEngine
     from inferd.model.attention import CudaAttention
     from inferd.model.sampling_params import SamplingParams
 

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from inferd.model.tokenizer import Tokenizer, load_tokenizer
+from inferd.model.tokenizer import Tokenizer
+from inferd.model.tokenizer_loader import load_tokenizer
 from tiny_models import train_sentencepiece
 
 MULTILINGUAL = (

@@ -24,7 +24,8 @@ pytest.importorskip("sentencepiece")
 
 import tiny_models as tm  # noqa: E402 - after the skips
 
-from inferd.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
+from inferd.engine.config import EngineConfig  # noqa: E402
+from inferd.engine.llm_engine import LLMEngine  # noqa: E402
 from inferd.model.sampling_params import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 20

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from inferd.model.errors import ModelLoadError
-from inferd.model.tokenizer import Tokenizer, load_tokenizer
+from inferd.model.tokenizer import Tokenizer
+from inferd.model.tokenizer_loader import load_tokenizer
 from tiny_models import CHATML_SPECIALS, QWEN2_SPLIT, sentencepiece_vocab
 
 transformers = pytest.importorskip("transformers")

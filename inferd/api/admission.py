@@ -1,9 +1,9 @@
 """Admission at the door: each priority class's bounded waiting queue, checked before a request
 reaches the engine.
 
-`admit` runs on the HTTP event loop thread; `leave` and `record_prefill` on the engine thread.
-One lock guards everything, and `admit` checks the bounds and counts the new requests in one
-locked section, so a concurrent burst can never slip past them. Checks, in order:
+The front door owns it, on the event loop: `admit` when a request arrives, `leave` when the
+engine reports the request scheduled (or it ended first), `record_prefill` from the engine's
+step reports. One thread, so a burst can never slip past the bounds. Checks, in order:
 
     1. draining                                  -> 503 "draining"
     2. shed_level >= 1 and the class sheddable   -> 429 "shed"
@@ -19,7 +19,6 @@ missed deadline. No torch, no asyncio: the clock is injected, so tests use a fak
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
@@ -87,7 +86,6 @@ class Admission:
             raise ValueError(f"window_seconds must be > 0, got {window_seconds}")
         self.clock = clock
         self.window_seconds = window_seconds
-        self._lock = threading.Lock()
         self._queues = {c.name: _Queue(c) for c in classes}
         self._started = clock()
         self._prefill: deque[tuple[float, int, float]] = deque()  # (time, tokens, seconds)
@@ -96,7 +94,7 @@ class Admission:
         self._draining = False
         self.rejections: Counter[tuple[str, str]] = Counter()  # (class_name, reason) -> count
 
-    # the door (HTTP event loop thread)
+    # arrivals
 
     def admit(self, class_name: str, num_requests: int, prompt_tokens: int, *, shed_level: int = 0,
               ttft_deadline: float | None = None, recover_seconds: float = 10.0) -> None:
@@ -105,48 +103,44 @@ class Admission:
         if num_requests < 1 or prompt_tokens < 0:
             raise ValueError(f"need num_requests >= 1 and prompt_tokens >= 0, "
                              f"got {num_requests} and {prompt_tokens}")
-        with self._lock:
-            q = self._queues[class_name]
-            err = self._check(q, num_requests, prompt_tokens, shed_level, ttft_deadline,
-                              recover_seconds)
-            if err is not None:
-                self.rejections[(class_name, err.reason)] += 1
-                raise err
-            q.requests += num_requests
-            q.tokens += prompt_tokens
+        q = self._queues[class_name]
+        err = self._check(q, num_requests, prompt_tokens, shed_level, ttft_deadline,
+                          recover_seconds)
+        if err is not None:
+            self.rejections[(class_name, err.reason)] += 1
+            raise err
+        q.requests += num_requests
+        q.tokens += prompt_tokens
 
     def open(self) -> None:
         """Admit again (a server starting over this engine after another one drained it)."""
-        with self._lock:
-            self._draining = False
+        self._draining = False
 
     def start_draining(self) -> None:
         """Refuse every new request from now on (shutdown: finish what was admitted)."""
-        with self._lock:
-            self._draining = True
+        self._draining = True
 
     @property
     def draining(self) -> bool:
         return self._draining
 
-    # the engine thread
+    # departures and measurements (reported by the engine, delivered on the event loop)
 
     def leave(self, class_name: str, num_requests: int, prompt_tokens: int) -> None:
         """These requests left the class's queue: first scheduled, or ended while waiting."""
         if num_requests < 0 or prompt_tokens < 0:
             raise ValueError(f"cannot leave negative counts ({num_requests}, {prompt_tokens})")
-        with self._lock:
-            q = self._queues[class_name]
-            if num_requests > q.requests or prompt_tokens > q.tokens:
-                raise ValueError(f"class {class_name!r}: leaving {num_requests} requests / "
-                                 f"{prompt_tokens} tokens but only {q.requests} / {q.tokens} queued")
-            q.requests -= num_requests
-            q.tokens -= prompt_tokens
-            now = self.clock()
-            q.departures.append((now, num_requests, prompt_tokens))
-            q.departed_requests += num_requests
-            q.departed_tokens += prompt_tokens
-            q.expire(now - self.window_seconds)
+        q = self._queues[class_name]
+        if num_requests > q.requests or prompt_tokens > q.tokens:
+            raise ValueError(f"class {class_name!r}: leaving {num_requests} requests / "
+                             f"{prompt_tokens} tokens but only {q.requests} / {q.tokens} queued")
+        q.requests -= num_requests
+        q.tokens -= prompt_tokens
+        now = self.clock()
+        q.departures.append((now, num_requests, prompt_tokens))
+        q.departed_requests += num_requests
+        q.departed_tokens += prompt_tokens
+        q.expire(now - self.window_seconds)
 
     def record_prefill(self, tokens: int, seconds: float) -> None:
         """One engine step computed `tokens` prompt tokens in `seconds` (its whole duration, so
@@ -155,34 +149,30 @@ class Admission:
             raise ValueError(f"need tokens >= 0 and seconds >= 0, got {tokens} and {seconds}")
         if tokens == 0 or seconds == 0:
             return  # a decode-only step says nothing about prefill speed
-        with self._lock:
-            self._prefill.append((self.clock(), tokens, seconds))
-            self._prefill_tokens += tokens
-            self._prefill_seconds += seconds
-            self._expire_prefill()
+        self._prefill.append((self.clock(), tokens, seconds))
+        self._prefill_tokens += tokens
+        self._prefill_seconds += seconds
+        self._expire_prefill()
 
     # reading
 
     def queued(self, class_name: str) -> tuple[int, int]:
         """(requests, prompt tokens) admitted to the class and not yet left."""
-        with self._lock:
-            q = self._queues[class_name]
-            return q.requests, q.tokens
+        q = self._queues[class_name]
+        return q.requests, q.tokens
 
     def prefill_rate(self) -> float | None:
         """Measured prompt tokens per second; None before any prefill was recorded."""
-        with self._lock:
-            return self._prefill_rate()
+        return self._prefill_rate()
 
     def predicted_ttft(self, class_name: str, prompt_tokens: int) -> float | None:
         """Seconds until a new request of the class with `prompt_tokens` would finish prefill:
         the prompt tokens queued ahead of it (its class and every more important one) plus its
         own, at the measured prefill rate. None before a rate is measured."""
-        with self._lock:
-            predicted = self._predict(self._queues[class_name].cls, prompt_tokens)
-            return None if predicted is None else predicted[0]
+        predicted = self._predict(self._queues[class_name].cls, prompt_tokens)
+        return None if predicted is None else predicted[0]
 
-    # internals (called with the lock held)
+    # internals 
 
     def _check(self, q: _Queue, num_requests: int, prompt_tokens: int, shed_level: int,
                ttft_deadline: float | None, recover_seconds: float) -> AdmissionError | None:

@@ -3,11 +3,11 @@ from made-up departures, draining, shedding and the predicted-TTFT deadline, wit
 
 from __future__ import annotations
 
-import threading
+import asyncio
 
 import pytest
 
-from inferd.engine.admission import (DRAINING_RETRY_AFTER, UNMEASURED_RETRY_AFTER, Admission,
+from inferd.api.admission import (DRAINING_RETRY_AFTER, UNMEASURED_RETRY_AFTER, Admission,
                                      AdmissionError)
 from inferd.engine.policy import PriorityClass
 
@@ -88,30 +88,29 @@ def test_a_request_larger_than_the_queue_says_so():
 
 @pytest.mark.parametrize("per_call", [1, 3])
 def test_a_concurrent_burst_never_exceeds_the_bounds(per_call):
+    # the door admits on the event loop: 16 handlers interleaving at every await
     classes = (PriorityClass("interactive", 0, max_waiting=100, max_queued_tokens=10**9),)
     adm, _ = make(classes)
-    threads, calls = 16, 50
-    barrier = threading.Barrier(threads)
-    successes = [0] * threads
+    handlers, calls = 16, 50
+    successes = [0] * handlers
 
-    def burst(i: int) -> None:
-        barrier.wait()
+    async def burst(i: int) -> None:
         for _ in range(calls):
+            await asyncio.sleep(0)
             try:
                 adm.admit("interactive", per_call, 7 * per_call)
                 successes[i] += 1
             except AdmissionError:
                 pass
 
-    pool = [threading.Thread(target=burst, args=(i,)) for i in range(threads)]
-    for t in pool:
-        t.start()
-    for t in pool:
-        t.join()
+    async def main() -> None:
+        await asyncio.gather(*(burst(i) for i in range(handlers)))
+
+    asyncio.run(main())
     admitted = 100 // per_call
     assert sum(successes) == admitted
     assert adm.queued("interactive") == (admitted * per_call, admitted * 7 * per_call)
-    assert adm.rejections == {("interactive", "queue_full"): threads * calls - admitted}
+    assert adm.rejections == {("interactive", "queue_full"): handlers * calls - admitted}
 
 
 def test_leave_frees_room_and_never_goes_negative():

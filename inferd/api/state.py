@@ -1,0 +1,40 @@
+"""The application's typed keys and the server's own state (the engine's lives in its snapshot)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from inferd.api.door import FrontDoor
+from inferd.api.logprobs import TokenTexts
+from inferd.config import Settings
+from inferd.engine.async_engine import AsyncEngine
+
+
+@dataclass
+class ServerState:
+    """The server's life, for /ready and /v1/status; written on the event loop only."""
+
+    model_name: str  # the name clients send
+    started: float = field(default_factory=time.monotonic)
+    probed: bool = False  # the start-up inference probe has passed
+    probe_error: str | None = None  # the last probe's failure, if it failed
+    draining: bool = False
+    drain_cut: int = 0  # requests still running when the drain's grace period ended
+
+    def name(self, engine_alive: bool) -> str:
+        if self.draining:
+            return "draining"
+        if not engine_alive or self.probe_error is not None:
+            return "not_ready"
+        return "ready" if self.probed else "loading"
+
+
+ENGINE = web.AppKey("engine", AsyncEngine)
+DOOR = web.AppKey("door", FrontDoor)
+STATE = web.AppKey("state", ServerState)
+SETTINGS = web.AppKey("settings", Settings)
+TOKEN_TEXTS = web.AppKey("token_texts", TokenTexts)
+SSE_RESPONSES = web.AppKey("sse_responses", set[web.StreamResponse])  # open streams, for shutdown

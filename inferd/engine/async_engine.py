@@ -1,0 +1,304 @@
+"""The engine loop: an `LLMEngine` owned by one dedicated thread, fed from the event loop.
+
+    event loop (front door)                    engine thread (sole owner of scheduler + requests)
+    -----------------------                    ---------------------------------------------------
+    submit(EngineRequest) --> inbox ---------> drain inbox: add_request / abort
+    stream.abort()        --> inbox (Abort)    step(): schedule, forward, sample, detokenize
+    RequestStream        <-- call_soon_threadsafe <-- StepOutputs, one callback per step
+    snapshot             <-- published every STATS_INTERVAL_SECONDS (an immutable EngineSnapshot)
+
+The forward runs on the engine thread, so HTTP stays responsive while a step runs. Requests and
+aborts cross over through a deque (appends are atomic) and a wake-up event. An abort takes
+effect at the start of the next step, and returns the request's blocks there. This module
+imports no torch: the API holds the engine through this face only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from inferd.engine.accounting import TOKEN_BUCKETS, Histogram, Throughput
+from inferd.engine.protocol import (
+    EngineDeadError,
+    EngineLimits,
+    EngineOutput,
+    EngineRequest,
+    EngineSnapshot,
+    StepOutputs,
+)
+
+if TYPE_CHECKING:
+    from inferd.engine.llm_engine import LLMEngine
+    from inferd.model.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+IDLE_POLL_SECONDS = 0.005  # how soon the loop looks again when work waits but none could run
+STATS_INTERVAL_SECONDS = 0.05  # how often a busy engine publishes its snapshot
+HEARTBEAT_SECONDS = 1.0  # the longest an idle engine loop sleeps between beats
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    group_id: int
+
+
+class RequestStream:
+    """The outputs of one submitted group (all its n choices), in order, on the event loop.
+
+    It is the one tracker of which choices are still open. `on_queue_exit` (the door's) is
+    called once, when the group leaves the waiting queue: first scheduled, or ended before.
+    """
+
+    def __init__(self, engine: AsyncEngine, group_id: int, n: int,
+                 on_queue_exit: Callable[[], None] | None = None) -> None:
+        self._engine = engine
+        self.group_id = group_id
+        self.n = n
+        self._items: deque[EngineOutput] = deque()
+        self._waiter: asyncio.Future[None] | None = None  # set while a reader waits for items
+        self.open_choices = set(range(n))  # choices without a finished output yet
+        self.aborted = False
+        self._on_queue_exit = on_queue_exit
+
+    @property
+    def finished(self) -> bool:
+        return not self.open_choices
+
+    def _left_queue(self) -> None:
+        callback, self._on_queue_exit = self._on_queue_exit, None
+        if callback is not None:
+            callback()
+
+    def _put(self, output: EngineOutput) -> None:
+        if output.index not in self.open_choices:
+            return  # (a choice ends once)
+        if output.finished:
+            self.open_choices.discard(output.index)
+            if self.finished:
+                self._left_queue()
+        self._items.append(output)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def get_batch(self, timeout: float | None = None) -> list[EngineOutput]:
+        """Every output queued now, waiting up to `timeout` seconds for the first one ([] then).
+
+        If the engine stops, each open choice gets a final output with finish_reason "abort"
+        and the reason in stop_reason.
+        """
+        await self._wait(timeout)
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    async def get(self) -> EngineOutput:
+        """The next output of any choice."""
+        while not self._items:
+            await self._wait(None)
+        return self._items.popleft()
+
+    async def _wait(self, timeout: float | None) -> None:
+        """Until an item is queued or `timeout` seconds pass."""
+        # NOTE: a bare future and one timer per wait, not asyncio.Queue + asyncio.timeout: this
+        # runs once per token per stream, and those cost ~3x more on the event loop.
+        if self._items:
+            return
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = None if timeout is None else loop.call_later(timeout, _wake, waiter)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    async def __aiter__(self) -> AsyncIterator[EngineOutput]:
+        while not (self.finished and not self._items):
+            for output in await self.get_batch():
+                yield output
+
+    def abort(self) -> None:
+        """Cancel the group (client gone, stream closed); idempotent, safe after it finished."""
+        if not self.finished and not self.aborted:
+            self.aborted = True
+            self._left_queue()
+            self._engine._abort(self.group_id)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class AsyncEngine:
+    """The engine's public face: submit, abort (through the stream), outputs, the snapshot."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._engine = engine
+        self.tokenizer: Tokenizer = engine.tokenizer
+        self.limits: EngineLimits = engine.limits
+        self._inbox: deque[EngineRequest | Abort] = deque()
+        self._wakeup = threading.Event()
+        self._streams: dict[int, RequestStream] = {}  # touched on the event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._group_ids = itertools.count()
+        self.submitted = 0  # groups submitted so far (the inference probe checks it ran alone)
+        # called on the event loop after each step that computed prompt tokens: (tokens, seconds)
+        self.prefill_listener: Callable[[int, float], None] | None = None
+        # the engine thread's pulse: when its loop last went round, and a hook it calls each
+        # time (the systemd watchdog); a step that hangs stops both
+        self.last_beat = time.monotonic()
+        self.heartbeat: Callable[[], None] | None = None
+        self.throughput = Throughput()  # sampled with every snapshot; rates read at any time
+        self._step_seconds = Histogram()  # written by the engine thread, copied into snapshots
+        self._batch_tokens = Histogram(TOKEN_BUCKETS)
+        self._steps = 0
+        self.snapshot: EngineSnapshot = self._publish(0.0)
+
+    # ------------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="inferd-engine", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Abort everything still running and join the engine thread."""
+        self._stopping = True
+        self._wakeup.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def open_requests(self) -> int:
+        """Submitted groups whose outputs are still being read (event-loop side)."""
+        return len(self._streams)
+
+    # ------------------------------------------------------------------- event-loop side
+
+    def new_group_id(self) -> int:
+        return next(self._group_ids)
+
+    def submit(self, request: EngineRequest, on_queue_exit: Callable[[], None] | None = None) -> RequestStream:
+        """Queue a checked request; raises EngineDeadError at once if the engine is not running."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        # the stream exists before any output does: outputs come back on this loop
+        stream = RequestStream(self, request.group_id, request.n, on_queue_exit)
+        self._streams[request.group_id] = stream
+        self.submitted += 1
+        self._inbox.append(request)
+        self._wakeup.set()
+        return stream
+
+    def _abort(self, group_id: int) -> None:
+        self._streams.pop(group_id, None)  # nobody reads its outputs any more
+        self._inbox.append(Abort(group_id))
+        self._wakeup.set()
+
+    def _deliver(self, step: StepOutputs) -> None:
+        for group_id in step.started:
+            stream = self._streams.get(group_id)
+            if stream is not None:
+                stream._left_queue()
+        if step.prefill_tokens and self.prefill_listener is not None:
+            self.prefill_listener(step.prefill_tokens, step.step_seconds)
+        for out in step.outputs:
+            stream = self._streams.get(out.group_id)
+            if stream is None:
+                continue
+            stream._put(out)
+            if stream.finished:
+                del self._streams[stream.group_id]
+
+    def _fail(self, message: str, group_ids: list[int] | None = None) -> None:
+        """End streams (all of them by default) with an abort carrying `message`."""
+        for group_id in list(self._streams) if group_ids is None else group_ids:
+            stream = self._streams.pop(group_id, None)
+            for index in sorted(stream.open_choices) if stream else ():
+                stream._put(EngineOutput(group_id, [], "", index=index, finished=True,
+                                         finish_reason="abort", stop_reason=message))
+
+    # ---------------------------------------------------------------------- engine thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._take_inbox()
+                self.last_beat = time.monotonic()
+                if self.heartbeat is not None:
+                    self.heartbeat()
+                if not self._engine.has_work():
+                    self.snapshot = self._publish(0.0)  # e.g. blocks an abort freed
+                    self._wakeup.wait(HEARTBEAT_SECONDS)  # (bounded: an idle loop still beats)
+                    self._wakeup.clear()
+                    continue
+                self._step()
+        except BaseException as e:  # noqa: BLE001 - a dead engine must fail its streams, not hang them
+            log.exception("the engine loop failed")
+            self._stopping = True
+            self._inbox.clear()
+            self._loop.call_soon_threadsafe(self._fail, f"engine failure: {e}")  # type: ignore[union-attr]
+            return
+        self._inbox.clear()
+        for group_id in self._engine.group_ids():
+            self._engine.abort(group_id)
+        self.snapshot = self._publish(0.0)
+        self._loop.call_soon_threadsafe(self._fail, "the server is shutting down")  # type: ignore[union-attr]
+
+    def _take_inbox(self) -> None:
+        engine = self._engine
+        while self._inbox:
+            item = self._inbox.popleft()
+            if isinstance(item, Abort):
+                engine.abort(item.group_id)
+                continue
+            try:
+                engine.add_request(item)
+            except ValueError as e:  # the door let through what it must not: fail it, keep going
+                log.error("request %d refused by the engine: %s", item.group_id, e)
+                self._loop.call_soon_threadsafe(self._fail, str(e), [item.group_id])  # type: ignore[union-attr]
+
+    def _step(self) -> None:
+        engine = self._engine
+        start = time.perf_counter()
+        step = engine.step()
+        end = time.perf_counter()
+        self._steps += 1
+        if engine.last_step_tokens:
+            self._step_seconds.observe(end - start)
+            self._batch_tokens.observe(engine.last_step_tokens)
+        if end - self.snapshot_time >= STATS_INTERVAL_SECONDS:  # O(requests): not every step
+            self.snapshot = self._publish(end - start)
+        if step.outputs or step.started or step.prefill_tokens:
+            self._loop.call_soon_threadsafe(self._deliver, step)  # type: ignore[union-attr]
+        if not engine.last_step_tokens:
+            # work is waiting but none can run now (e.g. load shedding holds it back): look
+            # again soon, for timeouts and freed room, without spinning
+            self._wakeup.wait(IDLE_POLL_SECONDS)
+            self._wakeup.clear()
+
+    def _publish(self, step_seconds: float) -> EngineSnapshot:
+        self.snapshot_time = time.perf_counter()
+        snapshot = self._engine.snapshot(self._steps, step_seconds, self._step_seconds.copy(),
+                                         self._batch_tokens.copy())
+        self.throughput.sample(time.monotonic(), snapshot.generation_tokens, snapshot.prompt_tokens)
+        return snapshot

@@ -1,0 +1,71 @@
+"""Construction: weights and tokenizer from disk, then the KV cache, the attention backend, the
+CUDA graphs and the model runner sized for them. Everything here runs once, at start-up."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from inferd.engine.config import EngineConfig
+from inferd.engine.cuda_graphs import DecodeGraphs
+from inferd.engine.kv_cache import KVCache, auto_kv_cache_memory, host_blocks_for, num_blocks_for
+from inferd.engine.runner import ModelRunner
+from inferd.model.attention import CudaAttention, select_attention
+from inferd.model.errors import ModelLoadError
+from inferd.model.llama import LlamaModel
+from inferd.model.loader import default_model_path, load_checkpoint
+from inferd.model.tokenizer import Tokenizer
+from inferd.model.tokenizer_loader import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer]:
+    """The model's weights on its device, and its tokenizer; ModelLoadError names what is wrong."""
+    path = Path(config.model) if config.model else default_model_path()
+    device, dtype = config.resolved_device(), config.resolved_dtype()
+    start = time.perf_counter()
+    checkpoint = load_checkpoint(path, dtype)
+    tokenizer = load_tokenizer(path, gguf_metadata=checkpoint.gguf_metadata)
+    weights = {name: t.to(device) for name, t in checkpoint.tensors.items()}
+    try:
+        model = LlamaModel(checkpoint.config, weights, dtype)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+    log.info("loaded %s (%s, %s) in %.2f s", path, dtype, device, time.perf_counter() - start)
+    return model, tokenizer
+
+
+@dataclass
+class Execution:
+    """What runs the model over the paged cache: sized once, owned by the engine."""
+
+    kv_cache: KVCache
+    runner: ModelRunner
+    num_blocks: int  # on the device
+    num_host_blocks: int  # for swapped-out blocks (0: swapping off)
+
+
+def build_execution(model: LlamaModel, config: EngineConfig, max_model_len: int) -> Execution:
+    """The KV cache (from `kv_cache_memory`), the attention backend, CUDA graphs, the runner."""
+    cfg = model.cfg
+    memory = config.kv_cache_memory
+    if memory is None:
+        memory = auto_kv_cache_memory(cfg, model.dtype, model.device, config.max_num_batched_tokens,
+                                      config.max_num_seqs, max_model_len)
+    num_blocks = num_blocks_for(memory, cfg, config.block_size, model.dtype, model.device)
+    num_host_blocks = 0
+    if config.policy.preemption_mode == "swap":
+        num_host_blocks = host_blocks_for(config.swap_space, cfg, config.block_size, model.dtype)
+    kv_cache = KVCache(cfg, num_blocks, config.block_size, model.dtype, model.device,
+                       num_host_blocks=num_host_blocks)
+    model.set_attention(select_attention(
+        model.device, model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+        config.block_size, config.max_num_seqs, max_model_len))
+    graphs = None
+    if config.cuda_graphs and isinstance(model.attention, CudaAttention):
+        graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
+        graphs.capture()
+    return Execution(kv_cache, ModelRunner(model, kv_cache, graphs=graphs), num_blocks, num_host_blocks)

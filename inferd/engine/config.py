@@ -1,0 +1,62 @@
+"""The engine's configuration, derived from the settings (inferd/config.py holds the one copy of
+every default; nothing here repeats a number)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inferd.config import Settings
+from inferd.engine.policy import SchedulingPolicy
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+_DEFAULTS = Settings()
+# NOTE: "auto" KV memory means 2 GiB on the host (kv_cache.auto_kv_cache_memory); tests and
+# benchmarks that build an EngineConfig by hand get that default without the settings layer.
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = _DEFAULTS.model.path  # a GGUF file or a Hugging Face folder; None: the embedded default
+    dtype: str = _DEFAULTS.model.dtype  # auto: bfloat16 on CPU and CUDA
+    device: str = _DEFAULTS.model.device  # auto: cuda when available
+    block_size: int = _DEFAULTS.cache.block_size
+    kv_cache_memory: float | None = _DEFAULTS.cache.kv_cache_memory  # bytes, a fraction (0, 1] of free memory, or None: auto
+    cuda_graphs: bool = _DEFAULTS.model.cuda_graphs  # on CUDA, replay decode steps from captured graphs
+    max_num_seqs: int = _DEFAULTS.scheduler.max_num_seqs
+    max_num_batched_tokens: int = _DEFAULTS.scheduler.max_num_batched_tokens
+    max_model_len: int | None = _DEFAULTS.model.max_model_len  # None: the model's context length
+    policy: SchedulingPolicy = _DEFAULTS.policy()
+    enable_prefix_caching: bool = _DEFAULTS.cache.prefix_caching
+    swap_space: float = _DEFAULTS.cache.swap_space  # bytes of host memory for swapped-out blocks
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> EngineConfig:
+        return cls(
+            model=settings.model.path,
+            dtype=settings.model.dtype,
+            device=settings.model.device,
+            block_size=settings.cache.block_size,
+            kv_cache_memory=settings.cache.kv_cache_memory,
+            max_num_seqs=settings.scheduler.max_num_seqs,
+            max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
+            max_model_len=settings.model.max_model_len,
+            cuda_graphs=settings.model.cuda_graphs,
+            policy=settings.policy(),
+            enable_prefix_caching=settings.cache.prefix_caching,
+            swap_space=settings.cache.swap_space,
+        )
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} was asked for, but torch sees no CUDA device")
+        return torch.device(self.device)
+
+    def resolved_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16
+        return DTYPES[self.dtype]

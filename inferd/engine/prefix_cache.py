@@ -1,0 +1,157 @@
+"""Prefix cache: full computed blocks filed under a hash of their tokens, for reuse by later
+prompts that start with the same tokens (no tensors here; the blocks' contents stay in the KV cache).
+
+A block's key hashes its tokens and, through its parent's key, every token before it, so equal keys
+mean equal prefixes, not just equal blocks:
+
+    block_size = 4     a: [1 2 3 4 | 5 6 7 8 | 9 .  .  . ]   keys k0 = H(b"", 1234), k1 = H(k0, 5678)
+                       b: [1 2 3 4 | 5 6 7 8 | 9 9 .  . ]   match(b) -> blocks of k0, k1
+                           ^ same block ^ same block  ^ not full: never cached
+
+A cached block that no sequence holds any more is *evictable*: it keeps its contents until the
+pool's free list runs dry, then the least recently freed one is taken and dropped from the cache.
+
+    key -> block      `_cached`, for blocks in use or evictable
+    block -> key      `_keys`, None for a block that is not cached
+    evictable         `_evictable`, refcount-0 cached blocks, least recently freed first
+
+This is the lowest of the allocator's three modules: prefix_cache <- block_pool <- block_manager.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from hashlib import blake2b
+
+
+class BlockError(RuntimeError):
+    """A misuse of the allocator (double free, unknown sequence) or a broken invariant.
+
+    NOTE: defined here, in the lowest module, so that the cache, the pool and the manager can all
+    raise it without an import cycle.
+    """
+
+
+def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
+    """The prefix-cache key of a full block: its tokens, chained to every block before it.
+
+    NOTE: a cryptographic hash, not Python's `hash()`: a client can craft prompts whose int tuples
+    collide under `hash()`, and a collision hands one tenant another's KV (wrong output, and a
+    data leak). `parent_key` is b"" for a sequence's first block.
+    """
+    return blake2b(parent_key + struct.pack(f"<{len(token_ids)}i", *token_ids), digest_size=16).digest()
+
+
+class PrefixCache:
+    """Which block holds which prefix, and which cached blocks may be evicted, in LRU order.
+
+    It knows nothing of refcounts: the `BlockPool` that owns it calls `park` when a block's last
+    reference goes, `unpark` when a cached block is taken again, and `evict` when it runs dry.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self._keys: list[bytes | None] = [None] * num_blocks  # each block's key, None: uncached
+        self._cached: dict[bytes, int] = {}  # key -> block id; used or evictable blocks only
+        # refcount-0 cached blocks, least recently freed first (values unused)
+        self._evictable: OrderedDict[int, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        """Blocks filed in the cache, used or evictable."""
+        return len(self._cached)
+
+    @property
+    def num_evictable(self) -> int:
+        return len(self._evictable)
+
+    def key(self, block_id: int) -> bytes | None:
+        return self._keys[block_id]
+
+    def lookup(self, key: bytes) -> int | None:
+        return self._cached.get(key)
+
+    def is_evictable(self, block_id: int) -> bool:
+        return block_id in self._evictable
+
+    # ---- hashing and matching ----
+
+    def match(self, token_ids: Sequence[int], max_tokens: int, block_size: int) -> tuple[list[int], list[bytes]]:
+        """The cached blocks (and their keys) holding the leading full blocks of `token_ids`, at
+        most `max_tokens` tokens' worth. Changes nothing."""
+        bs = block_size
+        blocks: list[int] = []
+        keys: list[bytes] = []
+        parent = b""
+        for i in range(max(max_tokens, 0) // bs):
+            parent = block_key(parent, token_ids[i * bs:(i + 1) * bs])
+            block_id = self._cached.get(parent)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+            keys.append(parent)
+        return blocks, keys
+
+    def fill(self, table: list[int], keys: list[bytes], num_full: int,
+             tokens: Callable[[int, int], Sequence[int]], block_size: int) -> None:
+        """File blocks table[len(keys):num_full], which the caller holds and which are now full and
+        computed, appending their keys to `keys` (a sequence's keys so far, chained on)."""
+        bs = block_size
+        parent = keys[-1] if keys else b""
+        for i in range(len(keys), num_full):
+            block_tokens = tokens(i * bs, (i + 1) * bs)
+            if len(block_tokens) != bs:
+                raise ValueError(f"tokens({i * bs}, {(i + 1) * bs}) gave {len(block_tokens)} tokens")
+            parent = block_key(parent, block_tokens)
+            # NOTE: the key goes on the sequence's list even when register refuses it (another
+            # block holds it): the next block's key chains from it either way.
+            self.register(table[i], parent)
+            keys.append(parent)
+
+    def register(self, block_id: int, key: bytes) -> bool:
+        """File a block the caller holds under `key`; False (and nothing changes) if the key is
+        taken or the block already has a key. `BlockPool.register` checks that it is held."""
+        if key in self._cached or self._keys[block_id] is not None:
+            return False
+        self._cached[key] = block_id
+        self._keys[block_id] = key
+        return True
+
+    # ---- eviction (the pool calls these) ----
+
+    def park(self, block_id: int) -> bool:
+        """A block lost its last reference: keep it as evictable if cached (True); False if it is
+        not cached, and then the pool frees it."""
+        if self._keys[block_id] is None:
+            return False
+        self._evictable[block_id] = None  # at the LRU end
+        return True
+
+    def unpark(self, block_id: int) -> None:
+        """An evictable block is referenced again (a prefix hit): no longer evictable."""
+        del self._evictable[block_id]
+
+    def evict(self) -> int | None:
+        """Drop the least recently freed evictable block from the cache and return it; None if none."""
+        if not self._evictable:
+            return None
+        block_id, _ = self._evictable.popitem(last=False)
+        del self._cached[self._keys[block_id]]  # type: ignore[index]
+        self._keys[block_id] = None
+        return block_id
+
+    def check_invariants(self) -> None:
+        """Raise BlockError if the key map and the blocks' keys disagree, or an evictable block is
+        not cached. O(blocks). (Whether evictable blocks are unreferenced is the pool's check.)"""
+        num_blocks = len(self._keys)
+        for block_id in self._evictable:
+            if not 0 <= block_id < num_blocks:
+                raise BlockError(f"the evictable list holds unknown block id {block_id}")
+            if self._keys[block_id] is None:
+                raise BlockError(f"evictable block {block_id} is not cached")
+        for block_id, key in enumerate(self._keys):
+            if key is not None and self._cached.get(key) != block_id:
+                raise BlockError(f"block {block_id}: its key maps to {self._cached.get(key)}")
+        for key, block_id in self._cached.items():
+            if not 0 <= block_id < num_blocks or self._keys[block_id] != key:
+                raise BlockError(f"cache maps a key to block {block_id}, which has another key")

@@ -1,0 +1,158 @@
+"""The typed seam between the API and the engine: what goes in, what comes out, what is published.
+
+    front door (event loop)                      engine thread
+    -----------------------                      -------------
+    EngineRequest  ──AsyncEngine.submit──>       LLMEngine.add_request
+    group_id       ──AsyncEngine.abort───>       LLMEngine.abort
+    RequestStream  <──StepOutputs (per step)──   LLMEngine.step: EngineOutput per choice,
+                                                 the groups first scheduled, the prefill timing
+    EngineSnapshot <──published every ~50 ms──   counters, queues, histograms, device memory
+    EngineLimits       fixed at start-up: what the door validates against
+
+A *group* is what a client sees as one request (one prompt with its n choices); a *seq* is one
+choice. Everything here is plain data: no torch, no asyncio, no aiohttp.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from inferd.engine.accounting import ClassSnapshot, Histogram, RequestSnapshot
+from inferd.engine.policy import PriorityClass, SchedulingPolicy, Timeouts
+from inferd.model.sampling_params import SamplingParams
+
+
+class LogitsConstraint(Protocol):
+    """A per-choice constraint on the next token (a grammar, a tool-call schema), called by the
+    engine thread. `allowed` returns the token ids the choice may sample next (None: any); the
+    sampler masks the rest, for greedy and sampled rows alike. `accept` advances it with the
+    token sampled. `fork` gives an independent copy (made before any token) for each further
+    choice of an n > 1 group. A preemption keeps the sampled tokens, so it keeps the state too."""
+
+    def allowed(self) -> Sequence[int] | None: ...
+
+    def accept(self, token_id: int) -> None: ...
+
+    def fork(self) -> LogitsConstraint: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """One prompt with its n choices, checked by the door against `EngineLimits`: the engine
+    asserts what it relies on and does not check again."""
+
+    group_id: int  # unique while it runs (AsyncEngine.new_group_id)
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority_class: str  # a class name of the engine's policy, resolved at the door
+    n: int = 1
+    timeouts: Timeouts = Timeouts()  # the request's own; the class's are tightened by them
+    arrival_time: float | None = None  # on the engine's clock (time.monotonic); None: now
+    tenant: str | None = None  # who pays for it (accounting and fair sharing, later)
+    constraint: LogitsConstraint | None = None  # the slot for per-request logits constraints
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely alternatives, best first
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMetrics:
+    """How a finished choice went, in seconds from its arrival (None: it never got there)."""
+
+    priority_class: str
+    prompt_tokens: int
+    cached_tokens: int  # of which the prefix cache supplied
+    output_tokens: int
+    queue_time: float | None
+    ttft: float | None
+    e2e: float
+    preemptions: int
+
+
+@dataclass(slots=True)
+class EngineOutput:
+    """What one step produced for one choice of one group."""
+
+    group_id: int
+    new_token_ids: list[int]
+    text: str  # new text (stop strings and held-back partial characters excluded)
+    index: int = 0  # which of the group's n choices
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort" or "timeout"
+    stop_reason: str | int | None = None  # the stop string or token id that matched; the
+    # timeout's kind ("queue", "ttft", "token", "total") with "timeout"; a message with "abort"
+    logprobs: list[TokenLogprob] | None = None
+    metrics: RequestMetrics | None = None  # with the finished output
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """Everything one engine step tells the event loop, delivered in one callback."""
+
+    outputs: list[EngineOutput] = field(default_factory=list)
+    started: list[int] = field(default_factory=list)  # groups first scheduled (they left the queue)
+    prefill_tokens: int = 0  # prompt tokens this step computed ...
+    step_seconds: float = 0.0  # ... in a step that took this long (the door predicts TTFT from it)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """Fixed facts of a running engine: what the door validates requests against."""
+
+    max_model_len: int  # prompt + output tokens never exceed it
+    vocab_size: int
+    max_num_seqs: int  # the most choices one group may have
+    block_size: int
+    num_kv_blocks: int
+    class_kv_tokens: dict[str, int]  # the KV tokens each class may hold (its reserve excluded)
+    policy: SchedulingPolicy
+    architecture: str
+    num_layers: int
+    dtype: str  # "bfloat16", ...
+    device: str  # "cpu", "cuda:0"
+    model_path: str  # the GGUF file or Hugging Face folder it serves
+
+    def priority_class(self, name: str) -> PriorityClass:
+        return self.policy.lookup(name)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceMemory:
+    used_bytes: int
+    total_bytes: int
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """The engine's state as published after a step (read from any thread, never mutated)."""
+
+    kv_blocks_total: int
+    kv_blocks_used: int  # held by requests
+    kv_blocks_cached: int  # prefix-cache blocks no request holds (evictable, so free in effect)
+    running: int
+    waiting: int
+    steps: int
+    preemptions: dict[str, int]  # by mode
+    timeouts: dict[str, int]  # by kind
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of which found
+    shed_level: int
+    shed_actions: dict[str, int]  # load shedder transitions: "escalate", "recover", "level:N"
+    last_step_seconds: float
+    classes: tuple[ClassSnapshot, ...]  # most important first
+    requests: tuple[RequestSnapshot, ...]  # running first, at most STATUS_REQUESTS
+    step_seconds: Histogram  # (copies) the duration of each engine step
+    batch_tokens: Histogram  # and the tokens it computed
+    device_memory: DeviceMemory | None = None  # CUDA only
+    generation_tokens: int = 0  # all classes, since start
+    prompt_tokens: int = 0
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped (shut down or crashed); no new request can run."""
