@@ -63,7 +63,8 @@ PROMPT = "The way we can have more of this and that: it is not for you or for th
 class SyntheticZeroCostModel:
     """A zero-cost stand-in for `LlamaModel`, used only by this benchmark.
 
-    It has the surface `LLMEngine` and `ModelRunner` use (`cfg`, `dtype`, `device`, `forward`)
+    It has the surface `LLMEngine` and `ModelRunner` use (`cfg`, `dtype`, `device`, `forward`,
+    `set_attention`/`attention`)
     and a tiny config (1 layer, 1 KV head, head_dim 8), so the KV cache is negligible. `forward`
     does no arithmetic: it returns the first S rows of logits computed once at start-up, where
     row r peaks (by 30 nats, so sampling at temperature 1 picks it too) at one of a few
@@ -88,6 +89,10 @@ class SyntheticZeroCostModel:
         rows = torch.arange(max_rows)
         self._logits = torch.zeros(max_rows, vocab)  # [max_rows, vocab] float32
         self._logits[rows, torch.tensor(tokens)[rows % len(tokens)]] = 30.0
+        self.attention: Any = None  # the engine's backend: the runner asks it for step plans
+
+    def set_attention(self, backend: Any) -> None:
+        self.attention = backend
 
     def forward(
         self,

@@ -9,7 +9,6 @@ engine thread is the only caller.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol
 
 from inferd.engine.protocol import EngineOutput, TokenLogprob
@@ -27,58 +26,57 @@ class OutputHook(Protocol):
     def __call__(self, text: str, final: bool) -> tuple[str, bool]: ...
 
 
-@dataclass(slots=True)
-class _Choice:
-    detokenizer: IncrementalDetokenizer
-    hooks: list[OutputHook] = field(default_factory=list)
-
-
 class OutputProcessor:
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
-        self._choices: dict[int, _Choice] = {}  # seq_id -> its output state, while unfinished
+        self._detokenizers: dict[int, IncrementalDetokenizer] = {}  # seq_id -> its detokenizer, while unfinished
+        self._hooks: dict[int, list[OutputHook]] = {}  # seq_id -> its hooks, for the seqs that have any
 
     def add(self, seq: Request, hooks: list[OutputHook] | None = None) -> None:
-        detokenizer = IncrementalDetokenizer(self.tokenizer, seq.params, seq.prompt_ids)
-        self._choices[seq.seq_id] = _Choice(detokenizer, hooks or [])
+        self._detokenizers[seq.seq_id] = IncrementalDetokenizer(self.tokenizer, seq.params, seq.prompt_ids)
+        if hooks:
+            self._hooks[seq.seq_id] = list(hooks)
 
     def remove(self, seq_id: int) -> None:
-        self._choices.pop(seq_id, None)
+        self._detokenizers.pop(seq_id, None)
+        self._hooks.pop(seq_id, None)
 
     def on_token(self, seq: Request, token: int, sampled: SamplerOutput, row: int) -> tuple[EngineOutput, str | None]:
         """The choice's output for the token it just sampled, and how it ends if it does:
         "stop" (a stop condition or a hook), "length" (max_tokens or the context), else None."""
-        choice = self._choices[seq.seq_id]
+        # NOTE: runs once per token of every running choice: kept to plain lookups and one call
+        seq_id = seq.seq_id
         if seq.constraint is not None:
             seq.constraint.accept(token)
-        update = choice.detokenizer.step(token)
-        out = EngineOutput(seq.group_id, [token], update.text, index=seq.index)
-        if seq.params.logprobs is not None:
-            out.logprobs = [TokenLogprob(token, sampled.logprobs[row], sampled.top_logprobs[row])]
+        detokenizer = self._detokenizers[seq_id]
+        update = detokenizer.step(token)
+        out = EngineOutput(seq.group_id, [token], update.text, seq.index)
+        if sampled.logprobs is not None and seq.params.logprobs is not None:
+            out.logprobs = [TokenLogprob(token, sampled.logprobs[row], sampled.top_logprobs[row])]  # type: ignore[index]
         ending: str | None = None
         if update.finished:
             ending, out.stop_reason = "stop", update.stop_reason
         elif seq.num_tokens >= seq.max_total_tokens:
             ending = "length"
-            out.text += choice.detokenizer.flush()
-        if choice.hooks:
-            out.text, stopped = self._run_hooks(choice, out.text, ending is not None)
+            out.text += detokenizer.flush()
+        if self._hooks and seq_id in self._hooks:
+            out.text, stopped = self._run_hooks(self._hooks[seq_id], out.text, ending is not None)
             if stopped and ending is None:
                 ending = "stop"
         return out, ending
 
     def flush(self, seq_id: int) -> str:
         """The text a choice still holds back, released as it ends early (a timeout)."""
-        choice = self._choices.get(seq_id)
-        if choice is None:
+        detokenizer = self._detokenizers.get(seq_id)
+        if detokenizer is None:
             return ""
-        text, _ = self._run_hooks(choice, choice.detokenizer.flush(), True)
+        text, _ = self._run_hooks(self._hooks.get(seq_id, []), detokenizer.flush(), True)
         return text
 
     @staticmethod
-    def _run_hooks(choice: _Choice, text: str, final: bool) -> tuple[str, bool]:
+    def _run_hooks(hooks: list[OutputHook], text: str, final: bool) -> tuple[str, bool]:
         stopped = False
-        for hook in choice.hooks:
+        for hook in hooks:
             text, stop = hook(text, final or stopped)
             stopped |= stop
         return text, stopped

@@ -221,3 +221,17 @@ def test_logprobs_are_raw_log_softmax_topk_descending() -> None:
             assert v == pytest.approx(ref[i, j].item(), abs=1e-5)
     assert out.token_ids[2] == logits[2].float().argmax().item()
     assert math.isclose(out.top_logprobs[2][0][1], ref[2].max().item(), abs_tol=1e-5)
+
+
+def test_allowed_tokens_mask_greedy_and_sampled_rows_alike() -> None:
+    logits = torch.randn(3, 50)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0)]
+    generators = [None, torch.Generator().manual_seed(1), None]
+    allowed = [[7, 9], [3], None]
+    for _ in range(20):
+        out = Sampler()(logits, params, [[], [], []], generators, allowed)
+        assert out.token_ids[0] == (7 if logits[0, 7] > logits[0, 9] else 9)
+        assert out.token_ids[1] == 3
+        assert out.token_ids[2] == int(logits[2].argmax())  # an unconstrained row is untouched
+    assert torch.equal(logits, before)  # the caller's logits are not modified
