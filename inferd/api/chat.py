@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
-
 from inferd.api.errors import bad_request
 from inferd.api.logprobs import TokenTexts, chat_logprobs
 from inferd.api.protocol import (
@@ -17,7 +15,7 @@ from inferd.api.protocol import (
     ChatResponseMessage,
     Usage,
 )
-from inferd.api.serving import ChoiceResult, Generation, Render, StreamEvents, generate, read_json
+from inferd.api.serving import ChoiceResult, Generation, Render, StreamEvents, endpoint
 from inferd.api.sse import dumps
 from inferd.engine.protocol import EngineOutput
 from inferd.model.chat_template import ChatTemplateError
@@ -75,13 +73,10 @@ class ChatFormat:
                                "finish_reason": None}]) for i in range(body.n)]
 
     def renderer(self, body: ChatCompletionRequest, token_text: TokenTexts, events: StreamEvents) -> Render:
-        fast_head = events.token_head  # per-token events: only the delta and finish vary
-
         def render(prompt: int, out: EngineOutput) -> dict[str, Any] | str:
             delta = {"content": out.text} if out.text or not out.finished else {}
             if not body.logprobs:
-                return (f'{fast_head}{out.index},"delta":{dumps(delta)},"logprobs":null,'
-                        f'"finish_reason":{dumps(out.finish_reason)}}}]}}')
+                return events.token_event(out.index, f'"delta":{dumps(delta)}', out.finish_reason)
             logprobs = chat_logprobs(token_text, out.logprobs or [])
             return events.event([{"index": out.index, "delta": delta, "logprobs": logprobs,
                                   "finish_reason": out.finish_reason}])
@@ -89,9 +84,4 @@ class ChatFormat:
         return render
 
 
-CHAT = ChatFormat()
-
-
-async def create_chat_completion(request: web.Request) -> web.StreamResponse:
-    body = ChatCompletionRequest.model_validate(await read_json(request))
-    return await generate(request, body, CHAT)
+create_chat_completion = endpoint(ChatCompletionRequest, ChatFormat())

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from aiohttp import web
-
 from inferd.api.errors import bad_request
 from inferd.api.logprobs import TokenTexts, completion_logprobs
 from inferd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
-from inferd.api.serving import ChoiceResult, Generation, Render, StreamEvents, generate, read_json
+from inferd.api.serving import ChoiceResult, Generation, Render, StreamEvents, endpoint
 from inferd.api.sse import dumps
 from inferd.engine.protocol import EngineOutput
 from inferd.model.tokenizer import Tokenizer
@@ -67,14 +65,12 @@ class CompletionFormat:
         return []
 
     def renderer(self, body: CompletionRequest, token_text: TokenTexts, events: StreamEvents) -> Render:
-        fast_head = events.token_head  # per-token events: only text and finish vary
         offsets: dict[int, int] = {}  # choice -> length of its text so far (logprobs text_offset)
 
         def render(prompt: int, out: EngineOutput) -> dict[str, Any] | str:
             index = prompt * body.n + out.index
             if body.logprobs is None:
-                return (f'{fast_head}{index},"text":{dumps(out.text)},"logprobs":null,'
-                        f'"finish_reason":{dumps(out.finish_reason)}}}]}}')
+                return events.token_event(index, f'"text":{dumps(out.text)}', out.finish_reason)
             logprobs = completion_logprobs(token_text, out.logprobs or [], offsets.get(index, 0))
             offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
             return events.event([{"index": index, "text": out.text, "logprobs": logprobs,
@@ -83,9 +79,4 @@ class CompletionFormat:
         return render
 
 
-COMPLETION = CompletionFormat()
-
-
-async def create_completion(request: web.Request) -> web.StreamResponse:
-    body = CompletionRequest.model_validate(await read_json(request))
-    return await generate(request, body, COMPLETION)
+create_completion = endpoint(CompletionRequest, CompletionFormat())

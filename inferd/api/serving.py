@@ -15,7 +15,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -68,6 +68,11 @@ class StreamEvents:
         if usage is not None:
             payload["usage"] = usage
         return payload
+
+    def token_event(self, index: int, content: str, finish_reason: str | None) -> str:
+        """One choice's per-token event without logprobs, as JSON text; `content` is its
+        `"text":...` or `"delta":...` member, already JSON."""
+        return f'{self.token_head}{index},{content},"logprobs":null,"finish_reason":{dumps(finish_reason)}}}]}}'
 
 
 class ResponseFormat(Protocol):
@@ -169,6 +174,15 @@ def request_record(request: web.Request, user: str | None, prompt_text: Callable
 
 
 # ---------------------------------------------------------------------------- the handler
+
+
+def endpoint(request_model: type[SamplingFields], fmt: ResponseFormat) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """The aiohttp handler of one generation endpoint."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await generate(request, request_model.model_validate(await read_json(request)), fmt)
+
+    return handle
 
 
 async def generate(request: web.Request, body: SamplingFields, fmt: ResponseFormat) -> web.StreamResponse:
