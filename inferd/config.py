@@ -159,6 +159,13 @@ class LimitSettings(_Section):
     max_prompts: int = Field(default=64, ge=1)  # prompts in one batched /v1/completions request
 
 
+class HealthSettings(_Section):
+    # a forward failing in two steps in a row, no more than this apart, makes the engine unhealthy
+    failure_window_seconds: float = Field(default=30.0, gt=0)
+    recover_seconds: float = Field(default=10.0, ge=0)  # unhealthy: /ready 503 at least this long
+    liveness_failures: int = Field(default=5, ge=2)  # this many failed steps in a row: /health 503
+
+
 class RuntimeSettings(_Section):
     threads: int = Field(default=0, ge=0, le=1024)  # torch CPU threads; 0: one per core
 
@@ -174,6 +181,7 @@ class Settings(_Section):
     # (interactive, batch) starts from that class's values
     classes: dict[str, ClassSettings] = Field(
         default_factory=lambda: {name: ClassSettings(**t) for name, t in _BUILTIN_CLASSES.items()})
+    health: HealthSettings = HealthSettings()
     runtime: RuntimeSettings = RuntimeSettings()
 
     @field_validator("classes", mode="before")

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from inferd.config import SettingsError, load_settings, parse_memory
+from inferd.config import Settings, SettingsError, load_settings, parse_memory
+from inferd.engine.config import EngineConfig
 
 REPO_TOML = Path(__file__).resolve().parents[1] / "inferd.toml"
 
@@ -35,7 +36,7 @@ def test_precedence_file_then_env_then_flags(tmp_path: Path) -> None:
     assert settings.cache.block_size == 32  # env beats the file
     assert settings.cache.kv_cache_memory == 2**30  # the file beats the default
     assert settings.scheduler.max_num_seqs == 12  # flags beat env
-    config = settings.engine_config()
+    config = EngineConfig.from_settings(settings)
     assert (config.block_size, config.max_num_seqs, config.kv_cache_memory) == (32, 12, 2**30)
 
 
@@ -99,3 +100,7 @@ def test_unreadable_and_invalid_files(tmp_path: Path) -> None:
 )
 def test_memory_sizes(value: object, expected: float) -> None:
     assert parse_memory(value) == expected
+
+
+def test_the_engine_config_takes_its_defaults_from_the_settings() -> None:
+    assert EngineConfig() == EngineConfig.from_settings(Settings())  # one copy of every default

@@ -20,7 +20,7 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from inferd.api.admission import AdmissionError
-from inferd.engine.protocol import EngineDeadError, EngineOutput
+from inferd.engine.protocol import ERROR_CODES, EngineDeadError, EngineOutput
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,15 @@ def engine_abort_error(out: EngineOutput) -> APIError:
     reason = out.stop_reason if isinstance(out.stop_reason, str) else "the request was aborted"
     return APIError(503, f"generation stopped: {reason}", code="service_unavailable",
                     headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+
+def engine_failure_error(out: EngineOutput) -> APIError:
+    """A request the engine failed (finish_reason "error"): 500 when its own processing raised,
+    503 with a Retry-After when its step's forward failed or it did not fit in memory."""
+    code = out.error or "internal_error"
+    if not ERROR_CODES.get(code, False):
+        return APIError(500, f"internal error while generating: {out.stop_reason}", type="server_error", code=code)
+    return APIError(503, f"generation failed: {out.stop_reason}; retry", code=code, headers={"Retry-After": "1"})
 
 
 TIMEOUT_MESSAGES = {

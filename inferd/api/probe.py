@@ -76,7 +76,7 @@ class InferenceProbe:
         tokens: list[int] = []
         try:
             async for out in stream:
-                if out.finish_reason == "abort":
+                if out.finish_reason in ("abort", "error"):  # no answer: no comparison
                     return None
                 tokens += out.new_token_ids
         finally:

@@ -371,6 +371,10 @@ class StatusResponse(_Response):
     kv_usage_ratio: float
     throughput: Throughput
     device_memory: DeviceMemory | None  # CUDA only
+    engine_healthy: bool = True  # false after failed steps in a row, until it recovers
+    step_failures: dict[str, int] = {}  # by kind: forward, request, oom
+    oom_events_last_minute: int = 0
+    token_budget: int = 0  # tokens per step now (halved after an out-of-memory step)
     classes: list[ClassStatus]
     requests: list[RequestStatus]  # running first, at most 100
 

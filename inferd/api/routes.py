@@ -33,23 +33,30 @@ async def list_models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness: the engine thread runs and its loop went round recently (a hung step fails it)."""
-    engine = request.app[ENGINE]
-    stalled = time.monotonic() - engine.last_beat > request.app[SETTINGS].server.liveness_seconds
-    if engine.alive and not stalled:
+    """Liveness: the engine thread runs, its loop went round recently (a hung step fails it) and
+    it is not failing step after step (health.liveness_failures in a row fail it)."""
+    engine, settings = request.app[ENGINE], request.app[SETTINGS]
+    stalled = time.monotonic() - engine.last_beat > settings.server.liveness_seconds
+    failing = engine.snapshot.consecutive_step_failures >= settings.health.liveness_failures
+    if engine.alive and not stalled and not failing:
         return web.json_response({"status": "ok"})
     return web.json_response({"status": "unavailable"}, status=503, headers={"Retry-After": "5"})
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Readiness: loaded, the inference probe passes, not draining; else 503 with the reason."""
-    state = request.app[STATE]
-    name = state.name(request.app[ENGINE].alive)
+    """Readiness: loaded, the inference probe passes, the engine is not failing steps, not
+    draining; else 503 with the reason."""
+    state, engine = request.app[STATE], request.app[ENGINE]
+    name = state.name(engine)
     if name == "ready":
         return web.json_response({"status": name})
     body: dict[str, str] = {"status": name}
     if state.probe_error is not None:
         body["reason"] = state.probe_error
+    elif not engine.snapshot.healthy:
+        failed = engine.snapshot.consecutive_step_failures
+        body["reason"] = (f"the engine failed {failed} steps in a row" if failed
+                          else "the engine failed steps in a row recently; recovering")
     return web.json_response(body, status=503, headers={"Retry-After": "5"})
 
 
@@ -95,7 +102,7 @@ async def status(request: web.Request) -> web.Response:
     memory = stats.device_memory
     body = p.StatusResponse(
         model=state.model_name, dtype=limits.dtype, device=limits.device, version=__version__,
-        uptime_seconds=now - state.started, state=state.name(engine.alive), max_model_len=limits.max_model_len,
+        uptime_seconds=now - state.started, state=state.name(engine), max_model_len=limits.max_model_len,
         kv_blocks_total=stats.kv_blocks_total, kv_blocks_used=stats.kv_blocks_used,
         kv_blocks_cached=stats.kv_blocks_cached, running=stats.running, waiting=stats.waiting, steps=stats.steps,
         preemptions=stats.preemptions, timeouts=stats.timeouts, rejections=request.app[DOOR].rejections(),
@@ -106,6 +113,8 @@ async def status(request: web.Request) -> web.Response:
                                 history=engine.throughput.history(now)),
         device_memory=None if memory is None else p.DeviceMemory(used_bytes=memory.used_bytes,
                                                                   total_bytes=memory.total_bytes),
+        engine_healthy=stats.healthy, step_failures=stats.step_failures,
+        oom_events_last_minute=stats.oom_events_last_minute, token_budget=stats.token_budget,
         classes=_classes(request),
         requests=requests,
     )

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from aiohttp import ClientConnectionResetError, web
 
 from inferd.api.door import FrontDoor
-from inferd.api.errors import APIError, bad_request, engine_abort_error, timeout_error
+from inferd.api.errors import APIError, bad_request, engine_abort_error, engine_failure_error, timeout_error
 from inferd.api.logprobs import TokenTexts
 from inferd.api.logs import RECORD, RequestRecord
 from inferd.api.protocol import SamplingFields
@@ -293,8 +293,8 @@ class Generation:
                     return None
                 for prompt, out in batch:
                     self._note(out)
-                    if out.finish_reason == "abort":
-                        raise engine_abort_error(out)
+                    if out.finish_reason in ("abort", "error"):
+                        raise _ending_error(out)
                     result = results[prompt * self.n + out.index]
                     if out.finish_reason == "timeout" and not result.texts and not out.text:
                         raise timeout_error(out)  # nothing to show for it: an error, not a reply
@@ -340,7 +340,7 @@ class Generation:
 
     async def _stream_outputs(self, outputs: OutputQueue, events: EventStream, render: Render,
                               keepalive: float) -> bool:
-        """Write every output as it comes; False if an engine abort cut the stream short."""
+        """Write every output as it comes; False if an engine abort or failure cut the stream short."""
         while not outputs.done:
             batch = await outputs.next_batch(keepalive)
             if not batch:
@@ -348,8 +348,8 @@ class Generation:
                 continue
             for prompt, out in batch:
                 self._note(out)
-                if out.finish_reason == "abort":
-                    events.add(engine_abort_error(out).body())
+                if out.finish_reason in ("abort", "error"):  # the response ends here
+                    events.add(_ending_error(out).body())
                     return False
                 self.completion_tokens += len(out.new_token_ids)
                 events.add(render(prompt, out))
@@ -357,6 +357,11 @@ class Generation:
                     events.add(timeout_error(out).body())
             await events.flush()
         return True
+
+
+def _ending_error(out: EngineOutput) -> APIError:
+    """Why a choice ended without an answer: an engine abort (shutdown) or a failure."""
+    return engine_abort_error(out) if out.finish_reason == "abort" else engine_failure_error(out)
 
 
 async def _close_with_error(events: EventStream, error: APIError) -> None:

@@ -24,10 +24,10 @@ class ServerState:
     draining: bool = False
     drain_cut: int = 0  # requests still running when the drain's grace period ended
 
-    def name(self, engine_alive: bool) -> str:
+    def name(self, engine: AsyncEngine) -> str:
         if self.draining:
             return "draining"
-        if not engine_alive or self.probe_error is not None:
+        if not engine.alive or not engine.snapshot.healthy or self.probe_error is not None:
             return "not_ready"
         return "ready" if self.probed else "loading"
 

@@ -31,6 +31,8 @@ class EngineConfig:
     policy: SchedulingPolicy = _DEFAULTS.policy()
     enable_prefix_caching: bool = _DEFAULTS.cache.prefix_caching
     swap_space: float = _DEFAULTS.cache.swap_space  # bytes of host memory for swapped-out blocks
+    failure_window_seconds: float = _DEFAULTS.health.failure_window_seconds  # see engine/health.py
+    failure_recover_seconds: float = _DEFAULTS.health.recover_seconds
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
@@ -47,6 +49,8 @@ class EngineConfig:
             policy=settings.policy(),
             enable_prefix_caching=settings.cache.prefix_caching,
             swap_space=settings.cache.swap_space,
+            failure_window_seconds=settings.health.failure_window_seconds,
+            failure_recover_seconds=settings.health.recover_seconds,
         )
 
     def resolved_device(self) -> torch.device:

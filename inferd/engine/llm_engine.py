@@ -11,6 +11,7 @@ against `limits`): the engine asserts what it relies on and does not check again
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -21,6 +22,9 @@ from inferd.engine.accounting import Histogram
 from inferd.engine.block_manager import BlockManager
 from inferd.engine.builder import build_execution, load_model
 from inferd.engine.config import EngineConfig
+from inferd.engine.executor import StepExecutor, StepFailed
+from inferd.engine.faults import FaultInjector
+from inferd.engine.health import EngineHealth
 from inferd.engine.output_processor import OutputProcessor
 from inferd.engine.protocol import (
     DeviceMemory,
@@ -34,13 +38,17 @@ from inferd.engine.protocol import (
 )
 from inferd.engine.policy import Timeouts
 from inferd.engine.request import Request, RequestStatus
-from inferd.engine.scheduler import Scheduler
+from inferd.engine.scheduler import Scheduler, SchedulerOutput
 from inferd.model.llama import LlamaModel
 from inferd.model.loader import default_model_path
 from inferd.model.sampling_params import SamplingParams
 from inferd.model.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 STATUS_REQUESTS = 100  # requests listed in a snapshot at most
+MIN_TOKEN_BUDGET = 16  # tokens per step that out-of-memory backoff never goes below
+OOM_RECOVER_STEPS = 64  # clean steps before the token budget doubles back
 
 
 def device_memory(device: torch.device) -> DeviceMemory | None:
@@ -88,12 +96,25 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.policy)
         self.outputs = OutputProcessor(tokenizer)
+        self.executor = StepExecutor(self.runner)
+        self.executor.faults = FaultInjector.from_environ()
+        self.health = EngineHealth(config.failure_window_seconds, config.failure_recover_seconds)
+        self._ok_steps_since_oom = 0
         self.limits = self._limits()
         self.last_step_tokens = 0  # tokens computed by the last step (0: it found nothing to run)
         self.requests: dict[int, Request] = {}  # every unfinished choice, by seq_id
         self._groups: dict[int, Request] = {}  # group_id -> its choice 0
         self._seq_ids = itertools.count()
         self._group_ids = itertools.count()  # for offline requests (the server hands out its own)
+
+    @property
+    def faults(self) -> FaultInjector | None:
+        """Fault injection, for tests only (None: off; see engine/faults.py)."""
+        return self.executor.faults
+
+    @faults.setter
+    def faults(self, injector: FaultInjector | None) -> None:
+        self.executor.faults = injector
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> LLMEngine:
@@ -130,6 +151,8 @@ class LLMEngine:
                               group_id=group, constraint=constraint.fork() if constraint else None)
                       for i in range(1, n)]
         self._groups[group] = root
+        if self.faults is not None:
+            self.faults.on_add(group, self.tokenizer.decode(prompt_ids))
         for member in (root, *root.forks):
             self.requests[member.seq_id] = member
             self.outputs.add(member)
@@ -163,6 +186,8 @@ class LLMEngine:
     # ---------------------------------------------------------------------------------- step
 
     def step(self) -> StepOutputs:
+        if self.faults is not None:
+            self.faults.before_step(self.model)
         plan = self.scheduler.schedule()
         step = StepOutputs(started=[r.group_id for r in plan.started if r.index == 0])
         for request in plan.timed_out:
@@ -171,14 +196,35 @@ class LLMEngine:
         if not plan.chunks:
             return step
         start = time.perf_counter()
-        result = self.runner.execute(plan)
+        try:
+            result = self.executor.run(plan)
+        except StepFailed as e:
+            # its requests fail (retryable); swapped-out victims too, whose copies may be partial
+            self.health.forward_failed()
+            failed = [c.request for c in plan.chunks] + [r for r in plan.preempted if r.swapped]
+            for request in failed:
+                step.outputs += self._fail_group(request.group_id, "engine_error", f"the engine step failed: {e}")
+            return step
+        self._after_run(plan, step)
         if plan.prefills:
             step.prefill_tokens, step.step_seconds = plan.num_prefill_tokens, time.perf_counter() - start
         sampled = result.sampled
         self.scheduler.update(plan, dict(zip(result.seq_ids, sampled.token_ids)))
         for row, seq_id in enumerate(result.seq_ids):
-            request = self.requests[seq_id]
-            out, ending = self.outputs.on_token(request, sampled.token_ids[row], sampled, row)
+            request = self.requests.get(seq_id)
+            if request is None:
+                continue  # its group failed earlier in this loop
+            try:
+                if seq_id in result.failed:
+                    raise result.failed[seq_id]
+                if self.faults is not None:
+                    self.faults.check_output(request.group_id)
+                out, ending = self.outputs.on_token(request, sampled.token_ids[row], sampled, row)
+            except Exception as e:  # noqa: BLE001 - this request's own code failed: it fails alone
+                log.exception("request %d failed in its output processing", request.group_id)
+                self.health.request_failed()
+                step.outputs += self._fail_group(request.group_id, "internal_error", f"{type(e).__name__}: {e}")
+                continue
             if ending is not None:
                 status = RequestStatus.FINISHED_STOPPED if ending == "stop" else RequestStatus.FINISHED_LENGTH
                 self._finish(request, status)
@@ -187,6 +233,42 @@ class LLMEngine:
                 self._retire(request)
             step.outputs.append(out)
         return step
+
+    def _after_run(self, plan: SchedulerOutput, step: StepOutputs) -> None:
+        """Health and memory bookkeeping of a step whose forward ran (whole or in pieces)."""
+        self.health.step_ok()
+        executor, scheduler = self.executor, self.scheduler
+        for _ in range(executor.out_of_memory_events):
+            self.health.out_of_memory()
+        for request in executor.no_room:  # did not fit even alone: out of the plan, then failed
+            for chunks in (plan.prefills, plan.decodes):
+                chunks[:] = [c for c in chunks if c.request is not request]
+            step.outputs += self._fail_group(request.group_id, "out_of_memory",
+                                             "the request did not fit in memory, even in a step of its own")
+        # NOTE: after an out-of-memory step the next steps start smaller (half the tokens); the
+        # budget doubles back after OOM_RECOVER_STEPS clean steps
+        if executor.out_of_memory_events:
+            scheduler.max_num_batched_tokens = max(MIN_TOKEN_BUDGET, scheduler.max_num_batched_tokens // 2)
+            self._ok_steps_since_oom = 0
+        elif scheduler.max_num_batched_tokens < self.config.max_num_batched_tokens:
+            self._ok_steps_since_oom += 1
+            if self._ok_steps_since_oom >= OOM_RECOVER_STEPS:
+                scheduler.max_num_batched_tokens = min(self.config.max_num_batched_tokens,
+                                                       2 * scheduler.max_num_batched_tokens)
+                self._ok_steps_since_oom = 0
+
+    def _fail_group(self, group_id: int, code: str, message: str) -> list[EngineOutput]:
+        """End every unfinished choice of a group with finish_reason "error" and free its blocks."""
+        root = self._groups.get(group_id)
+        outputs: list[EngineOutput] = []
+        for member in (root, *root.forks) if root is not None else ():
+            if member.seq_id not in self.requests:
+                continue
+            self._finish(member, RequestStatus.FINISHED_ERROR)
+            outputs.append(EngineOutput(group_id, [], "", member.index, True, "error", message,
+                                        metrics=request_metrics(member, self.scheduler.clock()), error=code))
+            self._retire(member)
+        return outputs
 
     def _timed_out(self, request: Request) -> list[EngineOutput]:
         """The final outputs of a request the scheduler ended on a timeout, and of its forks
@@ -233,6 +315,9 @@ class LLMEngine:
             batch_tokens=batch_hist, device_memory=device_memory(self.model.device),
             generation_tokens=sum(c.generation_tokens for c in classes),
             prompt_tokens=sum(c.prompt_tokens for c in classes),
+            healthy=self.health.healthy, consecutive_step_failures=self.health.consecutive,
+            step_failures=dict(self.health.failures), oom_events_last_minute=self.health.ooms_last_minute(),
+            token_budget=scheduler.max_num_batched_tokens,
         )
 
     # ------------------------------------------------------------------------------- offline

@@ -75,6 +75,14 @@ class RequestMetrics:
     preemptions: int
 
 
+# finish_reason "error": what failed, and whether the same request may succeed if sent again
+ERROR_CODES = {
+    "internal_error": False,  # its own processing raised (sampling constraint, detokenizer, stops)
+    "engine_error": True,  # the forward of its step failed; the engine goes on
+    "out_of_memory": True,  # its chunk did not fit in memory even alone
+}
+
+
 @dataclass(slots=True)
 class EngineOutput:
     """What one step produced for one choice of one group."""
@@ -84,11 +92,13 @@ class EngineOutput:
     text: str  # new text (stop strings and held-back partial characters excluded)
     index: int = 0  # which of the group's n choices
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length", "abort" or "timeout"
+    finish_reason: str | None = None  # "stop", "length", "abort", "timeout" or "error"
     stop_reason: str | int | None = None  # the stop string or token id that matched; the
     # timeout's kind ("queue", "ttft", "token", "total") with "timeout"; a message with "abort"
+    # and "error"
     logprobs: list[TokenLogprob] | None = None
     metrics: RequestMetrics | None = None  # with the finished output
+    error: str | None = None  # with "error", which: ERROR_CODES
 
 
 @dataclass(slots=True)
@@ -152,6 +162,11 @@ class EngineSnapshot:
     device_memory: DeviceMemory | None = None  # CUDA only
     generation_tokens: int = 0  # all classes, since start
     prompt_tokens: int = 0
+    healthy: bool = True  # not failing steps in a row (engine/health.py)
+    consecutive_step_failures: int = 0
+    step_failures: dict[str, int] = field(default_factory=dict)  # by kind: forward, request, oom
+    oom_events_last_minute: int = 0
+    token_budget: int = 0  # tokens per step now (lowered after an out-of-memory step)
 
 
 class EngineDeadError(RuntimeError):

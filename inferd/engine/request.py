@@ -21,6 +21,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_LENGTH = 11  # max_tokens or the model's context
     FINISHED_ABORTED = 12  # cancelled by the caller
     FINISHED_TIMEOUT = 13  # a queue, TTFT, per-token or total timeout (Request.timeout_kind)
+    FINISHED_ERROR = 14  # a fault: its own processing raised, or its step's forward failed
 
     @property
     def finished(self) -> bool:
@@ -34,6 +35,7 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_ABORTED: "abort",
             RequestStatus.FINISHED_TIMEOUT: "timeout",
+            RequestStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 

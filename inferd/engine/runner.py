@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -19,6 +19,23 @@ from inferd.model.tensors import device_tensor
 class StepResult:
     seq_ids: list[int]  # the sequences (choices) that sampled a token, in row order
     sampled: SamplerOutput
+    # choices whose own logits constraint raised: their row sampled unconstrained, to be failed
+    failed: dict[int, Exception] = field(default_factory=dict)
+
+    @classmethod
+    def concat(cls, parts: list[StepResult]) -> StepResult:
+        """One result from the results of a step run in pieces (rows in the pieces' order)."""
+        if len(parts) == 1:
+            return parts[0]
+        seq_ids = [s for p in parts for s in p.seq_ids]
+        token_ids = [t for p in parts for t in p.sampled.token_ids]
+        failed = {k: v for p in parts for k, v in p.failed.items()}
+        if all(p.sampled.logprobs is None for p in parts):
+            return cls(seq_ids, SamplerOutput(token_ids, None, None), failed)
+        # a piece whose rows asked for no logprobs has none: its rows never read them
+        logprobs = [x for p in parts for x in (p.sampled.logprobs or [0.0] * len(p.seq_ids))]
+        top = [x for p in parts for x in (p.sampled.top_logprobs or [[] for _ in p.seq_ids])]
+        return cls(seq_ids, SamplerOutput(token_ids, logprobs, top), failed)
 
 
 class ModelRunner:
@@ -32,15 +49,23 @@ class ModelRunner:
         self._generators: dict[int, torch.Generator] = {}  # per seeded request, advanced every step
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        self.apply_block_ops(out)
+        return self.run(out.prefills, out.decodes)
+
+    def apply_block_ops(self, out: SchedulerOutput) -> None:
+        """The step's block moves, before any forward that reads them."""
         # this order: a block swap-out frees may be reused by a swap-in or copy-on-write
         self.kv_cache.swap_out(out.swap_out)
         self.kv_cache.swap_in(out.swap_in)
         self.kv_cache.copy_blocks(out.block_copies)
-        chunks = out.prefills + out.decodes
-        if self.graphs is not None and not out.prefills and self.graphs.covers(out.decodes):
-            logits = self.graphs.run(out.decodes)
+
+    def run(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> StepResult:
+        """Forward these chunks and sample a token for each that ends its prompt or decodes."""
+        chunks = prefills + decodes
+        if self.graphs is not None and not prefills and self.graphs.covers(decodes):
+            logits = self.graphs.run(decodes)
         else:
-            input_ids, positions, attn, logits_indices = self._prepare(out.prefills, out.decodes)
+            input_ids, positions, attn, logits_indices = self._prepare(prefills, decodes)
             logits = self.model.forward(input_ids, positions, self.kv_cache.layers, attn, logits_indices)
         # one row per sampling request, plus one per fork (n > 1) that starts from the same logits
         rows: list[Request] = []
@@ -51,14 +76,34 @@ class ModelRunner:
                 logit_rows.append(i)
         if len(logit_rows) != logits.shape[0]:
             logits = logits[logit_rows]
+        allowed, failed = self._allowed(rows)
         sampled = self.sampler(
             logits,
             [r.params for r in rows],
             [r.output_ids for r in rows],
             [self._generator(r) for r in rows],
-            [r.constraint.allowed() if r.constraint is not None else None for r in rows],
+            allowed,
         )
-        return StepResult([r.seq_id for r in rows], sampled)
+        return StepResult([r.seq_id for r in rows], sampled, failed)
+
+    @staticmethod
+    def _allowed(rows: list[Request]) -> tuple[list[list[int] | None] | None, dict[int, Exception]]:
+        """Each row's permitted next tokens (None: no row is constrained), and the rows whose
+        constraint raised (they fail alone; their row samples unconstrained meanwhile)."""
+        if all(r.constraint is None for r in rows):
+            return None, {}
+        allowed: list[list[int] | None] = []
+        failed: dict[int, Exception] = {}
+        for r in rows:
+            try:
+                ids = None if r.constraint is None else r.constraint.allowed()
+                if ids is not None and not len(ids):
+                    raise ValueError("the logits constraint allows no next token")
+                allowed.append(ids if ids is None else list(ids))
+            except Exception as e:  # noqa: BLE001 - a constraint is per-request code: its failure is that request's
+                failed[r.seq_id] = e
+                allowed.append(None)
+        return allowed, failed
 
     def release(self, seq_id: int) -> None:
         """Forget a finished request's sampling state."""

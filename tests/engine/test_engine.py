@@ -85,9 +85,9 @@ def test_abort_returns_blocks_at_once(engine: LLMEngine) -> None:
     engine.step()
     engine.step()
     assert engine.block_manager.num_free_blocks < engine.block_manager.pool.num_blocks
-    for request_id in ids:
-        engine.abort(request_id)
-        engine.abort(request_id)  # a second abort (racing a finish) is harmless
+    for group in ids:
+        engine.abort(group)
+        engine.abort(group)  # a second abort (racing a finish) is harmless
     assert_pool_whole(engine)
 
 
@@ -137,11 +137,11 @@ def test_bfloat16_engine_generates_sensible_greedy_text() -> None:
 
 
 def run_group(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, n: int) -> dict[int, list[int]]:
-    request_id = engine.add(prompt_ids, params, n=n)
+    group = engine.add(prompt_ids, params, n=n)
     tokens: dict[int, list[int]] = {i: [] for i in range(n)}
     while engine.has_work():
         for out in engine.step().outputs:
-            assert out.group_id == request_id
+            assert out.group_id == group
             tokens[out.index] += out.new_token_ids
     return tokens
 
@@ -151,14 +151,14 @@ def test_n_choices_share_the_prompt_blocks(engine: LLMEngine) -> None:
     greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     [alone] = engine.generate([prompt_ids], greedy)
     bm = engine.block_manager
-    request_id = engine.add(prompt_ids, greedy, n=3)
+    group = engine.add(prompt_ids, greedy, n=3)
     engine.step()  # the prompt's prefill: the two forks take shared copies of its blocks
     prompt_blocks = bm.blocks_for(len(prompt_ids))
     used = bm.pool.num_blocks - bm.num_free_blocks
     assert used == prompt_blocks  # not 3x: the forks share them
     while engine.has_work():
         engine.step()
-    assert request_id not in engine.group_ids()
+    assert group not in engine.group_ids()
     assert_pool_whole(engine)
     tokens = run_group(engine, prompt_ids, greedy, 3)
     assert all(t == alone.token_ids for t in tokens.values())  # greedy choices are identical
@@ -178,8 +178,8 @@ def test_n_seeded_choices_differ_and_repeat(engine: LLMEngine) -> None:
 
 
 def test_abort_of_a_group_before_its_forks_start(engine: LLMEngine) -> None:
-    request_id = engine.add("Hello there", SamplingParams(max_tokens=5), n=4)
-    engine.abort(request_id)
+    group = engine.add("Hello there", SamplingParams(max_tokens=5), n=4)
+    engine.abort(group)
     assert_pool_whole(engine)
 
 

@@ -24,12 +24,12 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int 
     return Scheduler(BlockManager(num_blocks, block_size), max_num_seqs, max_num_batched_tokens)
 
 
-def make_request(request_id: int, prompt_len: int, max_tokens: int = 16, n: int = 1) -> Request:
+def make_request(seq_id: int, prompt_len: int, max_tokens: int = 16, n: int = 1) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    prompt = [request_id * 100 + i for i in range(prompt_len)]
-    req = Request(request_id, prompt, params, MAX_MODEL_LEN)
+    prompt = [seq_id * 100 + i for i in range(prompt_len)]
+    req = Request(seq_id, prompt, params, MAX_MODEL_LEN)
     # choices 1..n-1 take the ids right after the root's, as LLMEngine.add_request does
-    req.forks = [Request(request_id + i, prompt, params, MAX_MODEL_LEN, index=i, group_id=request_id)
+    req.forks = [Request(seq_id + i, prompt, params, MAX_MODEL_LEN, index=i, group_id=seq_id)
                  for i in range(1, n)]
     return req
 

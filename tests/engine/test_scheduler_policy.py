@@ -43,12 +43,12 @@ def make(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budge
     return s, clock
 
 
-def req(s: Scheduler, clock: FakeClock, request_id: int, prompt_len: int, cls: PriorityClass = HI,
+def req(s: Scheduler, clock: FakeClock, seq_id: int, prompt_len: int, cls: PriorityClass = HI,
         max_tokens: int = 64, timeouts: Timeouts | None = None, prompt: list[int] | None = None) -> Request:
     """A request arriving now, queued."""
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    tokens = prompt if prompt is not None else [request_id * 100 + i for i in range(prompt_len)]
-    r = Request(request_id, tokens, params, MAX_MODEL_LEN, priority_class=cls,
+    tokens = prompt if prompt is not None else [seq_id * 100 + i for i in range(prompt_len)]
+    r = Request(seq_id, tokens, params, MAX_MODEL_LEN, priority_class=cls,
                 timeouts=timeouts or Timeouts(), arrival_time=clock.now)
     s.add(r)
     return r
