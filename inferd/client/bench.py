@@ -2,13 +2,15 @@
 
     BenchConfig --run()--> for each sweep point: closed loop (N workers, each one request at a
                            time) or open loop (gamma / Poisson arrivals at R req/s)
-                               └─ send() per request → RequestRecord   (bench_http)
+                               └─ send_retrying() per request          (bench_retry)
+                                   └─ send() per attempt → RequestRecord  (bench_http)
                            summarize(records) per point                (bench_metrics, pure)
                            render / --json / --plot                    (bench_report, pure)
 
 The modules: bench_workload (prompts, lengths, classes, arrivals), bench_http (the streamed
-request, /v1/models, inferd's /metrics counters), bench_metrics (records and vLLM's metric
-definitions), bench_report (tables, compare, plots).
+request, /v1/models, inferd's /metrics counters), bench_retry (--retries: what is retried, the
+backoff), bench_metrics (records and vLLM's metric definitions), bench_report (tables, compare,
+plots).
 
 A failure every request would share (nobody listening, a refused API key) stops the run after
 the requests already sent, instead of repeating it for --duration; other failures are counted.
@@ -20,6 +22,7 @@ import asyncio
 import datetime
 import itertools
 import json
+import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -31,10 +34,11 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from inferd.client.bench_http import (
-    BenchError, counter_deltas, describe, is_fatal, list_models, read_counters, request_body, root_url, send,
+    BenchError, counter_deltas, describe, is_fatal, list_models, read_counters, request_body, root_url,
 )
 from inferd.client.bench_metrics import RequestRecord, parse_slo, summarize
 from inferd.client.bench_report import load_result, render_compare, render_run, render_sweep, write_plot
+from inferd.client.bench_retry import RETRY_BASE, RetryPolicy, send_retrying
 from inferd.client.bench_workload import Workload, load_dataset, parse_mix
 from inferd.client.bench_workload import arrival_times as _arrival_times
 
@@ -81,6 +85,12 @@ class BenchConfig:
     json_path: str | None = None
     plot_path: str | None = None
     timeout: float = 600.0
+    retries: int = 0
+    retry_base: float = RETRY_BASE
+
+    @property
+    def retry(self) -> RetryPolicy:
+        return RetryPolicy(self.retries, self.retry_base)
 
     def points(self) -> list[Point]:
         if self.rates and self.sweep:
@@ -112,6 +122,7 @@ class BenchConfig:
             raise ValueError("--warmup must be ≥ 0")
         if self.spread < 0 or (self.spread >= 1 and "uniform" in (self.input_dist, self.output_dist)):
             raise ValueError("--spread must be ≥ 0 (and < 1 with a uniform distribution)")
+        self.retry.check()
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -148,8 +159,9 @@ class _Context:
         spec = self.workload.spec(i, stream)
         record = RequestRecord(index=i, priority=spec.priority)
         body = request_body(spec, self.model, chat=config.endpoint == "chat", ignore_eos=config.ignore_eos)
-        return await send(self.session, self.root + ENDPOINTS[config.endpoint], body, record,
-                          api_key=config.api_key, t0=self.t0)
+        rng = random.Random(f"inferd-bench-retry:{config.seed}:{stream}:{i}")  # this request's jitter
+        return await send_retrying(self.session, self.root + ENDPOINTS[config.endpoint], body, record,
+                                   api_key=config.api_key, t0=self.t0, policy=config.retry, rng=rng)
 
 
 async def _closed_loop(

@@ -7,9 +7,13 @@ What a streamed response can end as (the record's error_type):
     200, token chunks ..., usage, [DONE]    ok
     200, ..., {"error": {...}}, [DONE]      the error's code or type (e.g. token_timeout)
     200, ..., connection closed             incomplete_stream (no [DONE])
+    200, connection closed before an event  server_disconnected (nothing was generated)
     200, [DONE] with no token chunk         empty_stream
     4xx / 5xx                               the error body's code or type (else http_error)
-    no response                             connection_error, timeout, client_error
+    no response                             connection_error (refused), connection_reset,
+                                            server_disconnected, timeout, client_error
+
+`send` is one attempt; bench_retry sends again after the failures that are safe to repeat.
 """
 
 from __future__ import annotations
@@ -73,7 +77,7 @@ def _error_body(body: bytes, status: int) -> tuple[str, str]:
 
 def _os_reason(e: BaseException) -> str:
     """"Connection refused" rather than aiohttp's "Cannot connect to host ... [Connect call failed ...]"."""
-    os_error = getattr(e, "os_error", None)
+    os_error = getattr(e, "os_error", e)
     if isinstance(os_error, OSError) and os_error.errno:
         return os.strerror(os_error.errno)
     return str(e) or type(e).__name__
@@ -142,6 +146,7 @@ class _Stream:
         self.record = record
         self.start = start
         self.last: float | None = None  # when the last token-bearing chunk came
+        self.events = 0  # `data:` lines read: none yet means nothing was generated
         self.done = False
         self.usage: dict[str, Any] | None = None
 
@@ -150,6 +155,7 @@ class _Stream:
         if not line.startswith(b"data:"):
             return  # ids, comments (keep-alives), blank lines between events
         data = line[len(b"data:"):].strip()
+        self.events += 1
         if data == b"[DONE]":
             self.done = True
             return
@@ -196,44 +202,60 @@ class _Stream:
 
 async def send(
     session: aiohttp.ClientSession, url: str, body: dict[str, Any], record: RequestRecord, *,
-    api_key: str | None, t0: float, clock: Callable[[], float] = time.perf_counter,
+    api_key: str | None, t0: float, clock: Callable[[], float] = time.perf_counter, start: float | None = None,
 ) -> RequestRecord:
-    """POST a streaming request and fill `record` with its timings, tokens and any failure."""
-    start = clock()
+    """POST a streaming request and fill `record` with its timings, tokens and any failure.
+
+    `start`: when the request's first attempt was sent (a retry's times count from it)."""
+    start = clock() if start is None else start
     record.send_time = start - t0
     stream = _Stream(record, start)
     try:
         async with session.post(url, json=body, headers=headers(api_key)) as response:
             record.status = response.status
             if response.status != 200:
+                record.retry_after = response.headers.get("Retry-After")
                 record.fail(*_error_body(await response.read(), response.status))
                 return record
-            pending = b""
-            async for data in response.content.iter_any():
-                now = clock()  # NOTE: every event of one network read arrives at once, as in vLLM
-                *lines, pending = (pending + data).split(b"\n")
-                for line in lines:
-                    stream.line(line, now)
-            if pending:
-                stream.line(pending, clock())
-            stream.finish()
-    except aiohttp.ClientPayloadError:  # a chunked body cut off mid-way
-        stream.finish()
-        record.fail("incomplete_stream", "the server closed the stream before [DONE]")
+            await _read(response, stream, clock)
     except aiohttp.ClientConnectorError as e:
         record.fail("connection_error", _os_reason(e))
     except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as e:
         record.fail("timeout", f"no answer within the timeout ({type(e).__name__})")
-    except aiohttp.ServerDisconnectedError:
-        if record.status is None:  # before any answer
-            record.fail("server_disconnected", "the server closed the connection without answering")
-        else:
-            stream.finish()
+    except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as e:
+        _dropped(stream, e)
     except Exception as e:  # noqa: BLE001 - whatever a server does, the run goes on and counts it
         record.fail("client_error", f"{type(e).__name__}: {e}")
     finally:
         record.elapsed = clock() - start
     return record
+
+
+async def _read(response: aiohttp.ClientResponse, stream: _Stream, clock: Callable[[], float]) -> None:
+    pending = b""
+    async for data in response.content.iter_any():
+        now = clock()  # NOTE: every event of one network read arrives at once, as in vLLM
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            stream.line(line, now)
+    if pending:
+        stream.line(pending, clock())
+    stream.finish()
+
+
+def _dropped(stream: _Stream, e: aiohttp.ClientError) -> None:
+    """The connection lost: before the first event nothing was generated (safe to send again);
+    after it, a stream cut short."""
+    record = stream.record
+    if stream.events:
+        stream.finish()  # incomplete_stream unless [DONE] came first
+    elif isinstance(e, aiohttp.ClientOSError):
+        record.fail("connection_reset", f"the connection failed before the first event: {_os_reason(e)}")
+    elif record.status is None:
+        record.fail("server_disconnected", "the server closed the connection without answering")
+    else:
+        record.fail("server_disconnected", f"the server closed the connection after HTTP {record.status}, "
+                    "before the first event")
 
 
 # -------------------------------------------------------------------------------- the server

@@ -8,6 +8,8 @@ The definitions are vLLM `bench serve`'s (vllm/benchmarks/serve.py), so numbers 
                    TPOT = (e2e − TTFT) / (output tokens − 1)
 
 - TTFT: the request sent → the first chunk that carries a token.
+- A retried request (--retries) counts from its first attempt's send: its TTFT and e2e include
+  the failed attempts and the backoff between them, which is what its user waits.
 - ITL: the gaps between consecutive token-bearing chunks, pooled over all requests (a chunk that
   carries several tokens is one gap, as in vLLM).
 - TPOT: per request with more than one output token, (e2e − TTFT) / (output tokens − 1): the
@@ -29,6 +31,9 @@ from typing import Any
 
 SLO_KEYS = ("ttft", "tpot", "e2e")
 PERCENTILES = (50, 90, 95, 99)
+RETRY_CAUSES = ("connection", "429", "503", "cut")
+# no answer at all, or the connection lost before the response's first SSE event
+CONNECTION_ERRORS = frozenset({"connection_error", "connection_reset", "server_disconnected"})
 
 
 @dataclass
@@ -49,6 +54,10 @@ class RequestRecord:
     status: int | None = None  # the HTTP status; None when no response came
     error_type: str | None = None
     error: str | None = None
+    attempts: int = 1  # sends of this request: 1 + its retries
+    retry_causes: list[str] = field(default_factory=list)  # each retried attempt's cause (RETRY_CAUSES)
+    retry_wait: float = 0.0  # seconds slept between attempts (inside ttft, e2e and elapsed)
+    retry_after: str | None = None  # the last answer's Retry-After header, as sent
 
     @property
     def ok(self) -> bool:
@@ -75,6 +84,7 @@ class RequestRecord:
             "prompt_tokens": self.prompt_tokens, "output_tokens": self.output_tokens,
             "token_source": self.token_source, "chunks": self.chunks, "status": self.status,
             "error_type": self.error_type, "error": self.error,
+            "attempts": self.attempts, "retry_causes": list(self.retry_causes), "retry_wait": r(self.retry_wait),
         }
 
     @classmethod
@@ -159,6 +169,42 @@ def errors(records: Iterable[RequestRecord]) -> dict[str, Any]:
     }
 
 
+def retry_cause(record: RequestRecord) -> str | None:
+    """Why this failed attempt may be sent again ("connection", "429", "503", "cut"), or None.
+
+    NOTE: a stream cut mid-way ("cut": its replica died) is sent again from the start, and the
+    cut attempt's tokens are dropped with its record: only the last attempt's tokens and text
+    are counted, so none is counted twice (the server did generate them twice)."""
+    if record.ok:
+        return None
+    if record.error_type in CONNECTION_ERRORS:
+        return "connection"
+    if record.error_type == "incomplete_stream":
+        return "cut"
+    if record.status in (429, 503):
+        return str(record.status)
+    return None
+
+
+def retries(records: Iterable[RequestRecord]) -> dict[str, Any]:
+    """Retries (extra attempts) in total and by cause; requests retried, those that then
+    succeeded, and those that failed after their last retry for a cause still retryable."""
+    records = list(records)
+    retried = [r for r in records if r.attempts > 1]
+    exhausted = [r for r in retried if retry_cause(r) is not None]
+    causes = Counter(c for r in records for c in r.retry_causes)
+    gave_up = Counter(retry_cause(r) for r in exhausted)
+    return {
+        "total": sum(r.attempts - 1 for r in records),
+        "by_cause": {c: causes[c] for c in RETRY_CAUSES},
+        "requests_retried": len(retried),
+        "succeeded_after_retry": sum(r.ok for r in retried),
+        "exhausted": len(exhausted),
+        "exhausted_by_cause": {c: gave_up[c] for c in RETRY_CAUSES},
+        "wait_s": sum(r.retry_wait for r in records),
+    }
+
+
 def token_source(records: Iterable[RequestRecord]) -> str | None:
     sources = {r.token_source for r in records if r.ok}
     if not sources:
@@ -201,6 +247,7 @@ def summarize(
         "goodput": goodput(records, slo, duration) if slo else None,
         "good_requests": sum(meets_slo(r, slo) for r in records) if slo else None,
         "errors": errors(records),
+        "retries": retries(records),
     }
     if by_class:
         classes = sorted({r.priority for r in records if r.priority is not None})

@@ -1,6 +1,6 @@
 """`inferd bench`'s reports, pure functions of a result dict (the JSON a run writes):
 
-    render_run(run)           one run's summary: throughputs, latency percentiles, classes, errors
+    render_run(run)           one run's summary: throughputs, latency percentiles, classes, errors, retries
     render_sweep(result)      one row per sweep point
     render_compare(a, b)      two results side by side with B/A ratios
     make_figure(result)       latency CDFs (TTFT, TPOT, e2e), and throughput vs latency for a sweep
@@ -96,6 +96,9 @@ def render_run(run: dict[str, Any], title: str | None = None) -> RenderableType:
         parts.append(line)
         for kind, message in errors["examples"].items():
             parts.append(Text(f"  {kind}: {message}", style="dim"))
+    retries = s.get("retries")
+    if retries and retries["total"]:
+        parts.append(_retries(retries))
     counters = run.get("server_counters")
     if counters is not None:
         hits, queries = counters.get("prefix_cache_hits", 0), counters.get("prefix_cache_queries", 0)
@@ -105,6 +108,16 @@ def render_run(run: dict[str, Any], title: str | None = None) -> RenderableType:
             f"prefix-cache hits {hits} / {queries} prompt tokens",
         ))
     return Group(*parts)
+
+
+def _retries(r: dict[str, Any]) -> Text:
+    """`retries  5 (connection 2, 429 1, 503 2) for 3 requests: 2 then completed, 1 gave up (503 1); ...`"""
+    gave_up = f", {r['exhausted']} gave up ({_counts(r['exhausted_by_cause'])})" if r["exhausted"] else ""
+    return Text.assemble(
+        ("retries  ", "dim"), f"{r['total']} ({_counts(r['by_cause'])}) for {r['requests_retried']} requests: "
+        f"{r['succeeded_after_retry']} then completed{gave_up}; {r['wait_s']:.2f} s of backoff, "
+        "counted in their TTFT and e2e",
+    )
 
 
 def _classes(s: dict[str, Any]) -> Table:
@@ -145,6 +158,7 @@ COMPARED = (  # (row name, path into the summary, unit: "/s" higher is better, "
     *((f"{name} {stat} (ms)", (key, stat), "ms") for key, name in LATENCIES for stat in ("mean", "p50", "p99")),
     ("goodput (req/s)", ("goodput",), "/s"),
     ("errors", ("errors", "total"), "n"),
+    ("retries", ("retries", "total"), "n"),
 )
 
 
