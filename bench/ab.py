@@ -60,7 +60,6 @@ import hashlib
 import math
 import os
 import re
-import resource
 import shlex
 import signal
 import statistics
@@ -69,6 +68,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from compare import machine_busy_seconds, reaped_children_seconds  # (bench/ is this script's folder)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PYTHON = REPO / ".venv" / "bin" / "python"
@@ -205,19 +206,6 @@ def check_imports(side: Side, python: Path) -> None:
 
 # ------------------------------------------------------------------------------ CPU accounting
 
-def machine_busy_seconds() -> float:
-    """Busy CPU seconds of the whole machine since boot (all but idle and iowait)."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:9]]  # user nice system idle iowait irq softirq steal
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
-
-
-def children_seconds() -> float:
-    """CPU seconds of reaped children, theirs included (a benchmark's server, once it waited for it)."""
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
-
-
 def wait_idle(limit_s: float) -> None:
     """Wait, up to limit_s, for half a second in which other processes use under MAX_OTHER_CORES."""
     deadline = time.monotonic() + limit_s
@@ -260,7 +248,7 @@ class Job:
 def run_once(job: Job, side: Side, index: int) -> Run:
     """One run of the script on one side, in its own process group (its children die with it)."""
     code = code_fingerprint(side.tree) if side.live else ""
-    busy, child, start = machine_busy_seconds(), children_seconds(), time.perf_counter()
+    busy, child, start = machine_busy_seconds(), reaped_children_seconds(), time.perf_counter()
     proc = subprocess.Popen(job.command(), cwd=side.tree, env=side_env(side.tree), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -273,7 +261,7 @@ def run_once(job: Job, side: Side, index: int) -> Run:
                      f"cd {side.tree} && {shlex.join(job.command())}")
         raise
     wall = time.perf_counter() - start
-    other = max(0.0, (machine_busy_seconds() - busy) - (children_seconds() - child)) / wall
+    other = max(0.0, (machine_busy_seconds() - busy) - (reaped_children_seconds() - child)) / wall
     values: dict[str, float] = {}
     lower: dict[str, bool] = {}
     for m in job.metrics:

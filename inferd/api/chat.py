@@ -13,9 +13,8 @@ from inferd.api.protocol import (
     ChatCompletionResponse,
     ChatLogprobs,
     ChatResponseMessage,
-    Usage,
 )
-from inferd.api.serving import ChoiceResult, Generation, Render, StreamEvents, endpoint
+from inferd.api.serving import ChoiceResult, Render, StreamEvents, endpoint
 from inferd.api.sse import dumps
 from inferd.engine.protocol import EngineOutput
 from inferd.model.chat_template import ChatTemplateError
@@ -27,6 +26,7 @@ class ChatFormat:
     object_name = "chat.completion.chunk"
     prompt_param = "messages"
     fit_default = True
+    response_model = ChatCompletionResponse
 
     def prompts(self, tokenizer: Tokenizer, body: ChatCompletionRequest, max_prompts: int) -> list[list[int]]:
         messages = []
@@ -53,20 +53,13 @@ class ChatFormat:
     def prompt_text(self, tokenizer: Tokenizer, body: ChatCompletionRequest, prompts: list[list[int]]) -> str:
         return tokenizer.decode(prompts[0])
 
-    def reply(self, body: ChatCompletionRequest, token_text: TokenTexts, results: dict[int, ChoiceResult],
-              gen: Generation, model: str) -> dict[str, Any]:
-        choices = [
-            ChatChoice(
-                index=index,
-                message=ChatResponseMessage(content=result.text),
-                logprobs=ChatLogprobs(**chat_logprobs(token_text, result.logprobs)) if body.logprobs else None,
-                finish_reason=result.finish_reason,  # type: ignore[arg-type]
-            )
-            for index, result in sorted(results.items())
-        ]
-        response = ChatCompletionResponse(id=gen.id, created=gen.created, model=model, choices=choices,
-                                          usage=Usage(**gen.usage()))
-        return response.model_dump(mode="json")
+    def choice(self, body: ChatCompletionRequest, token_text: TokenTexts, index: int, result: ChoiceResult) -> ChatChoice:
+        return ChatChoice(
+            index=index,
+            message=ChatResponseMessage(content=result.text),
+            logprobs=ChatLogprobs(**chat_logprobs(token_text, result.logprobs)) if body.logprobs else None,
+            finish_reason=result.finish_reason,  # type: ignore[arg-type]
+        )
 
     def head(self, body: ChatCompletionRequest, events: StreamEvents) -> list[dict[str, Any]]:
         return [events.event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,

@@ -8,8 +8,8 @@ from typing import Any
 
 from inferd.api.errors import bad_request
 from inferd.api.logprobs import TokenTexts, completion_logprobs
-from inferd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
-from inferd.api.serving import ChoiceResult, Generation, Render, StreamEvents, endpoint
+from inferd.api.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
+from inferd.api.serving import ChoiceResult, Render, StreamEvents, endpoint
 from inferd.api.sse import dumps
 from inferd.engine.protocol import EngineOutput
 from inferd.model.tokenizer import Tokenizer
@@ -20,6 +20,7 @@ class CompletionFormat:
     object_name = "text_completion"
     prompt_param = "prompt"
     fit_default = False
+    response_model = CompletionResponse
 
     def prompts(self, tokenizer: Tokenizer, body: CompletionRequest, max_prompts: int) -> list[list[int]]:
         """The token ids of each prompt of the request."""
@@ -45,21 +46,14 @@ class CompletionFormat:
     def prompt_text(self, tokenizer: Tokenizer, body: CompletionRequest, prompts: list[list[int]]) -> str:
         return repr(body.prompt)
 
-    def reply(self, body: CompletionRequest, token_text: TokenTexts, results: dict[int, ChoiceResult],
-              gen: Generation, model: str) -> dict[str, Any]:
-        choices = [
-            CompletionChoice(
-                index=index,
-                text=result.text,
-                logprobs=CompletionLogprobs(**completion_logprobs(token_text, result.logprobs, 0))
-                if body.logprobs is not None else None,
-                finish_reason=result.finish_reason,  # type: ignore[arg-type]
-            )
-            for index, result in sorted(results.items())
-        ]
-        response = CompletionResponse(id=gen.id, created=gen.created, model=model, choices=choices,
-                                      usage=Usage(**gen.usage()))
-        return response.model_dump(mode="json")
+    def choice(self, body: CompletionRequest, token_text: TokenTexts, index: int, result: ChoiceResult) -> CompletionChoice:
+        return CompletionChoice(
+            index=index,
+            text=result.text,
+            logprobs=CompletionLogprobs(**completion_logprobs(token_text, result.logprobs, 0))
+            if body.logprobs is not None else None,
+            finish_reason=result.finish_reason,  # type: ignore[arg-type]
+        )
 
     def head(self, body: CompletionRequest, events: StreamEvents) -> list[dict[str, Any]]:
         return []

@@ -94,18 +94,13 @@ def _class_metrics(classes: tuple[ClassSnapshot, ...]) -> Iterator[Metric]:
     yield misses
 
 
-def _kv_usage(stats: EngineSnapshot) -> float:
-    """KV blocks held by requests / all KV blocks (cached-but-free blocks count as free)."""
-    return stats.kv_blocks_used / stats.kv_blocks_total
-
-
 def _cache_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
     yield GaugeMetricFamily("inferd_kv_blocks_total", "KV cache blocks.", value=stats.kv_blocks_total)
     yield GaugeMetricFamily("inferd_kv_blocks_used", "KV cache blocks held by requests.", value=stats.kv_blocks_used)
     yield GaugeMetricFamily("inferd_kv_blocks_cached", "Prefix-cache blocks no request holds (evictable).",
                             value=stats.kv_blocks_cached)
     yield GaugeMetricFamily("inferd_kv_usage_ratio", "KV blocks held by requests / all KV blocks.",
-                            value=_kv_usage(stats))
+                            value=stats.kv_usage_ratio)
     yield CounterMetricFamily("inferd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                               value=stats.prefix_queries)
     yield CounterMetricFamily("inferd_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -155,7 +150,7 @@ def _picker_aliases(stats: EngineSnapshot, limits: EngineLimits, model: str, sta
                        sum(c.running for c in stats.classes))
     # a fraction in [0, 1] despite "perc" (as in vLLM); gpu_ is the name pickers before v1.3 read
     for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
-        yield _model_gauge(name, "Alias: inferd_kv_usage_ratio.", model, _kv_usage(stats))
+        yield _model_gauge(name, "Alias: inferd_kv_usage_ratio.", model, stats.kv_usage_ratio)
     info = GaugeMetricFamily("vllm:cache_config_info", "Alias: cache.block_size and inferd_kv_blocks_total as "
                              "labels (the picker's prefix scorer reads them).", labels=["block_size", "num_gpu_blocks"])
     info.add_metric([str(limits.block_size), str(stats.kv_blocks_total)], 1)

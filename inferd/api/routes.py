@@ -108,7 +108,7 @@ async def status(request: web.Request) -> web.Response:
         preemptions=stats.preemptions, timeouts=stats.timeouts, rejections=request.app[DOOR].rejections(),
         prefix_cache_queries=stats.prefix_queries, prefix_cache_hits=stats.prefix_hits,
         shed_level=stats.shed_level, shed_actions=stats.shed_actions,
-        kv_usage_ratio=stats.kv_blocks_used / stats.kv_blocks_total,
+        kv_usage_ratio=stats.kv_usage_ratio,
         throughput=p.Throughput(generation_tokens_per_second=generation_rate, prompt_tokens_per_second=prompt_rate,
                                 history=engine.throughput.history(now)),
         device_memory=None if memory is None else p.DeviceMemory(used_bytes=memory.used_bytes,

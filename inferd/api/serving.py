@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiohttp import ClientConnectionResetError, web
+from pydantic import BaseModel
 
 from inferd.api.door import FrontDoor
 from inferd.api.errors import APIError, bad_request, engine_abort_error, engine_failure_error, timeout_error
 from inferd.api.logprobs import TokenTexts
 from inferd.api.logs import RECORD, RequestRecord
-from inferd.api.protocol import SamplingFields
+from inferd.api.protocol import SamplingFields, Usage
 from inferd.api.sse import EventStream, OutputQueue, dumps
 from inferd.api.state import DOOR, ENGINE, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS
 from inferd.config import Settings
@@ -91,8 +92,9 @@ class ResponseFormat(Protocol):
 
     def prompt_text(self, tokenizer: Tokenizer, body: Any, prompts: list[list[int]]) -> str: ...
 
-    def reply(self, body: Any, token_text: TokenTexts, results: dict[int, ChoiceResult], gen: Generation,
-              model: str) -> dict[str, Any]: ...
+    response_model: type[BaseModel]  # of a non-streamed reply: id, created, model, choices, usage
+
+    def choice(self, body: Any, token_text: TokenTexts, index: int, result: ChoiceResult) -> BaseModel: ...
 
     def head(self, body: Any, events: StreamEvents) -> list[dict[str, Any]]: ...
 
@@ -210,7 +212,10 @@ async def generate(request: web.Request, body: SamplingFields, fmt: ResponseForm
             results = await gen.gather(request)
             if results is None:
                 return no_answer()
-            return web.json_response(fmt.reply(body, token_text, results, gen, model))
+            choices = [fmt.choice(body, token_text, index, result) for index, result in sorted(results.items())]
+            reply = fmt.response_model(id=gen.id, created=gen.created, model=model, choices=choices,
+                                       usage=Usage(**gen.usage()))
+            return web.json_response(reply.model_dump(mode="json"))
         events = StreamEvents(fmt.object_name, gen.id, gen.created, model)
 
         def tail() -> list[dict[str, Any]]:

@@ -165,6 +165,7 @@ class AsyncEngine:
         self._step_seconds = Histogram()  # written by the engine thread, copied into snapshots
         self._batch_tokens = Histogram(TOKEN_BUCKETS)
         self._steps = 0
+        self.snapshot_time = 0.0  # perf_counter() of the last publication
         self.snapshot: EngineSnapshot = self._publish(0.0)
 
     # ------------------------------------------------------------------------ lifecycle
@@ -300,5 +301,7 @@ class AsyncEngine:
         self.snapshot_time = time.perf_counter()
         snapshot = self._engine.snapshot(self._steps, step_seconds, self._step_seconds.copy(),
                                          self._batch_tokens.copy())
-        self.throughput.sample(time.monotonic(), snapshot.generation_tokens, snapshot.prompt_tokens)
+        classes = snapshot.classes
+        self.throughput.sample(time.monotonic(), sum(c.generation_tokens for c in classes),
+                               sum(c.prompt_tokens for c in classes))
         return snapshot

@@ -42,20 +42,19 @@ class StepExecutor:
         self.no_room = []
         try:
             self.runner.apply_block_ops(plan)
-            return self._run(plan.prefills + plan.decodes)
-        except StepFailed:
-            raise
+            return self._run(plan.prefills, plan.decodes)
         except Exception as e:  # noqa: BLE001 - a failed forward fails its step, not the engine
             log.exception("the forward of a step failed; failing its %d requests", len(plan.chunks))
             raise StepFailed(f"{type(e).__name__}: {e}") from e
 
-    def _run(self, chunks: list[ScheduledChunk]) -> StepResult:
+    def _run(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> StepResult:
         try:
             if self.faults is not None:
-                self.faults.before_forward(sum(c.num_tokens for c in chunks))
-            return self.runner.run([c for c in chunks if c.num_tokens > 1], [c for c in chunks if c.num_tokens == 1])
+                self.faults.before_forward(sum(c.num_tokens for c in prefills + decodes))
+            return self.runner.run(prefills, decodes)
         except (torch.OutOfMemoryError, MemoryError):  # a device or a host allocation failed
             self.out_of_memory_events += 1
+            chunks = prefills + decodes
             if len(chunks) == 1:
                 log.warning("out of memory on a single chunk of %d tokens: failing its request", chunks[0].num_tokens)
                 self.no_room.append(chunks[0].request)
@@ -63,5 +62,9 @@ class StepExecutor:
             ordered = sorted(chunks, key=lambda c: c.request.rank)  # the lowest class in the later half
             half = len(ordered) // 2
             log.warning("out of memory on a step of %d chunks: running it in two halves", len(chunks))
-            return StepResult.concat([self._run(ordered[:half]), self._run(ordered[half:])])
+            return StepResult.concat([self._run(*_by_kind(ordered[:half])), self._run(*_by_kind(ordered[half:]))])
 
+
+def _by_kind(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
+    """(prefills, decodes), split as the scheduler splits them: a decode is one token."""
+    return [c for c in chunks if c.num_tokens > 1], [c for c in chunks if c.num_tokens == 1]

@@ -210,6 +210,7 @@ class LLMEngine:
             step.prefill_tokens, step.step_seconds = plan.num_prefill_tokens, time.perf_counter() - start
         sampled = result.sampled
         self.scheduler.update(plan, dict(zip(result.seq_ids, sampled.token_ids)))
+        faults = self.faults
         for row, seq_id in enumerate(result.seq_ids):
             request = self.requests.get(seq_id)
             if request is None:
@@ -217,8 +218,8 @@ class LLMEngine:
             try:
                 if seq_id in result.failed:
                     raise result.failed[seq_id]
-                if self.faults is not None:
-                    self.faults.check_output(request.group_id)
+                if faults is not None:
+                    faults.check_output(request.group_id)
                 out, ending = self.outputs.on_token(request, sampled.token_ids[row], sampled, row)
             except Exception as e:  # noqa: BLE001 - this request's own code failed: it fails alone
                 log.exception("request %d failed in its output processing", request.group_id)
@@ -313,8 +314,6 @@ class LLMEngine:
             shed_actions=dict(scheduler.shedder.actions), last_step_seconds=step_seconds, classes=classes,
             requests=tuple(scheduler.requests_snapshot(STATUS_REQUESTS)), step_seconds=step_hist,
             batch_tokens=batch_hist, device_memory=device_memory(self.model.device),
-            generation_tokens=sum(c.generation_tokens for c in classes),
-            prompt_tokens=sum(c.prompt_tokens for c in classes),
             healthy=self.health.healthy, consecutive_step_failures=self.health.consecutive,
             step_failures=dict(self.health.failures), oom_events_last_minute=self.health.ooms_last_minute(),
             token_budget=scheduler.max_num_batched_tokens,

@@ -160,13 +160,16 @@ class EngineSnapshot:
     step_seconds: Histogram  # (copies) the duration of each engine step
     batch_tokens: Histogram  # and the tokens it computed
     device_memory: DeviceMemory | None = None  # CUDA only
-    generation_tokens: int = 0  # all classes, since start
-    prompt_tokens: int = 0
     healthy: bool = True  # not failing steps in a row (engine/health.py)
     consecutive_step_failures: int = 0
     step_failures: dict[str, int] = field(default_factory=dict)  # by kind: forward, request, oom
     oom_events_last_minute: int = 0
     token_budget: int = 0  # tokens per step now (lowered after an out-of-memory step)
+
+    @property
+    def kv_usage_ratio(self) -> float:
+        """KV blocks held by requests / all KV blocks (cached-but-free blocks count as free)."""
+        return self.kv_blocks_used / self.kv_blocks_total
 
 
 class EngineDeadError(RuntimeError):
