@@ -3,22 +3,78 @@ request with n choices. Only what differs from completions is here; serving.py d
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
 from inferd.api.errors import bad_request
 from inferd.api.logprobs import TokenTexts, chat_logprobs
-from inferd.api.protocol import (
+from inferd.api.chat_protocol import (
     ChatChoice,
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
+    ChatMessage,
     ChatResponseMessage,
+    Tool,
+    ToolCallOut,
 )
 from inferd.api.serving import ChoiceResult, Render, StreamEvents, endpoint
 from inferd.api.sse import dumps
+from inferd.api.tools import Arguments, CallStart, Content, ToolCallParser, history_message, tools_system_prompt
 from inferd.engine.protocol import EngineOutput
 from inferd.model.chat_template import ChatTemplateError
 from inferd.model.tokenizer import Tokenizer
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], tools: Sequence[Tool] | None,
+                add_generation_prompt: bool = True) -> list[int]:
+    """The messages (and the tools offered, if any) as the model's prompt, through its chat
+    template: one that takes `tools` (as transformers passes them) renders them and earlier calls
+    itself; for one that does not (the default model's), they become plain text in the Hermes
+    format that inferd/api/tools.py documents and parses."""
+    specs = [t.model_dump(exclude_none=True) for t in tools or []]
+    native = "tools" in (tokenizer.chat_template or "")
+    rendered = [_template_message(m, native) for m in messages]
+    if specs and not native:
+        instructions = tools_system_prompt(specs)
+        if rendered[0]["role"] == "system":
+            rendered[0]["content"] = instructions + "\n\n" + rendered[0]["content"]
+        else:
+            rendered.insert(0, {"role": "system", "content": instructions})
+    try:
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                             tools=specs if specs and native else None)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param="messages") from None
+    except Exception as e:  # noqa: BLE001 - the template ran on client input: a TypeError there is a 400
+        raise bad_request(f"chat template failed on these messages: {e}", param="messages") from None
+    # the template writes BOS itself where the model wants one
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _template_message(message: ChatMessage, native_tools: bool) -> dict[str, Any]:
+    """One message as chat templates read it."""
+    if (message.tool_calls or message.role == "tool") and not native_tools:
+        return history_message(message.model_dump(exclude_none=True))
+    item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                            "content": message.text()}
+    if message.name is not None:
+        item["name"] = message.name
+    if message.tool_call_id is not None:
+        item["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        # templates index arguments as a mapping (transformers' convention), OpenAI sends JSON text
+        item["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in message.tool_calls]
+    return item
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatFormat:
@@ -29,20 +85,7 @@ class ChatFormat:
     response_model = ChatCompletionResponse
 
     def prompts(self, tokenizer: Tokenizer, body: ChatCompletionRequest, max_prompts: int) -> list[list[int]]:
-        messages = []
-        for message in body.messages:
-            rendered: dict[str, Any] = {"role": message.role, "content": message.text()}
-            if message.name is not None:
-                rendered["name"] = message.name
-            messages.append(rendered)
-        try:
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ChatTemplateError as e:
-            raise bad_request(str(e), param="messages") from None
-        except Exception as e:  # noqa: BLE001 - the template ran on client input: a TypeError there is a 400
-            raise bad_request(f"chat template failed on these messages: {e}", param="messages") from None
-        # the template writes BOS itself where the model wants one
-        return [tokenizer.encode(text, add_special_tokens=False)]
+        return [chat_prompt(tokenizer, body.messages, body.tools if body.calls_tools else None)]
 
     def max_tokens(self, body: ChatCompletionRequest) -> int | None:
         return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -54,11 +97,20 @@ class ChatFormat:
         return tokenizer.decode(prompts[0])
 
     def choice(self, body: ChatCompletionRequest, token_text: TokenTexts, index: int, result: ChoiceResult) -> ChatChoice:
+        message, finish = ChatResponseMessage(content=result.text), result.finish_reason
+        if body.calls_tools:
+            parser = ToolCallParser()
+            events = parser.feed(result.text) + parser.finish()
+            content = "".join(e.text for e in events if isinstance(e, Content))
+            calls = [ToolCallOut.model_validate(call) for call in parser.calls]
+            message = ChatResponseMessage(content=content if content.strip() or not calls else None,
+                                          tool_calls=calls or None)
+            finish = _tool_finish(finish, bool(calls))
         return ChatChoice(
             index=index,
-            message=ChatResponseMessage(content=result.text),
+            message=message,
             logprobs=ChatLogprobs(**chat_logprobs(token_text, result.logprobs)) if body.logprobs else None,
-            finish_reason=result.finish_reason,  # type: ignore[arg-type]
+            finish_reason=finish,  # type: ignore[arg-type]
         )
 
     def head(self, body: ChatCompletionRequest, events: StreamEvents) -> list[dict[str, Any]]:
@@ -66,15 +118,45 @@ class ChatFormat:
                                "finish_reason": None}]) for i in range(body.n)]
 
     def renderer(self, body: ChatCompletionRequest, token_text: TokenTexts, events: StreamEvents) -> Render:
+        parsers = {i: ToolCallParser() for i in range(body.n)} if body.calls_tools else None
+
         def render(prompt: int, out: EngineOutput) -> dict[str, Any] | str:
-            delta = {"content": out.text} if out.text or not out.finished else {}
+            delta: dict[str, Any] = {"content": out.text} if out.text or not out.finished else {}
+            finish = out.finish_reason
+            if parsers is not None:
+                delta, finish = _tool_delta(parsers[out.index], out)
             if not body.logprobs:
-                return events.token_event(out.index, f'"delta":{dumps(delta)}', out.finish_reason)
+                return events.token_event(out.index, f'"delta":{dumps(delta)}', finish)
             logprobs = chat_logprobs(token_text, out.logprobs or [])
-            return events.event([{"index": out.index, "delta": delta, "logprobs": logprobs,
-                                  "finish_reason": out.finish_reason}])
+            return events.event([{"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
         return render
+
+
+def _tool_finish(finish: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason for a choice that called tools and then stopped on its own."""
+    return "tool_calls" if called and finish == "stop" else finish
+
+
+def _tool_delta(parser: ToolCallParser, out: EngineOutput) -> tuple[dict[str, Any], str | None]:
+    """One streamed output of a choice offered tools: its content and its tool-call fragments
+    (OpenAI's `delta.tool_calls`: the first with id and name, then argument pieces)."""
+    found = parser.feed(out.text) + (parser.finish() if out.finished else [])
+    content = "".join(e.text for e in found if isinstance(e, Content))
+    calls: dict[int, dict[str, Any]] = {}
+    for event in found:
+        if isinstance(event, CallStart):
+            calls[event.index] = {"index": event.index, "id": event.id, "type": "function",
+                                  "function": {"name": event.name, "arguments": ""}}
+        elif isinstance(event, Arguments):
+            call = calls.setdefault(event.index, {"index": event.index, "function": {"arguments": ""}})
+            call["function"]["arguments"] += event.fragment
+    delta: dict[str, Any] = {}
+    if content and not (parser.calls_started and not content.strip()):  # not the newline between calls
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = list(calls.values())
+    return delta, _tool_finish(out.finish_reason, parser.calls_started > 0) if out.finished else None
 
 
 create_chat_completion = endpoint(ChatCompletionRequest, ChatFormat())

@@ -18,8 +18,9 @@ from collections.abc import Sequence
 from inferd.api.admission import Admission, AdmissionError
 from inferd.api.errors import admission_error, bad_request
 from inferd.engine.async_engine import AsyncEngine, RequestStream
+from inferd.engine.grammar import GrammarCompiler
 from inferd.engine.policy import PriorityClass, Timeouts
-from inferd.engine.protocol import EngineRequest
+from inferd.engine.protocol import EngineRequest, LogitsConstraint
 from inferd.model.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class FrontDoor:
         self.limits = engine.limits
         self.policy = engine.limits.policy
         self.admission = Admission(self.policy.classes)
+        self.grammars = GrammarCompiler(engine.tokenizer, engine.limits.vocab_size)
         engine.prefill_listener = self.admission.record_prefill
 
     # ------------------------------------------------------------------------------ checks
@@ -72,10 +74,11 @@ class FrontDoor:
     # --------------------------------------------------------------------------- admission
 
     def submit(self, prompts: Sequence[list[int]], params: SamplingParams, n: int, cls: PriorityClass,
-               timeouts: Timeouts, tenant: str | None = None) -> list[RequestStream]:
+               timeouts: Timeouts, tenant: str | None = None,
+               constraints: Sequence[LogitsConstraint] | None = None) -> list[RequestStream]:
         """Check every prompt, admit them all into the class's queue (or none: 429 / 503), then
-        submit one engine request per prompt; each leaves the queue when the engine schedules it
-        or it ends first."""
+        submit one engine request per prompt (with its own constraint, if any); each leaves the
+        queue when the engine schedules it or it ends first."""
         for prompt in prompts:
             self.check_request(prompt, params, n, cls)
         snapshot = self.engine.snapshot
@@ -89,9 +92,10 @@ class FrontDoor:
         arrival = time.monotonic()
         streams: list[RequestStream] = []
         try:
-            for prompt in prompts:
+            for i, prompt in enumerate(prompts):
                 request = EngineRequest(self.engine.new_group_id(), prompt, params, cls.name, n, timeouts,
-                                        arrival_time=arrival, tenant=tenant)
+                                        arrival_time=arrival, tenant=tenant,
+                                        constraint=constraints[i] if constraints else None)
                 departure = functools.partial(self.admission.leave, cls.name, 1, len(prompt))
                 streams.append(self.engine.submit(request, on_queue_exit=departure))
         except BaseException:

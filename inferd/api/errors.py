@@ -117,7 +117,8 @@ def from_validation_error(e: ValidationError) -> APIError:
     for path, err in zip(paths, e.errors(include_url=False)):
         if any(len(other) > len(path) and other[: len(path)] == path for other in paths):
             continue
-        reason = str(err["ctx"]["error"]) if err["type"] == "value_error" else err["msg"]
+        reason = {"value_error": lambda: str(err["ctx"]["error"]),
+                  "extra_forbidden": lambda: "unknown field"}.get(err["type"], lambda: err["msg"])()
         text = f"{'.'.join(path)}: {reason}" if path else reason
         if text not in messages:
             messages.append(text)

@@ -1,8 +1,10 @@
 """The OpenAI protocol as pydantic models: requests (validated once, here) and responses.
 
-Requests are strict (no "10" for 10, no true for 1) and ignore unknown fields, since OpenAI
-clients send some we do not know. Ranges that depend on the settings (n <= limits.max_n,
-max_tokens <= limits.max_tokens_limit, the context length) are checked by the handlers.
+Requests are strict (no "10" for 10, no true for 1) and no field is silently ignored: an unknown
+one is a 400 that names it, and OpenAI fields inferd does not implement are accepted only with a
+value that asks for nothing (null, or their default) and refused otherwise. Ranges that depend on
+the settings (n <= limits.max_n, max_tokens <= limits.max_tokens_limit, the context length, a
+logit_bias token in the vocabulary) are checked by the handlers.
 
 The response models document the API (GET /openapi.json) and build non-streaming replies;
 streamed chunks are plain dicts in the same shapes (see inferd/api/chat.py, completions.py).
@@ -25,22 +27,64 @@ from pydantic import (
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - 128  # torch generator range, less room for seed + choice
 
 
-class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+class RequestModel(BaseModel):
+    """A request body or part of one: strict, and an unknown field is a 400."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
-class _Response(BaseModel):
+class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
 StopField = Annotated[str | Annotated[list[str], Field(max_length=4)] | None, Field(default=None)]
 
 
-class SamplingFields(_Request):
+class TextFormat(RequestModel):
+    type: Literal["text"]
+
+
+class JSONObjectFormat(RequestModel):
+    type: Literal["json_object"]
+
+
+class JSONSchemaSpec(RequestModel):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None  # true: a keyword the grammar engine lacks is a 400; else it is ignored
+
+
+class JSONSchemaFormat(RequestModel):
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+class RegexFormat(RequestModel):  # extension (vLLM's guided_regex)
+    type: Literal["regex"]
+    regex: str = Field(min_length=1)
+
+
+class ChoiceFormat(RequestModel):  # extension (vLLM's guided_choice)
+    type: Literal["choice"]
+    choice: list[str] = Field(min_length=1, max_length=256)
+
+
+class GrammarFormat(RequestModel):  # extension: a Lark grammar as llguidance takes it
+    type: Literal["grammar"]
+    grammar: str = Field(min_length=1)
+
+
+ResponseFormat = Annotated[TextFormat | JSONObjectFormat | JSONSchemaFormat | RegexFormat | ChoiceFormat
+                           | GrammarFormat, Field(discriminator="type")]
+LOGIT_BIAS_MAX = 100
+
+
+class SamplingFields(RequestModel):
     """The fields both endpoints share, OpenAI's and the extensions (top_k, min_p, ...)."""
 
     model: str
@@ -55,6 +99,9 @@ class SamplingFields(_Request):
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = None
+    # token id (as a string, OpenAI's shape) -> a bias in [-100, 100] added to its logit
+    logit_bias: dict[str, Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]] | None = None
+    response_format: ResponseFormat | None = None
     # extensions (vLLM's names)
     top_k: int = Field(default=-1, ge=-1)  # -1 or 0: off
     min_p: float = Field(default=0.0, ge=0, le=1)
@@ -66,6 +113,18 @@ class SamplingFields(_Request):
     ttft_timeout: float | None = Field(default=None, gt=0)
     token_timeout: float | None = Field(default=None, gt=0)
     total_timeout: float | None = Field(default=None, gt=0)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+        return value
+
+    @property
+    def token_bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), v) for k, v in (self.logit_bias or {}).items())
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
@@ -87,6 +146,14 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and value != info.data.get("n", 1):
+            raise ValueError("best_of is not supported (only best_of = n, which returns every choice)")
+        return value
 
     @field_validator("prompt", mode="wrap")
     @classmethod
@@ -113,27 +180,27 @@ class CompletionRequest(SamplingFields):
         return value
 
 
-class CompletionLogprobs(_Response):
+class CompletionLogprobs(ResponseModel):
     tokens: list[str]
     token_logprobs: list[float]
     top_logprobs: list[dict[str, float]]
     text_offset: list[int]
 
 
-class CompletionChoice(_Response):
+class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "timeout"] | None
 
 
-class Usage(_Response):
+class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
 
 
-class CompletionResponse(_Response):
+class CompletionResponse(ResponseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
     created: int
@@ -142,7 +209,7 @@ class CompletionResponse(_Response):
     usage: Usage
 
 
-class CompletionStreamResponse(_Response):
+class CompletionStreamResponse(ResponseModel):
     """One `data:` event of a streamed completion (the last may carry only usage)."""
 
     id: str
@@ -153,106 +220,10 @@ class CompletionStreamResponse(_Response):
     usage: Usage | None = None
 
 
-# ------------------------------------------------------------------------------------- chat
-
-
-class TextContentPart(_Request):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Request):
-    role: Literal["system", "user", "assistant", "tool"]
-    content: str | list[TextContentPart] | None = None
-    name: str | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
-
-
-class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)  # overrides max_tokens
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
-
-    @field_validator("top_logprobs")
-    @classmethod
-    def _needs_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and not info.data.get("logprobs", False):
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return value
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-
-
-class TokenLogprobEntry(_Response):
-    token: str
-    logprob: float
-    bytes: list[int] | None
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(_Response):
-    content: list[TokenLogprobEntry] | None
-
-
-class ChatResponseMessage(_Response):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(_Response):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "timeout"] | None
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class ChatDelta(_Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(_Response):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "timeout"] | None
-
-
-class ChatCompletionChunk(_Response):
-    """One `data:` event of a streamed chat completion (the last may carry only usage)."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
 # ---------------------------------------------------------------------------- other replies
 
 
-class ModelCard(_Response):
+class ModelCard(ResponseModel):
     id: str
     object: Literal["model"] = "model"
     created: int
@@ -260,123 +231,20 @@ class ModelCard(_Response):
     max_model_len: int
 
 
-class ModelList(_Response):
+class ModelList(ResponseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
 
 
-class ErrorDetail(_Response):
+class ErrorDetail(ResponseModel):
     message: str
     type: str
     param: str | None = None
     code: str | None = None
 
 
-class ErrorResponse(_Response):
+class ErrorResponse(ResponseModel):
     error: ErrorDetail
-
-
-class HealthResponse(_Response):
-    status: Literal["ok", "unavailable"]
-
-
-class ReadyResponse(_Response):
-    status: Literal["loading", "ready", "draining", "not_ready"]
-    reason: str | None = None  # why the inference probe failed
-
-
-class ClassLimits(_Response):
-    max_waiting: int
-    max_queued_tokens: int
-    ttft_target: float
-    tpot_target: float
-    queue_timeout: float | None
-    ttft_timeout: float | None
-    token_timeout: float | None
-    total_timeout: float | None
-    max_tokens: int
-    kv_reserve: float
-    sheddable: bool
-
-
-class ClassStatus(_Response):
-    name: str
-    priority: int
-    limits: ClassLimits
-    waiting: int
-    queued_tokens: int
-    oldest_wait_seconds: float
-    running: int
-    kv_blocks_used: int
-    queued_token_seconds: float
-    prompt_tokens: int
-    cached_prompt_tokens: int
-    generation_tokens: int
-    ttft_p50_seconds: float | None
-    ttft_p95_seconds: float | None
-    tpot_p50_seconds: float | None
-    queue_time_p95_seconds: float | None
-    finished: dict[str, int]
-    preemptions: dict[str, int]
-    timeouts: dict[str, int]
-    rejections: dict[str, int]
-    deadline_misses: dict[str, int]
-
-
-class RequestStatus(_Response):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
-    id: int
-    index: int  # the choice, for n > 1
-    class_: str = Field(alias="class")
-    state: Literal["running", "waiting", "swapped"]
-    age_seconds: float
-    prompt_tokens: int
-    output_tokens: int
-    ttft_seconds: float | None
-
-
-class Throughput(_Response):
-    generation_tokens_per_second: float  # over the last 10 s
-    prompt_tokens_per_second: float
-    history: list[float]  # generation tokens in each of the last 60 s, oldest first
-
-
-class DeviceMemory(_Response):
-    used_bytes: int
-    total_bytes: int
-
-
-class StatusResponse(_Response):
-    model: str
-    dtype: str
-    device: str
-    version: str
-    uptime_seconds: float
-    state: Literal["loading", "ready", "draining", "not_ready"]
-    max_model_len: int
-    kv_blocks_total: int
-    kv_blocks_used: int  # held by requests
-    kv_blocks_cached: int  # prefix-cache blocks no request holds (evictable)
-    running: int
-    waiting: int
-    steps: int
-    preemptions: dict[str, int]  # by mode
-    timeouts: dict[str, int]  # by kind
-    rejections: dict[str, int]  # by reason
-    prefix_cache_queries: int  # prompt tokens looked up
-    prefix_cache_hits: int  # prompt tokens found
-    shed_level: int
-    shed_actions: dict[str, int]  # load shedder transitions: "escalate", "recover", "level:N"
-    kv_usage_ratio: float
-    throughput: Throughput
-    device_memory: DeviceMemory | None  # CUDA only
-    engine_healthy: bool = True  # false after failed steps in a row, until it recovers
-    step_failures: dict[str, int] = {}  # by kind: forward, request, oom
-    oom_events_last_minute: int = 0
-    token_budget: int = 0  # tokens per step now (halved after an out-of-memory step)
-    classes: list[ClassStatus]
-    requests: list[RequestStatus]  # running first, at most 100
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 
     POST /v1/completions       completions.py      GET /v1/models     the served model
     POST /v1/chat/completions  chat.py             GET /v1/status     engine stats snapshot
-    GET  /openapi.json         from protocol.py    GET /health        liveness: the engine loop beats
-                                                   GET /ready         readiness: probed, not draining
+    POST /tokenize             tokenize.py         GET /health        liveness: the engine loop beats
+    POST /detokenize           tokenize.py         GET /ready         readiness: probed, not draining
+    GET  /openapi.json         from protocol.py
 """
 
 from __future__ import annotations
@@ -17,10 +18,21 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from inferd import __version__
+from inferd.api import chat_protocol as cp
 from inferd.api import protocol as p
+from inferd.api import status_protocol as s
 from inferd.api.chat import create_chat_completion
 from inferd.api.completions import create_completion
 from inferd.api.state import DOOR, ENGINE, SETTINGS, STATE
+from inferd.api.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
+)
 from inferd.engine.policy import PriorityClass
 
 _STARTED = 0  # ModelCard.created: fixed, as nothing here knows when the weights were made
@@ -60,22 +72,22 @@ async def ready(request: web.Request) -> web.Response:
     return web.json_response(body, status=503, headers={"Retry-After": "5"})
 
 
-def _limits(cls: PriorityClass) -> p.ClassLimits:
+def _limits(cls: PriorityClass) -> s.ClassLimits:
     t = cls.timeouts
-    return p.ClassLimits(
+    return s.ClassLimits(
         max_waiting=cls.max_waiting, max_queued_tokens=cls.max_queued_tokens, ttft_target=cls.ttft_target,
         tpot_target=cls.tpot_target, queue_timeout=t.queue, ttft_timeout=t.ttft, token_timeout=t.token,
         total_timeout=t.total, max_tokens=cls.max_tokens, kv_reserve=cls.kv_reserve, sheddable=cls.sheddable,
     )
 
 
-def _classes(request: web.Request) -> list[p.ClassStatus]:
+def _classes(request: web.Request) -> list[s.ClassStatus]:
     engine, door = request.app[ENGINE], request.app[DOOR]
     rejections: dict[str, dict[str, int]] = {}
     for (name, reason), count in door.admission.rejections.items():
         rejections.setdefault(name, {})[reason] = count
     return [
-        p.ClassStatus(
+        s.ClassStatus(
             name=c.name, priority=c.priority, waiting=c.waiting, queued_tokens=c.queued_tokens,
             oldest_wait_seconds=c.oldest_wait, running=c.running, kv_blocks_used=c.kv_blocks_used,
             queued_token_seconds=c.queued_token_seconds, prompt_tokens=c.prompt_tokens,
@@ -95,12 +107,12 @@ async def status(request: web.Request) -> web.Response:
     now = time.monotonic()
     generation_rate, prompt_rate = engine.throughput.rates(now)
     requests = [
-        p.RequestStatus(id=r.group_id, index=r.index, class_=r.class_name, state=r.state, age_seconds=r.age,
+        s.RequestStatus(id=r.group_id, index=r.index, class_=r.class_name, state=r.state, age_seconds=r.age,
                         prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens, ttft_seconds=r.ttft)
         for r in stats.requests
     ]
     memory = stats.device_memory
-    body = p.StatusResponse(
+    body = s.StatusResponse(
         model=state.model_name, dtype=limits.dtype, device=limits.device, version=__version__,
         uptime_seconds=now - state.started, state=state.name(engine), max_model_len=limits.max_model_len,
         kv_blocks_total=stats.kv_blocks_total, kv_blocks_used=stats.kv_blocks_used,
@@ -109,9 +121,9 @@ async def status(request: web.Request) -> web.Response:
         prefix_cache_queries=stats.prefix_queries, prefix_cache_hits=stats.prefix_hits,
         shed_level=stats.shed_level, shed_actions=stats.shed_actions,
         kv_usage_ratio=stats.kv_usage_ratio,
-        throughput=p.Throughput(generation_tokens_per_second=generation_rate, prompt_tokens_per_second=prompt_rate,
+        throughput=s.Throughput(generation_tokens_per_second=generation_rate, prompt_tokens_per_second=prompt_rate,
                                 history=engine.throughput.history(now)),
-        device_memory=None if memory is None else p.DeviceMemory(used_bytes=memory.used_bytes,
+        device_memory=None if memory is None else s.DeviceMemory(used_bytes=memory.used_bytes,
                                                                   total_bytes=memory.total_bytes),
         engine_healthy=stats.healthy, step_failures=stats.step_failures,
         oom_events_last_minute=stats.oom_events_last_minute, token_budget=stats.token_budget,
@@ -130,6 +142,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/status", status)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/openapi.json", openapi)
@@ -137,11 +151,13 @@ def add_routes(app: web.Application) -> None:
 
 # ---------------------------------------------------------------------------------- OpenAPI
 
-_REQUESTS: tuple[type[BaseModel], ...] = (p.CompletionRequest, p.ChatCompletionRequest)
+_REQUESTS: tuple[type[BaseModel], ...] = (p.CompletionRequest, cp.ChatCompletionRequest, TokenizeCompletionRequest,
+                                          TokenizeChatRequest, DetokenizeRequest)
 _SCHEMAS: list[type[BaseModel]] = [
     *_REQUESTS,
-    p.CompletionResponse, p.CompletionStreamResponse, p.ChatCompletionResponse, p.ChatCompletionChunk,
-    p.ModelList, p.ErrorResponse, p.HealthResponse, p.ReadyResponse, p.StatusResponse
+    p.CompletionResponse, p.CompletionStreamResponse, cp.ChatCompletionResponse, cp.ChatCompletionChunk,
+    p.ModelList, p.ErrorResponse, s.HealthResponse, s.ReadyResponse, s.StatusResponse, TokenizeResponse,
+    DetokenizeResponse,
 ]
 
 
@@ -153,31 +169,85 @@ def _json(model: type[BaseModel], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": _ref(model)}}}
 
 
+def _error(description: str) -> dict[str, Any]:
+    return _json(p.ErrorResponse, description)
+
+
+_UNAUTHORIZED = {"401": _error("missing or wrong API key (when keys are configured)")}
+_INVALID = {
+    "400": _error("invalid request"),
+    **_UNAUTHORIZED,
+    "404": _error("unknown model"),
+    "413": _error("the request body is larger than 32 MiB"),
+}
 _ERRORS = {
-    "400": _json(p.ErrorResponse, "invalid request"),
-    "401": _json(p.ErrorResponse, "missing or wrong API key"),
-    "404": _json(p.ErrorResponse, "unknown model"),
-    "429": _json(p.ErrorResponse, "the class's queue is full, it is being shed, or the request would miss its "
-                                  "TTFT deadline; Retry-After says when to come back"),
-    "503": _json(p.ErrorResponse, "the engine is not running, the server is draining, or the request timed out "
-                                  "before its first token; Retry-After says when to come back"),
+    **_INVALID,
+    "429": _error("the class's queue is full, it is being shed, or the request would miss its TTFT deadline; "
+                  "Retry-After says when to come back"),
+    "503": _error("the engine is not running, the server is draining, or the request timed out before its first "
+                  "token; Retry-After says when to come back"),
 }
 
 
-def _generate(summary: str, request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
-    return {"post": {
-        "summary": summary,
-        "requestBody": {"required": True, "content": {"application/json": {"schema": _ref(request)}}},
-        "responses": {
-            "200": {
-                "description": f"a {response.__name__}; with stream=true, server-sent events: one "
-                               f"{chunk.__name__} per `data:` line, then `data: [DONE]`",
-                "content": {"application/json": {"schema": _ref(response)},
-                            "text/event-stream": {"schema": _ref(chunk)}},
-            },
-            **_ERRORS,
-        },
+def _event(chunk: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event of a stream (before OpenAPI 3.2, a text/event-stream `schema`
+    describes each event): `id: N` and `data:` a chunk, an error that ends the stream, or [DONE]."""
+    payload = {"contentMediaType": "application/json", "contentSchema": {"anyOf": [_ref(chunk), _ref(p.ErrorResponse)]}}
+    return {"type": "object", "required": ["data"], "properties": {
+        "id": {"type": "string", "pattern": "^[0-9]+$"},
+        "event": {"const": "message"},
+        "data": {"anyOf": [{"const": "[DONE]"}, {"type": "string", "not": {"const": "[DONE]"}, **payload}]},
     }}
+
+
+def _post(summary: str, request: dict[str, Any], responses: dict[str, Any]) -> dict[str, Any]:
+    body = {"required": True, "content": {"application/json": {"schema": request}}}
+    return {"post": {"summary": summary, "requestBody": body, "responses": responses}}
+
+
+def _generate(summary: str, request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
+    return _post(summary, _ref(request), {
+        "200": {
+            "description": f"a {response.__name__}; with stream=true, server-sent events: one "
+                           f"{chunk.__name__} per `data:` line, then `data: [DONE]`",
+            "content": {"application/json": {"schema": _ref(response)}, "text/event-stream": {"schema": _event(chunk)}},
+        },
+        **_ERRORS,
+    })
+
+
+def _get(summary: str, responses: dict[str, Any], *, open_path: bool = False) -> dict[str, Any]:
+    """A GET; an open path (server.open_paths by default) needs no key, the others may answer 401."""
+    if open_path:
+        return {"get": {"summary": summary, "security": [], "responses": responses}}
+    return {"get": {"summary": summary, "responses": {**responses, **_UNAUTHORIZED}}}
+
+
+def _paths() -> dict[str, Any]:
+    return {
+        "/v1/completions": _generate("Create a completion", p.CompletionRequest, p.CompletionResponse,
+                                     p.CompletionStreamResponse),
+        "/v1/chat/completions": _generate("Create a chat completion", cp.ChatCompletionRequest,
+                                          cp.ChatCompletionResponse, cp.ChatCompletionChunk),
+        "/tokenize": _post("Tokenize a prompt, or chat messages through the chat template",
+                           {"anyOf": [_ref(TokenizeCompletionRequest), _ref(TokenizeChatRequest)]},
+                           {"200": _json(TokenizeResponse, "the token ids"), **_INVALID}),
+        "/detokenize": _post("Token ids back to text", _ref(DetokenizeRequest),
+                             {"200": _json(DetokenizeResponse, "the text"), **_INVALID}),
+        "/v1/models": _get("List the served model", {"200": _json(p.ModelList, "the model")}),
+        "/v1/status": _get("Engine statistics", {"200": _json(s.StatusResponse, "a snapshot")}),
+        "/health": _get("Liveness", {"200": _json(s.HealthResponse, "the engine runs"),
+                                     "503": _json(s.HealthResponse, "the engine stopped, or its loop hangs")},
+                        open_path=True),
+        "/ready": _get("Readiness", {"200": _json(s.ReadyResponse, "loaded, the inference probe passes, not draining"),
+                                     "503": _json(s.ReadyResponse, "loading, draining, or the inference probe fails")},
+                       open_path=True),
+        "/metrics": _get("Prometheus metrics", {"200": {"description": "the text exposition format",
+                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}},
+                         open_path=True),
+        "/openapi.json": _get("This document", {"200": {"description": "OpenAPI 3.1", "content": {
+            "application/json": {"schema": {"type": "object"}}}}}),
+    }
 
 
 @functools.cache
@@ -191,21 +261,7 @@ def openapi_document() -> dict[str, Any]:
         "openapi": "3.1.0",
         "info": {"title": "inferd", "version": __version__,
                  "description": "An OpenAI-compatible LLM inference server."},
-        "paths": {
-            "/v1/completions": _generate("Create a completion", p.CompletionRequest, p.CompletionResponse,
-                                         p.CompletionStreamResponse),
-            "/v1/chat/completions": _generate("Create a chat completion", p.ChatCompletionRequest,
-                                              p.ChatCompletionResponse, p.ChatCompletionChunk),
-            "/v1/models": {"get": {"summary": "List the served model", "responses": {"200": _json(p.ModelList, "the model")}}},
-            "/v1/status": {"get": {"summary": "Engine statistics",
-                                   "responses": {"200": _json(p.StatusResponse, "a snapshot")}}},
-            "/health": {"get": {"summary": "Liveness", "responses": {
-                "200": _json(p.HealthResponse, "the engine runs"),
-                "503": _json(p.HealthResponse, "the engine stopped, or its loop hangs")}}},
-            "/ready": {"get": {"summary": "Readiness", "responses": {
-                "200": _json(p.ReadyResponse, "loaded, the inference probe passes, not draining"),
-                "503": _json(p.ReadyResponse, "loading, draining, or the inference probe fails")}}},
-        },
+        "paths": _paths(),
         "components": {
             "schemas": schema.get("$defs", {}),
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},

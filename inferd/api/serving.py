@@ -29,10 +29,11 @@ from inferd.api.logs import RECORD, RequestRecord
 from inferd.api.protocol import SamplingFields, Usage
 from inferd.api.sse import EventStream, OutputQueue, dumps
 from inferd.api.state import DOOR, ENGINE, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS
+from inferd.api.structured import check_logit_bias, request_constraints
 from inferd.config import Settings
 from inferd.engine.async_engine import RequestStream
 from inferd.engine.policy import PriorityClass, Timeouts
-from inferd.engine.protocol import EngineOutput, TokenLogprob
+from inferd.engine.protocol import EngineOutput, LogitsConstraint, TokenLogprob
 from inferd.model.sampling_params import SamplingParams
 from inferd.model.tokenizer import Tokenizer
 
@@ -108,16 +109,35 @@ def _reject_constant(name: str) -> None:
     raise ValueError(f"invalid JSON: {name} is not a number")
 
 
+MAX_JSON_DEPTH = 64  # nested arrays and objects in a request body
+
+
 async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object (NaN / Infinity refused); errors become 400s in errors.py."""
+    """The body as a JSON object (NaN / Infinity refused, nesting bounded); errors become 400s."""
     body = await request.read()
     try:
         data = json.loads(body, parse_constant=_reject_constant)
+    except RecursionError:  # deeper than the parser's own stack allows
+        raise bad_request(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
     except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the constants above
         raise bad_request(f"invalid JSON in the request body: {e}") from None
     if not isinstance(data, dict):
         raise bad_request("the request body must be a JSON object")
+    if _depth_exceeds(data, MAX_JSON_DEPTH):
+        raise bad_request(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
     return data
+
+
+def _depth_exceeds(data: Any, limit: int) -> bool:
+    """Whether arrays and objects nest deeper than `limit` (iteratively: no recursion to overflow)."""
+    level = [data]
+    for _ in range(limit):
+        level = [child for node in level
+                 for child in (node.values() if isinstance(node, dict) else node if isinstance(node, list) else ())
+                 if isinstance(child, dict | list)]
+        if not level:
+            return False
+    return True
 
 
 def check_model(served: str, name: str) -> None:
@@ -160,6 +180,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, logprobs: int | None)
             max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0),
             min_p=body.min_p, presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
             seed=body.seed, logprobs=logprobs, stop=body.stop_strings, ignore_eos=body.ignore_eos,
+            logit_bias=body.token_bias,
         )
     except ValueError as e:  # the protocol's ranges should have caught it; still the client's
         raise bad_request(str(e)) from None
@@ -205,9 +226,12 @@ async def generate(request: web.Request, body: SamplingFields, fmt: ResponseForm
                   for p in prompts]
     # NOTE: explicit or default, max_tokens is the same for every prompt once it fits them all
     params = sampling_params(body, max_tokens[0], fmt.logprobs(body))
+    check_logit_bias(body, door.limits.vocab_size)
+    constraints = await request_constraints(door.grammars, body, len(prompts))
     record = request_record(request, body.user, lambda: fmt.prompt_text(tokenizer, body, prompts))
     token_text = app[TOKEN_TEXTS]
-    with Generation(door, prompts, params, body.n, cls, request_timeouts(body), fmt.id_prefix, record) as gen:
+    with Generation(door, prompts, params, body.n, cls, request_timeouts(body), fmt.id_prefix, record,
+                    constraints) as gen:
         if not body.stream:
             results = await gen.gather(request)
             if results is None:
@@ -236,8 +260,10 @@ class Generation:
     """
 
     def __init__(self, door: FrontDoor, prompts: Sequence[list[int]], params: SamplingParams, n: int,
-                 cls: PriorityClass, timeouts: Timeouts, id_prefix: str, record: RequestRecord | None = None) -> None:
+                 cls: PriorityClass, timeouts: Timeouts, id_prefix: str, record: RequestRecord | None = None,
+                 constraints: Sequence[LogitsConstraint] | None = None) -> None:
         self.door = door
+        self.constraints = constraints  # one per prompt, for a structured output
         self.prompts = prompts
         self.params = params
         self.n = n
@@ -263,7 +289,8 @@ class Generation:
         if self.record is not None:
             self.record.priority_class = self.cls.name
             self.record.prompt_tokens = self.prompt_tokens
-        self.streams = self.door.submit(self.prompts, self.params, self.n, self.cls, self.timeouts)
+        self.streams = self.door.submit(self.prompts, self.params, self.n, self.cls, self.timeouts,
+                                        constraints=self.constraints)
         return self
 
     def __exit__(self, *exc: object) -> None:

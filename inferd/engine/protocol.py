@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from inferd.engine.accounting import ClassSnapshot, Histogram, RequestSnapshot
 from inferd.engine.policy import PriorityClass, SchedulingPolicy, Timeouts
@@ -26,12 +26,14 @@ from inferd.model.sampling_params import SamplingParams
 
 class LogitsConstraint(Protocol):
     """A per-choice constraint on the next token (a grammar, a tool-call schema), called by the
-    engine thread. `allowed` returns the token ids the choice may sample next (None: any); the
-    sampler masks the rest, for greedy and sampled rows alike. `accept` advances it with the
-    token sampled. `fork` gives an independent copy (made before any token) for each further
-    choice of an n > 1 group. A preemption keeps the sampled tokens, so it keeps the state too."""
+    engine thread. `fill_mask` writes the tokens the choice may sample next into a bitmask
+    (numpy int32 [ceil(V/32)], bit i of word i // 32 set = token i allowed), filled while the
+    model runs; the sampler masks the rest, for greedy and sampled rows alike. `accept` advances
+    it with the token sampled (raising fails that choice alone). `fork` gives an independent copy
+    (made before any token) for each further choice of an n > 1 group. A preemption keeps the
+    sampled tokens, so it keeps the state too. inferd/engine/grammar.py has the grammar one."""
 
-    def allowed(self) -> Sequence[int] | None: ...
+    def fill_mask(self, mask: Any) -> None: ...
 
     def accept(self, token_id: int) -> None: ...
 

@@ -8,6 +8,7 @@ import torch
 
 from inferd.engine.cuda_graphs import DecodeGraphs
 from inferd.engine.kv_cache import KVCache
+from inferd.engine.masks import MaskFiller
 from inferd.engine.request import Request
 from inferd.engine.scheduler import ScheduledChunk, SchedulerOutput
 from inferd.model.llama import LlamaModel, StepAttention
@@ -47,6 +48,7 @@ class ModelRunner:
         self.device = model.device
         self.graphs = graphs  # CUDA graphs for decode-only steps, if captured
         self._generators: dict[int, torch.Generator] = {}  # per seeded request, advanced every step
+        self.masks = MaskFiller(model.cfg.vocab_size)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         self.apply_block_ops(out)
@@ -62,11 +64,6 @@ class ModelRunner:
     def run(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> StepResult:
         """Forward these chunks and sample a token for each that ends its prompt or decodes."""
         chunks = prefills + decodes
-        if self.graphs is not None and not prefills and self.graphs.covers(decodes):
-            logits = self.graphs.run(decodes)
-        else:
-            input_ids, positions, attn, logits_indices = self._prepare(prefills, decodes)
-            logits = self.model.forward(input_ids, positions, self.kv_cache.layers, attn, logits_indices)
         # one row per sampling request, plus one per fork (n > 1) that starts from the same logits
         rows: list[Request] = []
         logit_rows: list[int] = []
@@ -74,36 +71,28 @@ class ModelRunner:
             for request in (chunk.request, *chunk.request.forks_pending):
                 rows.append(request)
                 logit_rows.append(i)
+        # the grammar masks are computed while the model runs; never left running past this call
+        pending = self.masks.start([r.constraint for r in rows])
+        try:
+            logits = self._forward(prefills, decodes)
+        finally:
+            masks, failed_rows = pending.result() if pending is not None else (None, {})
         if len(logit_rows) != logits.shape[0]:
             logits = logits[logit_rows]
-        allowed, failed = self._allowed(rows)
         sampled = self.sampler(
             logits,
             [r.params for r in rows],
             [r.output_ids for r in rows],
             [self._generator(r) for r in rows],
-            allowed,
+            None if masks is None else torch.from_numpy(masks).to(self.device, non_blocking=True),
         )
-        return StepResult([r.seq_id for r in rows], sampled, failed)
+        return StepResult([r.seq_id for r in rows], sampled, {rows[i].seq_id: e for i, e in failed_rows.items()})
 
-    @staticmethod
-    def _allowed(rows: list[Request]) -> tuple[list[list[int] | None] | None, dict[int, Exception]]:
-        """Each row's permitted next tokens (None: no row is constrained), and the rows whose
-        constraint raised (they fail alone; their row samples unconstrained meanwhile)."""
-        if all(r.constraint is None for r in rows):
-            return None, {}
-        allowed: list[list[int] | None] = []
-        failed: dict[int, Exception] = {}
-        for r in rows:
-            try:
-                ids = None if r.constraint is None else r.constraint.allowed()
-                if ids is not None and not len(ids):
-                    raise ValueError("the logits constraint allows no next token")
-                allowed.append(ids if ids is None else list(ids))
-            except Exception as e:  # noqa: BLE001 - a constraint is per-request code: its failure is that request's
-                failed[r.seq_id] = e
-                allowed.append(None)
-        return allowed, failed
+    def _forward(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> torch.Tensor:
+        if self.graphs is not None and not prefills and self.graphs.covers(decodes):
+            return self.graphs.run(decodes)
+        input_ids, positions, attn, logits_indices = self._prepare(prefills, decodes)
+        return self.model.forward(input_ids, positions, self.kv_cache.layers, attn, logits_indices)
 
     def release(self, seq_id: int) -> None:
         """Forget a finished request's sampling state."""

@@ -93,20 +93,15 @@ def apply_min_p(
     return logits.masked_fill(probs < threshold, float("-inf"))
 
 
-def apply_allowed(
+def apply_token_mask(
     logits: torch.Tensor,  # [B, V] float32
-    allowed: Sequence[Sequence[int] | None],  # [B]
-) -> torch.Tensor:  # [B, V] float32, a copy
-    """-inf for every token a constrained row may not take next (a grammar's mask), before
-    greedy and sampled choices alike."""
-    masked = logits.clone()
-    for row, ids in enumerate(allowed):
-        if ids is None:
-            continue
-        keep = masked[row, device_tensor(list(ids), torch.int64, logits.device)]
-        masked[row] = float("-inf")
-        masked[row, device_tensor(list(ids), torch.int64, logits.device)] = keep
-    return masked
+    mask: torch.Tensor,  # [B, W] int32, W = ceil(V / 32): bit i of word i // 32 set = token i allowed
+) -> torch.Tensor:  # [B, V] float32
+    """-inf for every token a row may not take next (a grammar's mask; an unconstrained row's is
+    all ones), before greedy and sampled choices alike."""
+    shifts = torch.arange(32, dtype=torch.int32, device=mask.device)  # [32]
+    allowed = ((mask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[1]]  # [B, 32 W] -> [B, V]
+    return logits.masked_fill(allowed == 0, float("-inf"))
 
 
 class Sampler:
@@ -118,12 +113,12 @@ class Sampler:
         params: Sequence[SamplingParams],  # [B]
         output_token_ids: Sequence[Sequence[int]],  # [B][n_row] generated so far, for penalties
         generators: Sequence[torch.Generator | None],  # [B], None: unseeded row
-        allowed: Sequence[Sequence[int] | None] | None = None,  # [B]: a row's permitted next tokens; None: any
+        mask: torch.Tensor | None = None,  # [B, ceil(V / 32)] int32 bits of the allowed tokens; None: any
     ) -> SamplerOutput:
         raw = logits.float()  # [B, V]
         processed = self.process(raw, params, output_token_ids)  # [B, V]
-        if allowed is not None and any(a is not None for a in allowed):
-            processed = apply_allowed(processed, allowed)
+        if mask is not None:
+            processed = apply_token_mask(processed, mask)
         token_ids = self._sample(processed, params, generators)  # [B] long
         return self._output(raw, params, token_ids)
 
@@ -133,13 +128,21 @@ class Sampler:
         params: Sequence[SamplingParams],
         output_token_ids: Sequence[Sequence[int]],
     ) -> torch.Tensor:  # [B, V] float32
-        """Penalties only: what greedy rows take the argmax of (also a test hook)."""
-        if not any(p.has_penalties for p in params):
+        """Penalties and logit biases: what greedy rows take the argmax of (also a test hook)."""
+        if not any(p.adjusts_logits for p in params):
             return logits
         dev = logits.device
-        presence = device_tensor([p.presence_penalty for p in params], torch.float32, dev)  # [B]
-        frequency = device_tensor([p.frequency_penalty for p in params], torch.float32, dev)  # [B]
-        return apply_penalties(logits, presence, frequency, output_token_ids)
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            presence = device_tensor([p.presence_penalty for p in params], torch.float32, dev)  # [B]
+            frequency = device_tensor([p.frequency_penalty for p in params], torch.float32, dev)  # [B]
+            logits = apply_penalties(logits, presence, frequency, output_token_ids)
+        if any(p.logit_bias for p in params):
+            rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
+            tokens = [t for p in params for t, _ in p.logit_bias]
+            bias = [b for p in params for _, b in p.logit_bias]
+            logits = logits.index_put((device_tensor(rows, torch.int64, dev), device_tensor(tokens, torch.int64, dev)),
+                                      device_tensor(bias, torch.float32, dev), accumulate=True)
+        return logits
 
     def filter(
         self,

@@ -22,6 +22,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), OpenAI's
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -45,5 +46,5 @@ class SamplingParams:
         return self.temperature == 0
 
     @property
-    def has_penalties(self) -> bool:
-        return self.presence_penalty != 0 or self.frequency_penalty != 0
+    def adjusts_logits(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or bool(self.logit_bias)

@@ -83,9 +83,69 @@ async def test_invalid_field(server: Server, path: str, change: dict, param: str
     assert_error(status, error, 400, param=param)
 
 
-async def test_unknown_fields_are_ignored(server: Server) -> None:
-    status, body = await server.post(CHAT, {**CHAT_BODY, "parallel_tool_calls": False, "metadata": {"a": 1}})
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(
+    ("path", "change", "param"),
+    [
+        (CHAT, {"frobnicate": 1}, "frobnicate"),
+        (COMPLETIONS, {"frobnicate": 1}, "frobnicate"),
+        (CHAT, {"messages": [{"role": "user", "content": "Hi", "mood": "happy"}]}, "messages.0.mood"),
+        (CHAT, {"stream_options": {"include_usage": True, "chunk_size": 3}}, "stream_options.chunk_size"),
+        (COMPLETIONS, {"best_of": 3}, "best_of"),
+        (CHAT, {"logit_bias": {"99999999": 1}}, "logit_bias"),
+        (COMPLETIONS, {"logit_bias": {"5": 101}}, "logit_bias.5"),
+        (CHAT, {"logit_bias": {"a": 1}}, "logit_bias"),
+        (CHAT, {"metadata": {"a": "b"}}, "metadata"),
+        (CHAT, {"store": True}, "store"),
+        (CHAT, {"audio": {"voice": "alloy"}}, "audio"),
+        (CHAT, {"functions": [{"name": "f"}]}, "functions"),
+        (CHAT, {"reasoning_effort": "high"}, "reasoning_effort"),
+        (CHAT, {"service_tier": "flex"}, "service_tier"),
+        (CHAT, {"modalities": ["text", "audio"]}, "modalities.1"),
+        (CHAT, {"tool_choice": "required"}, "tool_choice"),
+        (CHAT, {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+        (CHAT, {"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools.0.function.name"),
+        (CHAT, {"response_format": {"type": "xml"}}, "response_format"),
+        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
+         "response_format"),
+        (COMPLETIONS, {"response_format": {"type": "regex", "regex": "(a"}}, "response_format"),
+        (CHAT, {"response_format": {"type": "grammar", "grammar": "start: nowhere"}}, "response_format"),
+        (CHAT, {"response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "strict": True, "schema": {"type": "object", "propertyNames": {"maxLength": 3}}}}},
+         "response_format"),
+        (CHAT, {"response_format": {"type": "json_object"}, "tools": [TOOL]}, "response_format"),
+        (CHAT, {"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and not v.startswith("/") else None,
+)
+async def test_no_field_is_silently_ignored(server: Server, path: str, change: dict, param: str) -> None:
+    body = {**(PROMPT if path == COMPLETIONS else CHAT_BODY), **change}
+    status, error = await server.post(path, body)
+    assert_error(status, error, 400, param=param)
+
+
+async def test_openai_fields_that_ask_for_nothing_are_accepted(server: Server) -> None:
+    # what the openai client sends when a caller passes defaults, or echoes a reply back
+    reply = {"role": "assistant", "content": "Hello!", "refusal": None, "audio": None, "function_call": None,
+             "annotations": None, "tool_calls": None}
+    status, body = await server.post(CHAT, {**CHAT_BODY, "parallel_tool_calls": False, "store": False,
+                                            "service_tier": "auto", "modalities": ["text"], "metadata": None,
+                                            "messages": [CHAT_BODY["messages"][0], reply, CHAT_BODY["messages"][0]]})
     assert status == 200, body
+    status, body = await server.post(COMPLETIONS, {**PROMPT, "best_of": 1})
+    assert status == 200, body
+
+
+@pytest.mark.parametrize("depth", [65, 100_000])
+async def test_a_body_nested_too_deep_is_a_400(server: Server, depth: int) -> None:
+    nested = "[" * depth + "]" * depth
+    data = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Hi"}}], "x": {nested}}}'
+    async with server.session.post(CHAT, data=data.encode(), headers={"Content-Type": "application/json"}) as r:
+        body = await r.json()
+    assert_error(r.status, body, 400)
+    assert "nested" in body["error"]["message"]
 
 
 async def test_unknown_model_is_404(server: Server) -> None:

@@ -3,6 +3,7 @@ preemption and memory reclamation."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,11 +190,16 @@ class ForcedTokens:
     def __init__(self, tokens: list[int], eos: int) -> None:
         self.tokens, self.eos, self.position = tokens, eos, 0
 
-    def allowed(self) -> list[int]:
-        return [self.tokens[self.position]] if self.position < len(self.tokens) else [self.eos]
+    def next_token(self) -> int:
+        return self.tokens[self.position] if self.position < len(self.tokens) else self.eos
+
+    def fill_mask(self, mask: np.ndarray) -> None:
+        token = self.next_token()
+        mask[:] = 0
+        mask[token // 32] = np.uint32(1 << (token % 32)).view(np.int32)
 
     def accept(self, token_id: int) -> None:
-        assert token_id in self.allowed(), (token_id, self.allowed())
+        assert token_id == self.next_token(), (token_id, self.next_token())
         self.position += 1
 
     def fork(self) -> ForcedTokens:

@@ -114,6 +114,50 @@ def test_float32_alone_and_batched_match_transformers_with_graphs_and_eagerly(ti
     assert_pool_whole(eager)
 
 
+class ForcedTokens:
+    """A LogitsConstraint that allows exactly one next token (so the mask decides every token)."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.position = tokens, 0
+
+    def fill_mask(self, mask) -> None:  # noqa: ANN001 - a numpy int32 row
+        import numpy as np
+
+        token = self.tokens[self.position]
+        mask[:] = 0
+        mask[token // 32] = np.uint32(1 << (token % 32)).view(np.int32)
+
+    def accept(self, token_id: int) -> None:
+        assert token_id == self.tokens[self.position]
+        self.position += 1
+
+    def fork(self) -> ForcedTokens:
+        return ForcedTokens(self.tokens)
+
+
+def test_a_constraint_binds_rows_replayed_from_cuda_graphs(tiny) -> None:
+    from inferd.engine.protocol import EngineRequest
+    from inferd.model.sampling_params import SamplingParams
+
+    folder, _, tm = tiny
+    engine = engine_on_cuda(folder, "float32")
+    prompts = prompts_for(engine, tm)
+    free = [c.token_ids for c in greedy(engine, prompts)]
+    forced = [list(reversed(tokens)) for tokens in free]  # anything but what the model would say
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, seed=5, ignore_eos=True)]
+    for i, (ids, tokens) in enumerate(zip(prompts, forced)):
+        engine.add_request(EngineRequest(100 + i, ids, params[i % 2], "interactive", constraint=ForcedTokens(tokens)))
+    engine.add_request(EngineRequest(99, prompts[0], params[0], "interactive"))  # a free row beside them
+    got: dict[int, list[int]] = {}
+    while engine.has_work():
+        for out in engine.step().outputs:
+            got[out.group_id] = got.get(out.group_id, []) + out.new_token_ids
+    assert [got[100 + i] for i in range(len(prompts))] == forced
+    assert got[99] == free[0]
+    assert_pool_whole(engine)
+
+
 def test_float16_is_close_to_the_float32_reference(tiny) -> None:
     folder, model, tm = tiny
     engine = engine_on_cuda(folder, "float16")

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from inferd.model.sampler import Sampler
+from inferd.model.sampler import Sampler, apply_token_mask
 from inferd.model.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
@@ -223,15 +224,29 @@ def test_logprobs_are_raw_log_softmax_topk_descending() -> None:
     assert math.isclose(out.top_logprobs[2][0][1], ref[2].max().item(), abs_tol=1e-5)
 
 
-def test_allowed_tokens_mask_greedy_and_sampled_rows_alike() -> None:
+def test_a_token_mask_binds_greedy_and_sampled_rows_alike() -> None:
     logits = torch.randn(3, 50)
     before = logits.clone()
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0)]
     generators = [None, torch.Generator().manual_seed(1), None]
-    allowed = [[7, 9], [3], None]
+    mask = torch.zeros(3, 2, dtype=torch.int32)  # [B, ceil(50 / 32)]
+    mask[0, 0] = (1 << 7) | (1 << 9)
+    mask[1, 0] = 1 << 3
+    mask[2] = -1  # an unconstrained row: every bit set
     for _ in range(20):
-        out = Sampler()(logits, params, [[], [], []], generators, allowed)
+        out = Sampler()(logits, params, [[], [], []], generators, mask)
         assert out.token_ids[0] == (7 if logits[0, 7] > logits[0, 9] else 9)
         assert out.token_ids[1] == 3
         assert out.token_ids[2] == int(logits[2].argmax())  # an unconstrained row is untouched
     assert torch.equal(logits, before)  # the caller's logits are not modified
+
+
+def test_the_token_mask_reads_every_bit_of_every_word() -> None:
+    V = 70  # three words, the last one partial
+    wanted = [0, 31, 32, 63, 64, 69]
+    mask = torch.zeros(len(wanted), 3, dtype=torch.int32)
+    for row, token in enumerate(wanted):
+        mask[row, token // 32] = int(np.uint32(1 << (token % 32)).view(np.int32))  # bit 31: the sign bit
+    masked = apply_token_mask(torch.zeros(len(wanted), V), mask)
+    for row, token in enumerate(wanted):
+        assert torch.isfinite(masked[row]).nonzero().flatten().tolist() == [token]

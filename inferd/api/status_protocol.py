@@ -1,0 +1,113 @@
+"""inferd's own replies, beside the OpenAI protocol (protocol.py): liveness, readiness, and the
+engine's status. They document the API (GET /openapi.json) and build the replies of routes.py."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict, Field
+
+from inferd.api.protocol import ResponseModel
+
+
+class HealthResponse(ResponseModel):
+    status: Literal["ok", "unavailable"]
+
+
+class ReadyResponse(ResponseModel):
+    status: Literal["loading", "ready", "draining", "not_ready"]
+    reason: str | None = None  # why the inference probe failed
+
+
+class ClassLimits(ResponseModel):
+    max_waiting: int
+    max_queued_tokens: int
+    ttft_target: float
+    tpot_target: float
+    queue_timeout: float | None
+    ttft_timeout: float | None
+    token_timeout: float | None
+    total_timeout: float | None
+    max_tokens: int
+    kv_reserve: float
+    sheddable: bool
+
+
+class ClassStatus(ResponseModel):
+    name: str
+    priority: int
+    limits: ClassLimits
+    waiting: int
+    queued_tokens: int
+    oldest_wait_seconds: float
+    running: int
+    kv_blocks_used: int
+    queued_token_seconds: float
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generation_tokens: int
+    ttft_p50_seconds: float | None
+    ttft_p95_seconds: float | None
+    tpot_p50_seconds: float | None
+    queue_time_p95_seconds: float | None
+    finished: dict[str, int]
+    preemptions: dict[str, int]
+    timeouts: dict[str, int]
+    rejections: dict[str, int]
+    deadline_misses: dict[str, int]
+
+
+class RequestStatus(ResponseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    id: int
+    index: int  # the choice, for n > 1
+    class_: str = Field(alias="class")
+    state: Literal["running", "waiting", "swapped"]
+    age_seconds: float
+    prompt_tokens: int
+    output_tokens: int
+    ttft_seconds: float | None
+
+
+class Throughput(ResponseModel):
+    generation_tokens_per_second: float  # over the last 10 s
+    prompt_tokens_per_second: float
+    history: list[float]  # generation tokens in each of the last 60 s, oldest first
+
+
+class DeviceMemory(ResponseModel):
+    used_bytes: int
+    total_bytes: int
+
+
+class StatusResponse(ResponseModel):
+    model: str
+    dtype: str
+    device: str
+    version: str
+    uptime_seconds: float
+    state: Literal["loading", "ready", "draining", "not_ready"]
+    max_model_len: int
+    kv_blocks_total: int
+    kv_blocks_used: int  # held by requests
+    kv_blocks_cached: int  # prefix-cache blocks no request holds (evictable)
+    running: int
+    waiting: int
+    steps: int
+    preemptions: dict[str, int]  # by mode
+    timeouts: dict[str, int]  # by kind
+    rejections: dict[str, int]  # by reason
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found
+    shed_level: int
+    shed_actions: dict[str, int]  # load shedder transitions: "escalate", "recover", "level:N"
+    kv_usage_ratio: float
+    throughput: Throughput
+    device_memory: DeviceMemory | None  # CUDA only
+    engine_healthy: bool = True  # false after failed steps in a row, until it recovers
+    step_failures: dict[str, int] = {}  # by kind: forward, request, oom
+    oom_events_last_minute: int = 0
+    token_budget: int = 0  # tokens per step now (halved after an out-of-memory step)
+    classes: list[ClassStatus]
+    requests: list[RequestStatus]  # running first, at most 100
