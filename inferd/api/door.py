@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 from inferd.api.admission import Admission, AdmissionError
@@ -31,6 +32,7 @@ class FrontDoor:
         self.policy = engine.limits.policy
         self.admission = Admission(self.policy.classes)
         self.grammars = GrammarCompiler(engine.tokenizer, engine.limits.vocab_size)
+        self.grammar_requests: Counter[str] = Counter()  # structured outputs by kind (api/structured.py)
         engine.prefill_listener = self.admission.record_prefill
 
     # ------------------------------------------------------------------------------ checks

@@ -29,6 +29,7 @@ from prometheus_client.registry import Collector
 from inferd.api.admission import REASONS
 from inferd.api.door import FrontDoor
 from inferd.api.state import DOOR, ENGINE, STATE, ServerState
+from inferd.api.structured import GRAMMAR_KINDS
 from inferd.engine.accounting import ClassSnapshot, Histogram
 from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.health import FAILURE_KINDS
@@ -182,6 +183,9 @@ class EngineCollector(Collector):
                           stats.timeouts)
         yield _counter_by("inferd_rejections", "Requests refused at the door, by why.", "reason", REASONS,
                           self.door.rejections())
+        yield _counter_by("inferd_structured_requests", "Requests held to a grammar, by where it came from "
+                          "(response_format's type, or forced tool calls); invalid: refused, it did not compile.",
+                          "kind", GRAMMAR_KINDS, self.door.grammar_requests)
         yield GaugeMetricFamily("inferd_shed_level", "Load shedding level (0 normal .. 3).", value=stats.shed_level)
         yield from _fault_metrics(stats)
         yield CounterMetricFamily("inferd_drain_cut_requests", "Requests still running when a drain ended.",

@@ -227,7 +227,7 @@ async def generate(request: web.Request, body: SamplingFields, fmt: ResponseForm
     # NOTE: explicit or default, max_tokens is the same for every prompt once it fits them all
     params = sampling_params(body, max_tokens[0], fmt.logprobs(body))
     check_logit_bias(body, door.limits.vocab_size)
-    constraints = await request_constraints(door.grammars, body, len(prompts))
+    constraints = await request_constraints(door, body, len(prompts))
     record = request_record(request, body.user, lambda: fmt.prompt_text(tokenizer, body, prompts))
     token_text = app[TOKEN_TEXTS]
     with Generation(door, prompts, params, body.n, cls, request_timeouts(body), fmt.id_prefix, record,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from inferd.api.errors import bad_request
+from inferd.api.door import FrontDoor
+from inferd.api.errors import APIError, bad_request
 from inferd.api.chat_protocol import ChatCompletionRequest, NamedToolChoice
 from inferd.api.protocol import (
     ChoiceFormat,
@@ -25,7 +26,6 @@ from inferd.api.protocol import (
 )
 from inferd.api.tools import tool_call_grammar
 from inferd.engine.grammar import (
-    GrammarCompiler,
     GrammarError,
     choice_grammar,
     json_object_grammar,
@@ -36,10 +36,12 @@ from inferd.engine.grammar import (
 from inferd.engine.protocol import LogitsConstraint
 
 MAX_GRAMMAR_CHARS = 64 * 1024  # a larger schema or grammar is refused before it is compiled
+# where a request's grammar came from (/metrics counts them; "invalid": it was refused)
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools", "invalid")
 
 
-def grammar_text(body: SamplingFields) -> tuple[str, str] | None:
-    """The request's grammar and the field it came from, or None for free text."""
+def grammar_text(body: SamplingFields) -> tuple[str, str, str] | None:
+    """The request's grammar, the field it came from and its kind, or None for free text."""
     fmt = body.response_format
     tools = isinstance(body, ChatCompletionRequest) and body.calls_tools
     if tools and fmt is not None and fmt.type != "text":
@@ -50,39 +52,45 @@ def grammar_text(body: SamplingFields) -> tuple[str, str] | None:
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         specs = [t.model_dump(exclude_none=True) for t in body.tools or []]  # type: ignore[union-attr]
         parallel = body.parallel_tool_calls is not False  # type: ignore[union-attr]
-        return tool_call_grammar(specs, name, parallel), "tools"
+        return tool_call_grammar(specs, name, parallel), "tools", "tools"
     if isinstance(fmt, JSONObjectFormat):
-        return json_object_grammar(), "response_format"
-    if isinstance(fmt, JSONSchemaFormat):
-        return json_schema_grammar(fmt.json_schema.schema_, strict=bool(fmt.json_schema.strict)), "response_format"
-    if isinstance(fmt, RegexFormat):
-        return regex_grammar(fmt.regex), "response_format"
-    if isinstance(fmt, ChoiceFormat):
-        return choice_grammar(fmt.choice), "response_format"
-    if isinstance(fmt, GrammarFormat):
-        return lark_grammar(fmt.grammar), "response_format"
-    return None
+        grammar = json_object_grammar()
+    elif isinstance(fmt, JSONSchemaFormat):
+        grammar = json_schema_grammar(fmt.json_schema.schema_, strict=bool(fmt.json_schema.strict))
+    elif isinstance(fmt, RegexFormat):
+        grammar = regex_grammar(fmt.regex)
+    elif isinstance(fmt, ChoiceFormat):
+        grammar = choice_grammar(fmt.choice)
+    elif isinstance(fmt, GrammarFormat):
+        grammar = lark_grammar(fmt.grammar)
+    else:
+        return None
+    return grammar, "response_format", fmt.type
 
 
-async def request_constraints(compiler: GrammarCompiler, body: SamplingFields, prompts: int) -> list[Any] | None:
+async def request_constraints(door: FrontDoor, body: SamplingFields, prompts: int) -> list[Any] | None:
     """One fresh constraint per prompt, or None when the request is free text; a 400 naming the
     field for a grammar that does not compile or cannot hold with the other fields."""
+    param = "tools" if isinstance(body, ChatCompletionRequest) and body.calls_tools else "response_format"
     try:
         found = grammar_text(body)
+        if found is None:
+            return None
+        grammar, param, kind = found
+        if body.ignore_eos:
+            raise bad_request(f"ignore_eos cannot be combined with {param}: the grammar ends the answer",
+                              param="ignore_eos")
+        if len(grammar) > MAX_GRAMMAR_CHARS:
+            raise bad_request(f"the {param} grammar is too large ({len(grammar)} characters; at most "
+                              f"{MAX_GRAMMAR_CHARS})", param=param, code="invalid_grammar")
+        first: LogitsConstraint = await asyncio.to_thread(door.grammars.compile, grammar)
     except GrammarError as e:
-        raise bad_request(str(e), param="response_format", code="invalid_grammar") from None
-    if found is None:
-        return None
-    grammar, param = found
-    if body.ignore_eos:
-        raise bad_request(f"ignore_eos cannot be combined with {param}: the grammar ends the answer", param="ignore_eos")
-    if len(grammar) > MAX_GRAMMAR_CHARS:
-        raise bad_request(f"the {param} grammar is too large ({len(grammar)} characters; at most "
-                          f"{MAX_GRAMMAR_CHARS})", param=param, code="invalid_grammar")
-    try:
-        first: LogitsConstraint = await asyncio.to_thread(compiler.compile, grammar)
-    except GrammarError as e:
+        door.grammar_requests["invalid"] += 1
         raise bad_request(f"the {param} cannot be compiled: {e}", param=param, code="invalid_grammar") from None
+    except APIError:
+        door.grammar_requests["invalid"] += 1
+        raise
+    door.grammar_requests[kind] += 1
     return [first] + [first.fork() for _ in range(prompts - 1)]
 
 

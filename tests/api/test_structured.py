@@ -136,6 +136,16 @@ async def test_earlier_calls_and_tool_results_render_into_the_prompt(server: Ser
     assert "<tools>" not in (await server.post("/detokenize", {"model": MODEL, "tokens": reply["tokens"]}))[1]["prompt"]
 
 
+async def test_metrics_count_structured_requests_by_kind(server: Server) -> None:
+    await server.post(CHAT, chat("Hi", response_format=schema_format(CITY), max_tokens=4))
+    await server.post(CHAT, chat("Hi", response_format={"type": "regex", "regex": "(unclosed"}))
+    async with server.session.get("/metrics") as r:
+        text = await r.text()
+    assert 'inferd_structured_requests_total{kind="json_schema"} 1.0' in text
+    assert 'inferd_structured_requests_total{kind="invalid"} 1.0' in text
+    assert 'inferd_structured_requests_total{kind="tools"} 0.0' in text
+
+
 async def test_tool_choice_none_offers_no_tools(server: Server) -> None:
     status, reply = await server.post(CHAT, chat("Weather in Paris?", tools=[WEATHER], tool_choice="none",
                                                  temperature=0, max_tokens=12))
