@@ -41,8 +41,9 @@ def json_schema_grammar(schema: dict[str, Any], *, strict: bool = True) -> str:
 
 
 # OpenAI's json_object mode, bounded: a sampling model (temperature 1) otherwise wanders into
-# keys and strings that never close and is cut by max_tokens. Measured on the default model, 40
-# seeds at temperature 1: every answer closed, in at most ~700 tokens. json_schema has no bounds.
+# keys and strings that never close and is cut by max_tokens (6 of 40 seeds of the default model
+# at 1,000 tokens). With 64-character strings all 40 closed within 691 tokens; with these bounds
+# the 20 seeds of tests/e2e/test_structured_outputs.py close within 1,000. json_schema has none.
 JSON_OBJECT_MEMBERS = 8  # per object or array
 JSON_OBJECT_KEY_CHARS = 32
 JSON_OBJECT_STRING_CHARS = 128
@@ -122,9 +123,6 @@ class GrammarCompiler:
 
     def compile(self, grammar: str) -> GrammarConstraint:
         """A fresh constraint for one choice; GrammarError if the grammar does not compile."""
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, self.lltokenizer)
-        if is_error:
-            raise GrammarError(messages[0] if messages else "the grammar does not compile")
         matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
