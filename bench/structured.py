@@ -1,6 +1,6 @@
 """Structured outputs on the CPU (issue 15): what a grammar costs a decode step.
 
-    .venv/bin/python bench/structured.py             # ~4 min on the 2-core machine
+    .venv/bin/python bench/structured.py             # ~3.5 min on the 2-core machine
     .venv/bin/python bench/structured.py --quick     # a smoke run, ~30 s
 
 One engine (the default model, the serving default dtype), one process, three measurements:
@@ -12,12 +12,14 @@ One engine (the default model, the serving default dtype), one process, three me
    --new-tokens tokens makes the script fail. Decode tokens/s = tokens sampled in steps without
    prefill / those steps' wall time (the whole batch); each cell the median of --repeats runs,
    interleaved (free, grammar, free, grammar, ... with the order swapped every repetition).
-   The step's split: model.forward, the sampler (mask applied inside), the wait for the masks
-   after the forward, and the rest (scheduler, accept, detokenizer); "fill" is the worker
-   thread's time in fill_masks, overlapped with the forward.
+   The step's split, ms per decode step: model.forward, the sampler (and apply_token_mask
+   inside it), the wait for the masks after the forward, `accept` over the rows, and the rest
+   (scheduler, inputs, detokenizer); "fill" is the time in fill_masks, on the worker thread
+   while the forward runs (or on the engine thread before it, in measurement 3).
 2. Mask time per token: one constrained request's tokens replayed through a fresh matcher,
    `GrammarConstraint.fill_mask` timed before each `accept`; and the batched `fill_masks`
-   (llguidance's executor, 2 threads, as MaskFiller) over the 32 rows of a batch-32 run.
+   (llguidance's executor, 2 threads, as MaskFiller) over the 32 rows of a batch-32 run. Both
+   back to back, so warmer than inside the engine, where one fill comes every ~130 ms.
 3. The overlap: the batch-32 constrained run with the masks filled on the engine thread before
    the forward (MaskFiller.start replaced here, in this script only) against the default, which
    fills them on a worker thread while the forward runs.
