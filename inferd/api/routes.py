@@ -4,7 +4,7 @@
     POST /v1/chat/completions  chat.py             GET /v1/status     engine stats snapshot
     POST /tokenize             tokenize.py         GET /health        liveness: the engine loop beats
     POST /detokenize           tokenize.py         GET /ready         readiness: probed, not draining
-    GET  /openapi.json         from protocol.py
+    GET  /openapi.json         from the pydantic models (protocol.py, chat_protocol.py, status_protocol.py)
 """
 
 from __future__ import annotations
