@@ -113,7 +113,8 @@ def serve(
 ) -> None:
     """Serve the OpenAI-compatible API (completions, chat completions, models) over HTTP."""
     from inferd.api.auth import load_api_keys
-    from inferd.config import SettingsError, load_settings
+    from inferd.api.tenants import Keyring
+    from inferd.config import Settings, SettingsError, load_settings
     from inferd.api.server import run_server
     from inferd.engine.async_engine import AsyncEngine
     from inferd.engine.config import EngineConfig
@@ -129,14 +130,24 @@ def serve(
                       "preemption_mode": preemption_mode},
         "runtime": {"threads": threads},
     }
+    settings_file = _settings_file(config)
+
+    def read_keys(settings: Settings) -> frozenset[str]:
+        return load_api_keys(api_key or [], os.environ.get("INFERD_API_KEYS"), settings.server.api_keys_file)
+
+    def reload_keys() -> Keyring:  # SIGHUP: the same files and flags, read again
+        settings = load_settings(settings_file, overrides)
+        return Keyring.build(settings, read_keys(settings))
+
     try:
-        settings = load_settings(_settings_file(config), overrides)
-        api_keys = load_api_keys(api_key or [], os.environ.get("INFERD_API_KEYS"), settings.server.api_keys_file)
+        settings = load_settings(settings_file, overrides)
+        api_keys = read_keys(settings)
     except SettingsError as e:
         _fail(str(e))
     _configure_runtime(settings.runtime.threads, serving=True, log_format=settings.server.log_format)
     try:
-        run_server(settings, api_keys, lambda: AsyncEngine(LLMEngine.from_config(EngineConfig.from_settings(settings))))
+        run_server(settings, api_keys, lambda: AsyncEngine(LLMEngine.from_config(EngineConfig.from_settings(settings))),
+                   reload_keys)
     except (ModelLoadError, ValueError, OSError) as e:
         _fail(str(e))
 

@@ -80,6 +80,9 @@ class SchedulerSettings(_Section):
     default_class: str = SchedulingPolicy().default_class
     aging_seconds: float = Field(default=SchedulingPolicy().aging_seconds, ge=0)
     preemption_mode: Literal["recompute", "swap"] = "recompute"
+    # inside a class: "vtc" serves the backlogged tenant with the fewest tokens served per
+    # weight first; "fcfs" serves by arrival (and deadline) alone
+    fairness: Literal["vtc", "fcfs"] = "vtc"
 
 
 _SHED = ShedConfig()  # the defaults
@@ -150,6 +153,57 @@ class ServerSettings(_Section):
     liveness_seconds: float = Field(default=60.0, gt=0)  # /health fails if the engine has work but no step this long
     log_format: Literal["text", "json"] = "text"
     log_prompts: bool = False  # put prompt text in the request log lines
+    # SHA-256 hex digests of the admin keys: /admin/* needs one of them (as does /v1/status
+    # with status_admin_only); tenant keys never open them
+    admin_key_sha256: tuple[str, ...] = ()
+    status_admin_only: bool = False
+
+    @field_validator("admin_key_sha256")
+    @classmethod
+    def _admin_digests(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return _digests(value)
+
+
+_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
+_TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def _digests(values: tuple[str, ...]) -> tuple[str, ...]:
+    for number, value in enumerate(values):
+        if not _DIGEST.fullmatch(value):
+            # NOTE: the value is not echoed: it may be a key pasted in the clear
+            raise ValueError(f"entry {number} is not a SHA-256 hex digest (64 hex characters; make one with "
+                             "`printf %s KEY | sha256sum`)")
+    return tuple(v.lower() for v in values)
+
+
+class TenantSettings(_Section):
+    """One tenant: its keys (as digests), rate limits, fair-share weight and what it may use."""
+
+    key_sha256: tuple[str, ...] = ()
+    requests_per_second: float | None = Field(default=None, gt=0)
+    requests_burst: int | None = Field(default=None, ge=1)  # default: the rate, rounded up
+    tokens_per_second: float | None = Field(default=None, gt=0)  # prompt + completion tokens
+    tokens_burst: int | None = Field(default=None, ge=1)
+    weight: float = Field(default=1.0, gt=0, le=1000)  # its share inside a class, against the others'
+    classes: tuple[str, ...] | None = None  # the priority classes it may use; None: all
+    default_class: str | None = None  # for its requests that name no priority; None: the server's
+    models: tuple[str, ...] | None = None  # the models (or routes) it may use; None: all
+    tier: str = "default"  # a label routes and degradation rules select on (e.g. free, paid)
+
+    @field_validator("key_sha256")
+    @classmethod
+    def _key_digests(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return _digests(value)
+
+    @model_validator(mode="after")
+    def _bursts_need_rates(self) -> TenantSettings:
+        for kind in ("requests", "tokens"):
+            if getattr(self, f"{kind}_burst") is not None and getattr(self, f"{kind}_per_second") is None:
+                raise ValueError(f"{kind}_burst needs {kind}_per_second")
+        if self.classes is not None and self.default_class is not None and self.default_class not in self.classes:
+            raise ValueError(f"default_class {self.default_class!r} is not one of its classes {list(self.classes)}")
+        return self
 
 
 class LimitSettings(_Section):
@@ -183,6 +237,8 @@ class Settings(_Section):
         default_factory=lambda: {name: ClassSettings(**t) for name, t in _BUILTIN_CLASSES.items()})
     health: HealthSettings = HealthSettings()
     runtime: RuntimeSettings = RuntimeSettings()
+    # [tenants.NAME] tables: who may call, at what rate, with what share (api/tenants.py)
+    tenants: dict[str, TenantSettings] = Field(default_factory=dict)
 
     @field_validator("classes", mode="before")
     @classmethod
@@ -197,7 +253,22 @@ class Settings(_Section):
     @model_validator(mode="after")
     def _valid_policy(self) -> Settings:
         self.policy()  # raises ValueError naming what is wrong (duplicate priority, default_class)
+        self._check_tenants()
         return self
+
+    def _check_tenants(self) -> None:
+        owners: dict[str, str] = {d: "the admin keys" for d in self.server.admin_key_sha256}
+        for name, tenant in self.tenants.items():
+            if not _TENANT_NAME.fullmatch(name):
+                raise ValueError(f"tenant name {name!r}: letters, digits, '_', '.', '-', at most 64")
+            named = [*(tenant.classes or ()), *([tenant.default_class] if tenant.default_class else [])]
+            unknown = [c for c in named if c not in self.classes]
+            if unknown:
+                raise ValueError(f"tenants.{name}: unknown classes {unknown}; the classes are {list(self.classes)}")
+            for d in tenant.key_sha256:
+                if d in owners:
+                    raise ValueError(f"tenants.{name}: one of its keys is also a key of {owners[d]}")
+                owners[d] = f"tenant {name!r}"
 
     def policy(self) -> SchedulingPolicy:
         sched, shed = self.scheduler, self.shedding
@@ -206,6 +277,7 @@ class Settings(_Section):
             default_class=sched.default_class,
             aging_seconds=sched.aging_seconds,
             preemption_mode=sched.preemption_mode,
+            fairness=sched.fairness,
             shedding=ShedConfig(
                 enabled=shed.enabled, margin=shed.margin, window_seconds=shed.window_seconds,
                 min_samples=shed.min_samples, escalate_seconds=shed.escalate_seconds,
@@ -231,7 +303,7 @@ def load_settings(
             raise SettingsError(f"{path}: invalid TOML ({e})") from None
     environ = os.environ if environ is None else environ
     for section, fields in Settings.model_fields.items():
-        if section == "classes":
+        if section in ("classes", "tenants"):
             continue  # tables of tables: the file only
         for key, field in fields.annotation.model_fields.items():  # type: ignore[union-attr]
             value = environ.get(f"INFERD_{section}_{key}".upper())
@@ -256,4 +328,6 @@ def _describe(err: Any) -> str:
         return f"invalid settings: {err['msg']}"
     if err["type"] == "missing":
         return f"missing setting {key}"
+    if "key_sha256" in key:  # NOTE: not echoed: it may be a key pasted in the clear
+        return f"invalid setting {key}: {err['msg']}"
     return f"invalid setting {key} = {err.get('input')!r}: {err['msg']}"

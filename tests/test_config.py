@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from inferd.config import Settings, SettingsError, load_settings, parse_memory
+from inferd.config import Settings, SettingsError, TenantSettings, load_settings, parse_memory
 from inferd.engine.config import EngineConfig
 
 REPO_TOML = Path(__file__).resolve().parents[1] / "inferd.toml"
@@ -16,7 +16,7 @@ def test_repo_inferd_toml_is_valid_and_documents_every_key() -> None:
     settings = load_settings(REPO_TOML)
     text = REPO_TOML.read_text()
     for section, model in settings:
-        if section == "classes":
+        if section in ("classes", "tenants"):
             continue
         assert f"[{section}]" in text
         for key in type(model).model_fields:
@@ -25,6 +25,9 @@ def test_repo_inferd_toml_is_valid_and_documents_every_key() -> None:
         assert f"[classes.{name}]" in text
         for key in type(cls).model_fields:
             assert key in text, f"classes.{name}.{key} is not documented in inferd.toml"
+    assert "# [tenants.acme]" in text and not settings.tenants  # an example, commented out
+    for key in TenantSettings.model_fields:
+        assert f"# {key} = " in text, f"tenants.NAME.{key} is not documented in inferd.toml"
     assert settings.policy() == load_settings(None, environ={}).policy()  # the file shows the defaults
 
 

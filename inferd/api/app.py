@@ -17,20 +17,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from aiohttp import web
 
-from inferd.api.auth import auth_middleware
+from inferd.api.auth import auth_middleware, principal_of
 from inferd.api.errors import error_middleware
 from inferd.api.logs import request_log_middleware
 from inferd.api.metrics import setup_metrics
 from inferd.api.probe import InferenceProbe
 from inferd.api.door import FrontDoor
+from inferd.api.gateway import Gateway
 from inferd.api.logprobs import TokenTexts
 from inferd.api.routes import add_routes
-from inferd.api.state import DOOR, ENGINE, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS, ServerState
+from inferd.api.state import DOOR, ENGINE, GATEWAY, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS, ServerState
+from inferd.api.tenants import Keyring
 from inferd.config import Settings
 from inferd.engine.async_engine import AsyncEngine
 
@@ -50,23 +52,37 @@ def served_name(settings: Settings, model_path: str) -> str:
     return path.stem if path.is_file() else path.name
 
 
-def create_app(engine: AsyncEngine, settings: Settings, api_keys: frozenset[str] = frozenset()) -> web.Application:
+def create_app(engine: AsyncEngine, settings: Settings, api_keys: frozenset[str] = frozenset(),
+               reload_keys: Callable[[], Keyring] | None = None) -> web.Application:
+    """The app over `engine`: tenants and admin keys from `settings`, plain keys as `api_keys`
+    (hex digests); `reload_keys` re-reads them all (SIGHUP, POST /admin/reload)."""
+    gateway = Gateway(Keyring.build(settings, api_keys), engine.limits.policy, reload_keys)
+    server = settings.server
     # outermost first: the request log sees the final status, which the error middleware renders
-    middlewares = [request_log_middleware, error_middleware]
-    if api_keys:
-        middlewares.append(auth_middleware(api_keys, settings.server.open_paths))
+    middlewares = [request_log_middleware, error_middleware,
+                   auth_middleware(lambda: gateway.keyring, server.open_paths, server.status_admin_only)]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[ENGINE] = engine
     app[DOOR] = FrontDoor(engine)
+    app[GATEWAY] = gateway
     app[SETTINGS] = settings
     app[TOKEN_TEXTS] = TokenTexts(engine.tokenizer)
     app[SSE_RESPONSES] = set()
     app[STATE] = ServerState(served_name(settings, engine.limits.model_path))
     add_routes(app)
     setup_metrics(app)
+    app.on_response_prepare.append(_rate_limit_headers)
     app.cleanup_ctx.append(_engine_lifecycle)
     app.on_shutdown.append(_end_streams)
     return app
+
+
+async def _rate_limit_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Every response to a tenant carries its x-ratelimit-* headers, as its buckets stand when
+    the headers go out (after the refund, for a whole reply)."""
+    principal = principal_of(request)
+    if principal.tenant is not None:
+        response.headers.update(request.app[GATEWAY].headers(principal))
 
 
 async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:

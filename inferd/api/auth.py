@@ -1,20 +1,25 @@
 """API keys: stored and compared as SHA-256 digests, never logged.
 
-Keys come from --api-key and INFERD_API_KEYS (in the clear, hashed here) and from
-server.api_keys_file (one hex digest per line, `#` comments). With no keys the server is open.
+Plain keys come from --api-key and INFERD_API_KEYS (in the clear, hashed here) and from
+server.api_keys_file (one hex digest per line, `#` comments); tenants' and admin keys from the
+settings (tenants.py). With no keys at all the server is open.
 """
 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import re
+from collections.abc import Callable
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
 from inferd.api.errors import APIError, Handler
+from inferd.api.logs import RECORD
+from inferd.api.tenants import ANONYMOUS, OPEN, Keyring, Principal
 from inferd.config import SettingsError
+
+PRINCIPAL = web.RequestKey("principal", Principal)
 
 _DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 
@@ -48,29 +53,45 @@ def load_api_keys(cli_keys: list[str], env_value: str | None, keys_file: str | N
     return frozenset(digests)
 
 
-def auth_middleware(digests: frozenset[str], open_paths: tuple[str, ...]) -> Middleware:
-    """Require `Authorization: Bearer KEY` with a known digest on every path but `open_paths`."""
-    stored = tuple(bytes.fromhex(d) for d in digests)
+def auth_middleware(keyring: Callable[[], Keyring], open_paths: tuple[str, ...],
+                    status_admin_only: bool = False) -> Middleware:
+    """Resolve `Authorization: Bearer KEY` to its principal (request[PRINCIPAL]) on every path
+    but `open_paths`: a 401 for a missing or unknown key, a 403 for a path the key may not use
+    (/admin/* and, with `status_admin_only`, /v1/status need an admin key). The keyring is read
+    per request, so a reload takes effect at once."""
     free = frozenset(open_paths)
 
     @web.middleware
     async def check_key(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in free:
             return await handler(request)
+        keys = keyring()
+        if keys.open:
+            request[PRINCIPAL] = OPEN
+            return await handler(request)
         scheme, _, key = request.headers.get("Authorization", "").partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
             raise _unauthorized("missing API key: send `Authorization: Bearer KEY`")
-        given = hashlib.sha256(key.encode()).digest()
-        # compare against every stored digest, always, in constant time each
-        matched = False
-        for d in stored:
-            matched |= hmac.compare_digest(d, given)
-        if not matched:
+        principal = keys.lookup(key)
+        if principal is None:
             raise _unauthorized("invalid API key")
+        if not principal.admin and (request.path.startswith("/admin/") or
+                                    (status_admin_only and request.path == "/v1/status")):
+            raise APIError(403, f"{request.path} needs an admin key", type="permission_error",
+                           code="admin_key_required")
+        request[PRINCIPAL] = principal
+        record = request.get(RECORD)
+        if record is not None and principal.tenant is not None:
+            record.tenant = principal.tenant.name  # (its log line names it, refused or not)
         return await handler(request)
 
     return check_key
+
+
+def principal_of(request: web.Request) -> Principal:
+    """The caller (an open path's caller is anonymous)."""
+    return request.get(PRINCIPAL, ANONYMOUS)
 
 
 def _unauthorized(message: str) -> APIError:

@@ -76,7 +76,7 @@ class FrontDoor:
     # --------------------------------------------------------------------------- admission
 
     def submit(self, prompts: Sequence[list[int]], params: SamplingParams, n: int, cls: PriorityClass,
-               timeouts: Timeouts, tenant: str | None = None,
+               timeouts: Timeouts, tenant: str | None = None, tenant_weight: float = 1.0,
                constraints: Sequence[LogitsConstraint] | None = None) -> list[RequestStream]:
         """Check every prompt, admit them all into the class's queue (or none: 429 / 503), then
         submit one engine request per prompt (with its own constraint, if any); each leaves the
@@ -96,7 +96,7 @@ class FrontDoor:
         try:
             for i, prompt in enumerate(prompts):
                 request = EngineRequest(self.engine.new_group_id(), prompt, params, cls.name, n, timeouts,
-                                        arrival_time=arrival, tenant=tenant,
+                                        arrival_time=arrival, tenant=tenant, tenant_weight=tenant_weight,
                                         constraint=constraints[i] if constraints else None)
                 departure = functools.partial(self.admission.leave, cls.name, 1, len(prompt))
                 streams.append(self.engine.submit(request, on_queue_exit=departure))

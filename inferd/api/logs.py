@@ -1,7 +1,7 @@
 """Logging: one structured line per API request at its end, and the JSON-lines format.
 
     inferd.requests INFO request id=cmpl-3f.. path=/v1/completions status=200 class=interactive
-        user=alice prompt_tokens=31 completion_tokens=64 queue_time=0.004 ttft=0.081 e2e=2.310
+        tenant=acme user=alice prompt_tokens=31 completion_tokens=64 queue_time=0.004 ttft=0.081 e2e=2.310
         finish=length
 
 With `--log-format json` every record (these and the rest) is one JSON object per line, the
@@ -30,6 +30,7 @@ class RequestRecord:
 
     id: str | None = None
     priority_class: str | None = None
+    tenant: str | None = None  # its configured name (never a key or a digest)
     user: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -28,7 +28,8 @@ from prometheus_client.registry import Collector
 
 from inferd.api.admission import REASONS
 from inferd.api.door import FrontDoor
-from inferd.api.state import DOOR, ENGINE, STATE, ServerState
+from inferd.api.gateway import GATEWAY_REASONS, Gateway
+from inferd.api.state import DOOR, ENGINE, GATEWAY, STATE, ServerState
 from inferd.api.structured import GRAMMAR_KINDS
 from inferd.engine.accounting import ClassSnapshot, Histogram
 from inferd.engine.async_engine import AsyncEngine
@@ -164,10 +165,47 @@ def _picker_aliases(stats: EngineSnapshot, limits: EngineLimits, model: str, sta
     yield lora
 
 
+def _tenant_metrics(gateway: Gateway, stats: EngineSnapshot) -> Iterator[Metric]:
+    """Per tenant, labelled with configured names only (never a key or its digest)."""
+    names = list(gateway.accounts)  # every tenant configured since start: counters never vanish
+    accounts = gateway.accounts
+    fair = {t.name: t for t in stats.tenants}
+    for name, doc, attr in (("inferd_tenant_requests", "Requests admitted, per tenant.", "requests"),
+                            ("inferd_tenant_prompt_tokens", "Prompt tokens of its finished requests.", "prompt_tokens"),
+                            ("inferd_tenant_completion_tokens", "Tokens generated for it.", "completion_tokens")):
+        family = CounterMetricFamily(name, doc, labels=["tenant"])
+        for tenant in names:
+            family.add_metric([tenant], getattr(accounts[tenant], attr))
+        yield family
+    rejections = CounterMetricFamily("inferd_tenant_rejections", "Its requests refused, by why.",
+                                     labels=["tenant", "reason"])
+    for tenant in names:
+        for reason in (*GATEWAY_REASONS, *REASONS):
+            rejections.add_metric([tenant, reason], accounts[tenant].rejections.get(reason, 0))
+    yield rejections
+    for name, doc, attr in (("inferd_tenant_ttft_seconds", "Time to first token, per tenant.", "ttft"),
+                            ("inferd_tenant_tpot_seconds", "Time per output token, per tenant.", "tpot")):
+        family = HistogramMetricFamily(name, doc, labels=["tenant"])
+        for tenant in names:
+            h = getattr(accounts[tenant], attr).histogram
+            family.add_metric([tenant], _buckets(h), h.total)
+        yield family
+    for name, doc, attr in (
+            ("inferd_tenant_virtual_tokens", "Tokens served / weight (fair share: the least goes first).",
+             "virtual_tokens"),
+            ("inferd_tenant_requests_waiting", "Its requests (choices) waiting.", "waiting"),
+            ("inferd_tenant_requests_running", "Its requests (choices) running.", "running")):
+        family = GaugeMetricFamily(name, doc, labels=["tenant"])
+        for tenant in names:
+            family.add_metric([tenant], getattr(fair[tenant], attr) if tenant in fair else 0)
+        yield family
+
+
 class EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine, door: FrontDoor, state: ServerState) -> None:
+    def __init__(self, engine: AsyncEngine, door: FrontDoor, gateway: Gateway, state: ServerState) -> None:
         self.engine = engine
         self.door = door
+        self.gateway = gateway
         self.state = state
         self._nvml = importlib.util.find_spec("pynvml") is not None
         self._started = time.time()  # wall clock: vllm:lora_requests_info's timestamp
@@ -186,6 +224,7 @@ class EngineCollector(Collector):
         yield _counter_by("inferd_structured_requests", "Requests held to a grammar, by where it came from "
                           "(response_format's type, or forced tool calls); invalid: refused, it did not compile.",
                           "kind", GRAMMAR_KINDS, self.door.grammar_requests)
+        yield from _tenant_metrics(self.gateway, stats)
         yield GaugeMetricFamily("inferd_shed_level", "Load shedding level (0 normal .. 3).", value=stats.shed_level)
         yield from _fault_metrics(stats)
         yield CounterMetricFamily("inferd_drain_cut_requests", "Requests still running when a drain ended.",
@@ -211,7 +250,7 @@ class EngineCollector(Collector):
 
 def setup_metrics(app: web.Application) -> None:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(app[ENGINE], app[DOOR], app[STATE]))
+    registry.register(EngineCollector(app[ENGINE], app[DOOR], app[GATEWAY], app[STATE]))
     app[REGISTRY] = registry
     app.router.add_get("/metrics", metrics)
 

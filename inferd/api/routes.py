@@ -5,6 +5,7 @@
     POST /tokenize             tokenize.py         GET /health        liveness: the engine loop beats
     POST /detokenize           tokenize.py         GET /ready         readiness: probed, not draining
     GET  /openapi.json         from the pydantic models (protocol.py, chat_protocol.py, status_protocol.py)
+    GET  /admin/tenants        admin.py (admin key)   POST /admin/reload   keys and tenants read again
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from inferd import __version__
 from inferd.api import chat_protocol as cp
 from inferd.api import protocol as p
 from inferd.api import status_protocol as s
+from inferd.api.admin import add_admin_routes, tenant_statuses, visible_tenant
+from inferd.api.auth import principal_of
 from inferd.api.chat import create_chat_completion
 from inferd.api.completions import create_completion
-from inferd.api.state import DOOR, ENGINE, SETTINGS, STATE
+from inferd.api.state import DOOR, ENGINE, GATEWAY, SETTINGS, STATE
 from inferd.api.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -106,10 +109,12 @@ async def status(request: web.Request) -> web.Response:
     stats, limits = engine.snapshot, engine.limits
     now = time.monotonic()
     generation_rate, prompt_rate = engine.throughput.rates(now)
+    only = visible_tenant(principal_of(request))  # a tenant sees its own requests and row only
     requests = [
         s.RequestStatus(id=r.group_id, index=r.index, class_=r.class_name, state=r.state, age_seconds=r.age,
-                        prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens, ttft_seconds=r.ttft)
-        for r in stats.requests
+                        prompt_tokens=r.prompt_tokens, output_tokens=r.output_tokens, ttft_seconds=r.ttft,
+                        tenant=r.tenant)
+        for r in stats.requests if only is None or r.tenant == only
     ]
     memory = stats.device_memory
     body = s.StatusResponse(
@@ -129,6 +134,7 @@ async def status(request: web.Request) -> web.Response:
         oom_events_last_minute=stats.oom_events_last_minute, token_budget=stats.token_budget,
         classes=_classes(request),
         requests=requests,
+        tenants=tenant_statuses(request.app[GATEWAY], stats, only),
     )
     return web.json_response(p.dump(body))
 
@@ -147,6 +153,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/openapi.json", openapi)
+    add_admin_routes(app)
 
 
 # ---------------------------------------------------------------------------------- OpenAPI
@@ -180,10 +187,12 @@ _INVALID = {
     "404": _error("unknown model"),
     "413": _error("the request body is larger than 32 MiB"),
 }
+_FORBIDDEN = {"403": _error("the key's tenant may not use this model or class, or the path needs an admin key")}
 _ERRORS = {
     **_INVALID,
-    "429": _error("the class's queue is full, it is being shed, or the request would miss its TTFT deadline; "
-                  "Retry-After says when to come back"),
+    **_FORBIDDEN,
+    "429": _error("the tenant's rate limit (code rate_limit_exceeded), or the class's queue is full, it is being "
+                  "shed, or the request would miss its TTFT deadline; Retry-After says when to come back"),
     "503": _error("the engine is not running, the server is draining, or the request timed out before its first "
                   "token; Retry-After says when to come back"),
 }
@@ -247,6 +256,14 @@ def _paths() -> dict[str, Any]:
                          open_path=True),
         "/openapi.json": _get("This document", {"200": {"description": "OpenAPI 3.1", "content": {
             "application/json": {"schema": {"type": "object"}}}}}),
+        "/admin/tenants": _get("Every tenant's configuration and status (admin key)", {
+            "200": {"description": "the tenants", "content": {"application/json": {"schema": {"type": "object"}}}},
+            **_FORBIDDEN}),
+        "/admin/reload": {"post": {"summary": "Read the keys and tenants again, as SIGHUP does (admin key)",
+                                   "responses": {"200": {"description": "the keys and tenants now served", "content": {
+                                       "application/json": {"schema": {"type": "object"}}}},
+                                                 "400": _error("the new settings are invalid; the old ones stay"),
+                                                 **_UNAUTHORIZED, **_FORBIDDEN}}},
     }
 
 

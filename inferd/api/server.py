@@ -2,7 +2,8 @@
 drain: stop admitting, let in-flight requests finish within a grace period, exit 0.
 
 systemd (Type=notify) hears: STATUS while loading, READY=1 once the inference probe has run,
-WATCHDOG=1 from the engine loop, STOPPING=1 when the drain starts."""
+WATCHDOG=1 from the engine loop, STOPPING=1 when the drain starts. SIGHUP reads the keys and
+tenants again (the settings file's [tenants], server.admin_key_sha256, server.api_keys_file)."""
 
 from __future__ import annotations
 
@@ -16,20 +17,23 @@ import uvloop
 from aiohttp import web
 
 from inferd.api.app import create_app
-from inferd.api.state import DOOR, STATE
+from inferd.api.state import DOOR, GATEWAY, STATE
 from inferd.api.systemd import Notifier
-from inferd.config import Settings
+from inferd.api.tenants import Keyring
+from inferd.config import Settings, SettingsError
 from inferd.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("inferd")
 
 
-async def serve(settings: Settings, api_keys: frozenset[str], load_engine: Callable[[], AsyncEngine]) -> None:
-    """Serve the engine `load_engine` builds (the caller knows how: the API never imports torch)."""
+async def serve(settings: Settings, api_keys: frozenset[str], load_engine: Callable[[], AsyncEngine],
+                reload_keys: Callable[[], Keyring] | None = None) -> None:
+    """Serve the engine `load_engine` builds (the caller knows how: the API never imports torch);
+    SIGHUP reads the keys and tenants again through `reload_keys`."""
     notifier = Notifier.from_environ()
     notifier.status("loading the model")
     engine = load_engine()
-    app = create_app(engine, settings, api_keys)
+    app = create_app(engine, settings, api_keys, reload_keys)
     state, limits = app[STATE], engine.limits
     # handler_cancellation: a non-streaming request whose client left is aborted at once
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
@@ -51,6 +55,14 @@ async def serve(settings: Settings, api_keys: frozenset[str], load_engine: Calla
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, signals.put_nowait, sig)
+    reloads: set[asyncio.Task[None]] = set()  # (held, so a reload in flight is not collected)
+
+    def on_sighup() -> None:
+        task = asyncio.ensure_future(_reload_keys(app))
+        reloads.add(task)
+        task.add_done_callback(reloads.discard)
+
+    loop.add_signal_handler(signal.SIGHUP, on_sighup)
     waiting_for_signal = asyncio.ensure_future(signals.get())
     while not state.probed and not waiting_for_signal.done():  # READY=1 once the probe has run
         await asyncio.wait([waiting_for_signal], timeout=0.05)
@@ -90,6 +102,18 @@ async def _drain(app: web.Application, engine: AsyncEngine, notifier: Notifier, 
         log.info("drain: every request finished")
 
 
+async def _reload_keys(app: web.Application) -> None:
+    """SIGHUP: the keys and tenants read again; a bad file is logged and the old ones stay."""
+    gateway = app[GATEWAY]
+    try:
+        keyring = await asyncio.to_thread(gateway.reload_keyring)
+        gateway.apply(keyring)
+    except (SettingsError, ValueError) as e:
+        log.error("SIGHUP: reload refused, the old keys and tenants stay: %s", e)
+        return
+    log.info("SIGHUP: keys reloaded: %d keys, %d tenants", keyring.num_keys, len(keyring.tenants))
+
+
 class _Pacer:
     """Calls `action` at most once per `interval` seconds (the engine loop beats more often)."""
 
@@ -105,5 +129,6 @@ class _Pacer:
             self.action()
 
 
-def run_server(settings: Settings, api_keys: frozenset[str], load_engine: Callable[[], AsyncEngine]) -> None:
-    uvloop.run(serve(settings, api_keys, load_engine))
+def run_server(settings: Settings, api_keys: frozenset[str], load_engine: Callable[[], AsyncEngine],
+               reload_keys: Callable[[], Keyring] | None = None) -> None:
+    uvloop.run(serve(settings, api_keys, load_engine, reload_keys))

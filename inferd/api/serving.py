@@ -22,13 +22,15 @@ from typing import Any, Protocol
 from aiohttp import ClientConnectionResetError, web
 from pydantic import BaseModel
 
+from inferd.api.auth import principal_of
 from inferd.api.door import FrontDoor
 from inferd.api.errors import APIError, bad_request, engine_abort_error, engine_failure_error, timeout_error
 from inferd.api.logprobs import TokenTexts
 from inferd.api.logs import RECORD, RequestRecord
 from inferd.api.protocol import SamplingFields, Usage
 from inferd.api.sse import EventStream, OutputQueue, dumps
-from inferd.api.state import DOOR, ENGINE, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS
+from inferd.api.gateway import Ticket
+from inferd.api.state import DOOR, ENGINE, GATEWAY, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS
 from inferd.api.structured import check_logit_bias, request_constraints
 from inferd.config import Settings
 from inferd.engine.async_engine import RequestStream
@@ -211,12 +213,15 @@ def endpoint(request_model: type[SamplingFields], fmt: ResponseFormat) -> Callab
 async def generate(request: web.Request, body: SamplingFields, fmt: ResponseFormat) -> web.StreamResponse:
     """The whole of a generation request, for either endpoint."""
     app = request.app
-    door, settings, tokenizer = app[DOOR], app[SETTINGS], app[ENGINE].tokenizer
+    door, gateway, settings, tokenizer = app[DOOR], app[GATEWAY], app[SETTINGS], app[ENGINE].tokenizer
+    principal = principal_of(request)
     model = app[STATE].model_name
     check_model(model, body.model)
+    gateway.check_model(principal, body.model)
     if body.n > settings.limits.max_n:
         raise bad_request(f"n must be in [1, {settings.limits.max_n}], got {body.n}", param="n")
-    cls = door.priority_class(body.priority)
+    cls = door.priority_class(gateway.priority(principal, body.priority))
+    gateway.check_class(principal, cls.name)
     prompts = fmt.prompts(tokenizer, body, settings.limits.max_prompts)
     context = door.limits.max_model_len
     for prompt in prompts:
@@ -228,10 +233,12 @@ async def generate(request: web.Request, body: SamplingFields, fmt: ResponseForm
     params = sampling_params(body, max_tokens[0], fmt.logprobs(body))
     check_logit_bias(body, door.limits.vocab_size)
     constraints = await request_constraints(door, body, len(prompts))
+    # every check is passed: charge the tenant (its rate limits) before any queueing
+    ticket = gateway.admit(principal, sum(len(p) + params.max_tokens * body.n for p in prompts))
     record = request_record(request, body.user, lambda: fmt.prompt_text(tokenizer, body, prompts))
     token_text = app[TOKEN_TEXTS]
     with Generation(door, prompts, params, body.n, cls, request_timeouts(body), fmt.id_prefix, record,
-                    constraints) as gen:
+                    constraints, ticket) as gen:
         if not body.stream:
             results = await gen.gather(request)
             if results is None:
@@ -261,8 +268,9 @@ class Generation:
 
     def __init__(self, door: FrontDoor, prompts: Sequence[list[int]], params: SamplingParams, n: int,
                  cls: PriorityClass, timeouts: Timeouts, id_prefix: str, record: RequestRecord | None = None,
-                 constraints: Sequence[LogitsConstraint] | None = None) -> None:
+                 constraints: Sequence[LogitsConstraint] | None = None, ticket: Ticket | None = None) -> None:
         self.door = door
+        self.ticket = ticket  # its tenant's account: refunded and counted at the end
         self.constraints = constraints  # one per prompt, for a structured output
         self.prompts = prompts
         self.params = params
@@ -286,11 +294,19 @@ class Generation:
                 "total_tokens": self.prompt_tokens + self.completion_tokens}
 
     def __enter__(self) -> Generation:
+        ticket = self.ticket
         if self.record is not None:
             self.record.priority_class = self.cls.name
             self.record.prompt_tokens = self.prompt_tokens
-        self.streams = self.door.submit(self.prompts, self.params, self.n, self.cls, self.timeouts,
-                                        constraints=self.constraints)
+        try:
+            self.streams = self.door.submit(
+                self.prompts, self.params, self.n, self.cls, self.timeouts, constraints=self.constraints,
+                tenant=ticket.tenant.name if ticket else None, tenant_weight=ticket.tenant.weight if ticket else 1.0)
+        except APIError as e:
+            if ticket is not None:
+                ticket.refused(e.code or "refused")
+                ticket.close(0, 0)  # nothing ran: the whole charge goes back
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -298,11 +314,17 @@ class Generation:
             stream.abort()
         if self.record is not None:
             self.record.completion_tokens = self.completion_tokens
+        if self.ticket is not None:
+            self.ticket.close(self.prompt_tokens, self.completion_tokens)
 
     def _note(self, out: EngineOutput) -> None:
-        """A finished choice's outcome and timings, for the request's log line."""
+        """A finished choice's outcome and timings, for the request's log line and its tenant."""
         record, metrics = self.record, out.metrics
-        if record is None or not out.finished:
+        if not out.finished:
+            return
+        if self.ticket is not None and metrics is not None:
+            self.ticket.finished(metrics)
+        if record is None:
             return
         record.finish.append(out.finish_reason or "-")
         if metrics is None:

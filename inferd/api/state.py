@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from inferd.api.door import FrontDoor
+from inferd.api.gateway import Gateway
 from inferd.api.logprobs import TokenTexts
 from inferd.config import Settings
 from inferd.engine.async_engine import AsyncEngine
@@ -34,6 +35,7 @@ class ServerState:
 
 ENGINE = web.AppKey("engine", AsyncEngine)
 DOOR = web.AppKey("door", FrontDoor)
+GATEWAY = web.AppKey("gateway", Gateway)
 STATE = web.AppKey("state", ServerState)
 SETTINGS = web.AppKey("settings", Settings)
 TOKEN_TEXTS = web.AppKey("token_texts", TokenTexts)

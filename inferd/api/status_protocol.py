@@ -68,6 +68,27 @@ class RequestStatus(ResponseModel):
     prompt_tokens: int
     output_tokens: int
     ttft_seconds: float | None
+    tenant: str | None = None
+
+
+class TenantStatus(ResponseModel):
+    """One tenant: its use since start, its place in the fair share, what its buckets hold."""
+
+    name: str
+    tier: str
+    weight: float
+    requests: int  # admitted
+    prompt_tokens: int
+    completion_tokens: int
+    rejections: dict[str, int]  # by reason
+    waiting: int
+    running: int
+    virtual_tokens: float  # tokens served / weight (with the lift on return from idle): least goes first
+    ttft_p50_seconds: float | None
+    ttft_p95_seconds: float | None
+    tpot_p50_seconds: float | None
+    remaining_requests: int | None  # None: no such limit
+    remaining_tokens: int | None
 
 
 class Throughput(ResponseModel):
@@ -110,4 +131,5 @@ class StatusResponse(ResponseModel):
     oom_events_last_minute: int = 0
     token_budget: int = 0  # tokens per step now (halved after an out-of-memory step)
     classes: list[ClassStatus]
-    requests: list[RequestStatus]  # running first, at most 100
+    requests: list[RequestStatus]  # running first, at most 100; a tenant sees only its own
+    tenants: list[TenantStatus] = []  # a tenant sees only itself

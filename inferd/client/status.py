@@ -8,12 +8,15 @@ The frame is laid out in named regions, top to bottom:
 
     header      model, device, dtype, version, uptime, state
     queues      one row per priority class: queue, running, KV blocks, TTFT against its target
+    tenants     one row per tenant: weight, queue, use, fair-share clock, latency, rate-limit room
+                (only when the server sends tenants)
     kv          KV blocks used / cached / free, prefix-cache hit rate, device memory
     throughput  generation tok/s over the last minute, as a sparkline
     requests    the running and waiting requests  |  counters: preemptions, timeouts, ...
 
-Fields a server does not send (older servers lack state, history, requests, limits) show as
-"-", so every region renders against any version of /v1/status.
+Fields a server does not send (older servers lack state, history, requests, limits, tenants)
+show as "-", so every region renders against any version of /v1/status. The table regions and
+the formatting shared by all regions live in `status_panels`.
 """
 
 from __future__ import annotations
@@ -35,12 +38,13 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from inferd.client.status_panels import (MISSING, counters, dicts, fmt_dur, fmt_int, is_num, num, queues,
+                                         requests, tenants)
+
 DEFAULT_URL = "http://127.0.0.1:8000"
 SPARK = "▁▂▃▄▅▆▇█"
 SPARK_WIDTH = 60  # one character per history value: a minute at the server's 1 s resolution
-MISSING = "-"
 _STATE_STYLES = {"ready": "bold green", "loading": "bold yellow", "draining": "bold yellow", "not_ready": "bold red"}
-_REQUEST_STYLES = {"running": "green", "waiting": "yellow", "swapped": "magenta"}
 
 
 class StatusError(Exception):
@@ -111,12 +115,14 @@ def render(snapshot: dict[str, Any], now: float | None = None, max_requests: int
     shows them all.
     """
     now = time.time() if now is None else now
-    return Group(
+    regions = (
         _header(snapshot, now),
-        _queues(snapshot),
+        queues(snapshot),
+        tenants(snapshot),
         _side_by_side((_kv(snapshot), 2), (_throughput(snapshot), 3)),
-        _side_by_side((_requests(snapshot, max_requests), 3), (_counters(snapshot), 2)),
+        _side_by_side((requests(snapshot, max_requests), 3), (counters(snapshot), 2)),
     )
+    return Group(*(region for region in regions if region is not None))
 
 
 def _side_by_side(*regions: tuple[RenderableType, int]) -> RenderableType:
@@ -135,61 +141,39 @@ def _header(s: dict[str, Any], now: float) -> RenderableType:
         ("device ", "dim"), str(s.get("device") or MISSING), "  ",
         ("dtype ", "dim"), str(s.get("dtype") or MISSING), "  ",
         ("inferd ", "dim"), str(s.get("version") or MISSING), "  ",
-        ("up ", "dim"), _dur(s.get("uptime_seconds")), "  ",
+        ("up ", "dim"), fmt_dur(s.get("uptime_seconds")), "  ",
         (str(state or MISSING), _STATE_STYLES.get(str(state), "")),
     )
     line2 = Text.assemble(
-        ("running ", "dim"), _int(s.get("running")), "  ",
-        ("waiting ", "dim"), _int(s.get("waiting")), "  ",
-        ("steps ", "dim"), _int(s.get("steps")), "  ",
-        ("max_model_len ", "dim"), _int(s.get("max_model_len")), "  ",
+        ("running ", "dim"), fmt_int(s.get("running")), "  ",
+        ("waiting ", "dim"), fmt_int(s.get("waiting")), "  ",
+        ("steps ", "dim"), fmt_int(s.get("steps")), "  ",
+        ("max_model_len ", "dim"), fmt_int(s.get("max_model_len")), "  ",
         ("updated ", "dim"), time.strftime("%H:%M:%S", time.localtime(now)),
     )
     return Panel(Group(line1, line2), title="inferd status", title_align="left", box=box.ROUNDED)
-
-
-def _queues(s: dict[str, Any]) -> RenderableType:
-    table = _table()
-    classes = _dicts(s.get("classes"))
-    widest = max((len(str(c.get("name", MISSING))) for c in classes), default=1)
-    table.add_column("class", style="bold", no_wrap=True, min_width=widest)
-    for name in ("prio", "waiting", "queued tok", "oldest", "running", "KV blk", "TTFT p50", "p95",
-                 "target", "timeouts", "rejected"):
-        table.add_column(name, justify="right")
-    for c in classes:
-        limits = c.get("limits") if isinstance(c.get("limits"), dict) else {}
-        target, p95 = limits.get("ttft_target"), c.get("ttft_p95_seconds")
-        late = _is_num(target) and _is_num(p95) and p95 > target
-        table.add_row(
-            str(c.get("name", MISSING)), _int(c.get("priority")), _int(c.get("waiting")),
-            _int(c.get("queued_tokens")), _dur(c.get("oldest_wait_seconds")), _int(c.get("running")),
-            _int(c.get("kv_blocks_used")), _dur(c.get("ttft_p50_seconds")),
-            Text(_dur(p95), style="bold red" if late else ""), _dur(target),
-            _total(c.get("timeouts")), _total(c.get("rejections")),
-        )
-    return Panel(table, title="queues", title_align="left", box=box.ROUNDED)
 
 
 def _kv(s: dict[str, Any]) -> RenderableType:
     total, used, cached = s.get("kv_blocks_total"), s.get("kv_blocks_used"), s.get("kv_blocks_cached")
     lines: list[RenderableType] = []
     style = "green"
-    if _is_num(total) and total > 0 and _is_num(used):
-        ratio = s.get("kv_usage_ratio") if _is_num(s.get("kv_usage_ratio")) else used / total
+    if is_num(total) and total > 0 and is_num(used):
+        ratio = s.get("kv_usage_ratio") if is_num(s.get("kv_usage_ratio")) else used / total
         style = "red" if ratio > 0.9 else "yellow" if ratio > 0.7 else "green"
-        lines.append(_Bar(total, [(used, style), (cached if _is_num(cached) else 0, "blue")]))
+        lines.append(_Bar(total, [(used, style), (cached if is_num(cached) else 0, "blue")]))
         usage = f"{used} / {total} blocks used ({ratio:.1%})"
     else:
-        usage = f"{_int(used)} / {_int(total)} blocks used"
+        usage = f"{fmt_int(used)} / {fmt_int(total)} blocks used"
     queries, hits = s.get("prefix_cache_queries"), s.get("prefix_cache_hits")
     rate = MISSING
-    if _is_num(queries) and queries > 0 and _is_num(hits):
+    if is_num(queries) and queries > 0 and is_num(hits):
         rate = f"{hits / queries:.0%} ({hits} / {queries})"
     lines.append(Text.assemble(("■ ", style), usage))
-    lines.append(Text.assemble(("■ ", "blue"), f"{_int(cached)} cached, evictable"))
+    lines.append(Text.assemble(("■ ", "blue"), f"{fmt_int(cached)} cached, evictable"))
     lines.append(Text.assemble(("prefix-cache hit rate ", "dim"), rate))
     memory = s.get("device_memory")
-    if isinstance(memory, dict) and _is_num(memory.get("used_bytes")) and _is_num(memory.get("total_bytes")):
+    if isinstance(memory, dict) and is_num(memory.get("used_bytes")) and is_num(memory.get("total_bytes")):
         u, t = memory["used_bytes"], memory["total_bytes"]
         share = f" ({u / t:.0%})" if t > 0 else ""
         lines.append(Text.assemble(("device memory ", "dim"), f"{_bytes(u)} / {_bytes(t)}{share}"))
@@ -198,7 +182,7 @@ def _kv(s: dict[str, Any]) -> RenderableType:
 
 def _throughput(s: dict[str, Any]) -> RenderableType:
     tp = s.get("throughput") if isinstance(s.get("throughput"), dict) else {}
-    history = [v for v in tp.get("history") if _is_num(v)] if isinstance(tp.get("history"), list) else []
+    history = [v for v in tp.get("history") if is_num(v)] if isinstance(tp.get("history"), list) else []
     line: RenderableType = _Spark(history) if history else Text(MISSING)
     rates = Text.assemble(
         ("generation ", "dim"), _rate(tp.get("generation_tokens_per_second")), "   ",
@@ -216,61 +200,6 @@ def sparkline(values: Iterable[float], width: int = SPARK_WIDTH) -> str:
         return SPARK[0] * len(tail)
     steps = len(SPARK) - 1
     return "".join(SPARK[0] if v <= 0 else SPARK[min(steps, max(1, math.ceil(v / top * steps)))] for v in tail)
-
-
-def _requests(s: dict[str, Any], max_requests: int | None) -> RenderableType:
-    requests = s.get("requests")
-    if not isinstance(requests, list):
-        return Panel(Text(MISSING), title="requests", title_align="left", box=box.ROUNDED)
-    # running first, then the oldest: the ones to look at when something is stuck
-    order = {"running": 0, "swapped": 1, "waiting": 2}
-    rows = sorted(_dicts(requests), key=lambda r: (order.get(str(r.get("state")), 3), -_num(r.get("age_seconds"))))
-    shown = rows if max_requests is None else rows[:max(0, max_requests)]
-    table = _table()
-    table.add_column("id", justify="right")
-    widest = max((len(str(r.get("class", MISSING))) for r in shown), default=1)
-    table.add_column("class", no_wrap=True, min_width=widest)
-    table.add_column("state")
-    for name in ("age", "tokens in/out", "TTFT"):
-        table.add_column(name, justify="right")
-    for r in shown:
-        state = str(r.get("state", MISSING))
-        table.add_row(
-            _int(r.get("id")), str(r.get("class", MISSING)), Text(state, style=_REQUEST_STYLES.get(state, "")),
-            _dur(r.get("age_seconds")), f"{_int(r.get('prompt_tokens'))} / {_int(r.get('output_tokens'))}",
-            _dur(r.get("ttft_seconds")),
-        )
-    title = f"requests ({len(rows)})"
-    if len(shown) < len(rows):
-        title += f", {len(rows) - len(shown)} not shown"
-    return Panel(table, title=title, title_align="left", box=box.ROUNDED)
-
-
-def _counters(s: dict[str, Any]) -> RenderableType:
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="dim")
-    grid.add_column()
-    misses: dict[str, int] = {}
-    for c in _dicts(s.get("classes")):
-        deadline_misses = c.get("deadline_misses")
-        for kind, n in (deadline_misses.items() if isinstance(deadline_misses, dict) else ()):
-            misses[kind] = misses.get(kind, 0) + int(_num(n))
-    shed = s.get("shed_level")
-    shed_text = Text(_int(shed), style="bold red" if _is_num(shed) and shed > 0 else "")
-    if isinstance(s.get("shed_actions"), dict) and s["shed_actions"]:
-        shed_text.append(f" ({_counts(s['shed_actions'])})", style="dim")
-    grid.add_row("preemptions", _counts(s.get("preemptions")))
-    grid.add_row("timeouts", _counts(s.get("timeouts")))
-    grid.add_row("rejections", _counts(s.get("rejections")))
-    grid.add_row("deadline misses", _counts(misses) if _dicts(s.get("classes")) else MISSING)
-    grid.add_row("shed level", shed_text)
-    return Panel(grid, title="counters", title_align="left", box=box.ROUNDED)
-
-
-def _table() -> Table:
-    # NOTE: one space of padding, one of separator: twelve columns fit an 80-column pane's
-    # worth of data in 120 columns without truncating class names
-    return Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0))
 
 
 @dataclass
@@ -307,33 +236,8 @@ class _Bar:
 # ------------------------------------------------------------------------------ formatting
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _num(v: Any) -> float:
-    return float(v) if _is_num(v) else 0.0
-
-
-def _int(v: Any) -> str:
-    return str(int(v)) if _is_num(v) else MISSING
-
-
-def _dur(v: Any) -> str:
-    """Seconds, human-sized: 110ms, 1.2s, 3m05s, 2h07m."""
-    if not _is_num(v):
-        return MISSING
-    if v < 1:
-        return f"{v * 1000:.0f}ms"
-    if v < 60:
-        return f"{v:.1f}s"
-    if v < 3600:
-        return f"{int(v // 60)}m{int(v % 60):02d}s"
-    return f"{int(v // 3600)}h{int(v % 3600 // 60):02d}m"
-
-
 def _rate(v: Any) -> str:
-    return f"{v:.1f} tok/s" if _is_num(v) else MISSING
+    return f"{v:.1f} tok/s" if is_num(v) else MISSING
 
 
 def _bytes(n: float) -> str:
@@ -342,24 +246,6 @@ def _bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
         n /= 1024
     return f"{n:.1f} TiB"
-
-
-def _dicts(v: Any) -> list[dict[str, Any]]:
-    return [x for x in v if isinstance(x, dict)] if isinstance(v, list) else []
-
-
-def _counts(d: Any) -> str:
-    """{"recompute": 3, "swap": 1} -> "recompute 3, swap 1"; {} -> "0"; absent -> "-"."""
-    if not isinstance(d, dict):
-        return MISSING
-    items = [f"{k} {int(n)}" for k, n in sorted(d.items()) if _is_num(n) and n]
-    return ", ".join(items) or "0"
-
-
-def _total(d: Any) -> str:
-    if not isinstance(d, dict):
-        return MISSING
-    return str(sum(int(n) for n in d.values() if _is_num(n)))
 
 
 # -------------------------------------------------------------------------------------- run
@@ -378,9 +264,9 @@ class LocalThroughput:
         tp = snapshot.get("throughput")
         if isinstance(tp, dict) and isinstance(tp.get("history"), list):
             return snapshot
-        classes = _dicts(snapshot.get("classes"))
-        gen = sum(_num(c.get("generation_tokens")) for c in classes)
-        prompt = sum(_num(c.get("prompt_tokens")) for c in classes)
+        classes = dicts(snapshot.get("classes"))
+        gen = sum(num(c.get("generation_tokens")) for c in classes)
+        prompt = sum(num(c.get("prompt_tokens")) for c in classes)
         if self._last is not None and now > self._last[0] and gen >= self._last[1]:
             dt = now - self._last[0]
             self.history.append((gen - self._last[1]) / dt)
@@ -394,9 +280,11 @@ class LocalThroughput:
 
 
 def _request_rows(console: Console, snapshot: dict[str, Any]) -> int:
-    # NOTE: the other regions take 19 lines plus one per class (at 100+ columns); the request
-    # table gets the rest of the screen, so the frame does not overflow it (Live crops the bottom)
-    return max(1, console.height - 21 - len(_dicts(snapshot.get("classes"))))
+    # NOTE: the other regions take 19 lines plus one per class, and 4 plus one per tenant when
+    # there are tenants (at 100+ columns); the request table gets the rest of the screen, so the
+    # frame does not overflow it (Live crops the bottom)
+    n_tenants = len(dicts(snapshot.get("tenants")))
+    return max(1, console.height - 21 - len(dicts(snapshot.get("classes"))) - (4 + n_tenants if n_tenants else 0))
 
 
 def run(url: str = DEFAULT_URL, interval: float = 1.0, once: bool = False, api_key: str | None = None) -> None:

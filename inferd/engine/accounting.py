@@ -125,6 +125,19 @@ class RequestSnapshot:
     prompt_tokens: int
     output_tokens: int
     ttft: float | None  # None until its first token
+    tenant: str | None = None  # whose request it is (the API shows a tenant only its own)
+
+
+@dataclass(frozen=True)
+class TenantSnapshot:
+    """One tenant's fair share (engine/fairness.py) at the end of a step, for other threads."""
+
+    name: str | None  # None: the requests that name no tenant, as one
+    weight: float
+    virtual_tokens: float  # its counter: tokens served / weight, lifted on return from idle
+    served_tokens: int  # tokens computed for it (prompt and output; recomputation included)
+    waiting: int
+    running: int
 
 
 class SchedulerAccounting:
@@ -244,7 +257,8 @@ def requests_snapshot(requests: Iterable[Request], now: float) -> list[RequestSn
         state = "running" if req.status == RequestStatus.RUNNING else "swapped" if req.swapped else "waiting"
         ttft = None if req.first_token_time is None else req.first_token_time - req.arrival_time
         out.append(RequestSnapshot(req.group_id, req.index, req.priority_class.name, state,
-                                   now - req.arrival_time, len(req.prompt_ids), len(req.output_ids), ttft))
+                                   now - req.arrival_time, len(req.prompt_ids), len(req.output_ids), ttft,
+                                   req.tenant))
     return out
 
 

@@ -145,10 +145,13 @@ class LLMEngine:
         arrival = request.arrival_time if request.arrival_time is not None else self.scheduler.clock()
         group = request.group_id
         constraint = request.constraint
+        tenant, weight = request.tenant, request.tenant_weight
         root = Request(next(self._seq_ids), prompt_ids, request.params, self.max_model_len, group_id=group,
-                       priority_class=cls, timeouts=request.timeouts, arrival_time=arrival, constraint=constraint)
+                       priority_class=cls, timeouts=request.timeouts, arrival_time=arrival, constraint=constraint,
+                       tenant=tenant, tenant_weight=weight)
         root.forks = [Request(next(self._seq_ids), prompt_ids, request.params, self.max_model_len, index=i,
-                              group_id=group, constraint=constraint.fork() if constraint else None)
+                              group_id=group, constraint=constraint.fork() if constraint else None,
+                              tenant=tenant, tenant_weight=weight)
                       for i in range(1, n)]
         self._groups[group] = root
         if self.faults is not None:
@@ -316,7 +319,7 @@ class LLMEngine:
             batch_tokens=batch_hist, device_memory=device_memory(self.model.device),
             healthy=self.health.healthy, consecutive_step_failures=self.health.consecutive,
             step_failures=dict(self.health.failures), oom_events_last_minute=self.health.ooms_last_minute(),
-            token_budget=scheduler.max_num_batched_tokens,
+            token_budget=scheduler.max_num_batched_tokens, tenants=scheduler.tenants_snapshot(),
         )
 
     # ------------------------------------------------------------------------------- offline

@@ -89,6 +89,9 @@ class SchedulingPolicy:
     # a waiting request moves up one class per `aging_seconds` waited, so none starves; 0: off
     aging_seconds: float = 60.0
     preemption_mode: str = "recompute"  # or "swap" (falls back to recompute when swap is full)
+    # inside a class: "vtc" serves the backlogged tenant with the fewest tokens served per weight
+    # first (engine/fairness.py); "fcfs" by deadline and arrival alone
+    fairness: str = "vtc"
     shedding: ShedConfig = field(default_factory=ShedConfig)
 
     def __post_init__(self) -> None:
@@ -104,6 +107,8 @@ class SchedulingPolicy:
             raise ValueError(f"default_class {self.default_class!r} is not a class; classes: {names}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.fairness not in ("vtc", "fcfs"):
+            raise ValueError(f"fairness must be 'vtc' or 'fcfs', got {self.fairness!r}")
 
     @property
     def ranked(self) -> tuple[PriorityClass, ...]:

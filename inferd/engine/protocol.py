@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from inferd.engine.accounting import ClassSnapshot, Histogram, RequestSnapshot
+from inferd.engine.accounting import ClassSnapshot, Histogram, RequestSnapshot, TenantSnapshot
 from inferd.engine.policy import PriorityClass, SchedulingPolicy, Timeouts
 from inferd.model.sampling_params import SamplingParams
 
@@ -52,7 +52,8 @@ class EngineRequest:
     n: int = 1
     timeouts: Timeouts = Timeouts()  # the request's own; the class's are tightened by them
     arrival_time: float | None = None  # on the engine's clock (time.monotonic); None: now
-    tenant: str | None = None  # who pays for it (accounting and fair sharing, later)
+    tenant: str | None = None  # who pays for it: accounting, and fair sharing inside its class
+    tenant_weight: float = 1.0  # the tenant's share against the others' (fair sharing, > 0)
     constraint: LogitsConstraint | None = None  # the slot for per-request logits constraints
 
 
@@ -167,6 +168,7 @@ class EngineSnapshot:
     step_failures: dict[str, int] = field(default_factory=dict)  # by kind: forward, request, oom
     oom_events_last_minute: int = 0
     token_budget: int = 0  # tokens per step now (lowered after an out-of-memory step)
+    tenants: tuple[TenantSnapshot, ...] = ()  # fair sharing's counters (empty under fcfs)
 
     @property
     def kv_usage_ratio(self) -> float:

@@ -59,6 +59,8 @@ class Request:
     rank: int = 0  # the class's position, 0 = most important
     timeouts: Timeouts = field(default_factory=Timeouts)  # the request's own; add() tightens by the class's
     arrival_time: float | None = None  # when it reached the server, on the scheduler's clock
+    tenant: str | None = None  # whose share it is served from (fair sharing inside its class)
+    tenant_weight: float = 1.0  # that share's weight (the tenant's latest request's counts)
     # timeline, on the scheduler's clock (None: not yet)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -8,15 +8,19 @@ One `schedule()`:
     2. shedding      the load shedder's level caps the sheddable classes (running, max_tokens)
     3. decodes       every running request with one token to compute, most important first
     4. prefills      chunks of running prefills and admissions of waiting requests, merged in
-                     order (class, then earliest deadline), within the step's token budget
+                     order (class, then the tenants' fair shares, then earliest deadline),
+                     within the step's token budget
 
 Order is (rank, deadline, arrival): rank is the class's position (0 = most important), less
 one per `aging_seconds` a request has waited, so a low class is never starved; the deadline
-is the earliest of the request's TTFT target and its hard deadlines. When blocks or
-`max_num_seqs` run short, a waiting request may preempt running requests of a *lower class*;
-a running one that needs a block may preempt requests of its own class or lower. Victims are
-the lowest class first, then the cheapest to resume (fewest computed tokens); a request that
-was resumed is not chosen again before it has made progress, unless nothing else can give way.
+is the earliest of the request's TTFT target and its hard deadlines (engine/deadlines.py).
+With `fairness = "vtc"` tenants share each rank: the next is the head, in that order, of the
+tenant with the fewest tokens served per weight, this step's admissions counted (fairness.py).
+When blocks or `max_num_seqs` run short, a waiting request may preempt running requests of a
+*lower class*; a running one that needs a block may preempt requests of its own class or lower.
+Victims are the lowest class first, then (vtc) the tenant furthest over its share, then the
+cheapest to resume (fewest computed tokens); a request that was resumed is not chosen again
+before it has made progress, unless nothing else can give way.
 A preempted request either frees its blocks and recomputes later (reusing the prefix cache) or
 has them copied to host memory (swap); it keeps its arrival, so it keeps its place.
 """
@@ -28,8 +32,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from inferd.engine.accounting import ClassSnapshot, RequestSnapshot, SchedulerAccounting, requests_snapshot
+from inferd.engine.accounting import (ClassSnapshot, RequestSnapshot, SchedulerAccounting, TenantSnapshot,
+                                      requests_snapshot)
 from inferd.engine.block_manager import BlockManager
+from inferd.engine.deadlines import expired, order_key
+from inferd.engine.fairness import FairShare
 from inferd.engine.policy import PriorityClass, SchedulingPolicy
 from inferd.engine.request import Request, RequestStatus
 from inferd.engine.shedding import LoadShedder
@@ -96,6 +103,7 @@ class Scheduler:
         # its counters, where the engine reads them: per class; totals by preemption mode, timeout kind
         self.stats, self.preemptions, self.timeouts = acct.stats, acct.preemptions, acct.timeouts
         self._applied_level = 0
+        self.fair = FairShare() if policy.fairness == "vtc" else None  # None: fcfs, nothing counted
         # per schedule() call
         self._budget = 0
         self._scheduled: dict[int, tuple[ScheduledChunk, list[tuple[int, int]]]] = {}
@@ -121,6 +129,8 @@ class Scheduler:
         if self._applied_level >= 3 and request.priority_class.sheddable:
             request.token_cap = self.policy.shedding.max_tokens
         self.waiting.append(request)
+        if self.fair is not None:
+            self.fair.enter(request.tenant, request.tenant_weight)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -134,12 +144,14 @@ class Scheduler:
         self._scheduled = {}
         self.accounting.on_step(now, self.waiting)
         self._expire(now, out)
+        if self.fair is not None:
+            self.fair.lift()  # tenants back from idle start at the active ones' level
         self._shed(self.shedder.update(now), out)
 
         # decodes: one token each, most important first (the order only matters when the
         # budget cannot cover them all; victims for short blocks are chosen by rank anyway)
         if len(self.running) > self._budget:
-            self.running.sort(key=lambda r: self._order(r, now))
+            self.running.sort(key=lambda r: order_key(r, now, self.policy.aging_seconds))
         bm = self.block_manager
         for req in list(self.running):
             if self._budget <= 0:
@@ -155,7 +167,10 @@ class Scheduler:
 
         # prefills: running chunks and admissions, merged in order
         candidates = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1] + self.waiting
-        candidates.sort(key=lambda r: self._order(r, now))
+        if self.fair is None:
+            candidates.sort(key=lambda r: order_key(r, now, self.policy.aging_seconds))
+        else:  # each rank shared between its tenants
+            candidates = self.fair.order(candidates, lambda r: order_key(r, now, self.policy.aging_seconds))
         held_back: set[str] = set()  # classes at a limit of their own (KV reserve, shedding)
         admitting = True
         for req in candidates:
@@ -179,23 +194,6 @@ class Scheduler:
             # them found no one to preempt, so the rest are at least as important, and their
             # progress is what frees the seat or the blocks it waits for.
         return out
-
-    def _order(self, req: Request, now: float) -> tuple[float, float, float, int]:
-        """Sort key, smaller first: (aged rank, deadline, arrival, id)."""
-        rank = req.rank
-        aging = self.policy.aging_seconds
-        if aging > 0 and req.status == RequestStatus.WAITING:
-            rank = max(0, rank - int((now - req.arrival_time) // aging))
-        return rank, self._deadline(req), req.arrival_time, req.seq_id
-
-    @staticmethod
-    def _deadline(req: Request) -> float:
-        t = req.timeouts
-        limit = req.priority_class.ttft_target
-        for value in (t.queue, t.ttft, t.total):
-            if value is not None and value < limit:
-                limit = value
-        return req.arrival_time + limit
 
     # ------------------------------------------------------------------- growing and admitting
 
@@ -285,10 +283,13 @@ class Scheduler:
     # ------------------------------------------------------------------------------ preemption
 
     def _pick_victim(self, needy: Request, strictly_lower: bool) -> Request | None:
-        """Whom to preempt so that `needy` can run: the lowest class first, then the cheapest
-        to resume. A running `needy` competes too (it may be the one to give way)."""
-        def worse(r: Request) -> tuple[int, int, float, int]:
-            return r.rank, -r.num_computed_tokens, r.arrival_time, r.seq_id
+        """Whom to preempt so that `needy` can run: the lowest class, then (vtc) the tenant furthest
+        over its share, then the cheapest to resume. A running `needy` competes (it may give way)."""
+        fair = self.fair
+
+        def worse(r: Request) -> tuple[int, float, int, float, int]:
+            counter = 0.0 if fair is None else fair.counter(r.tenant)
+            return r.rank, counter, -r.num_computed_tokens, r.arrival_time, r.seq_id
 
         pool = [r for r in self.running if r.rank > needy.rank] if strictly_lower else \
             [r for r in self.running if r.rank >= needy.rank]
@@ -339,28 +340,11 @@ class Scheduler:
 
     def _expire(self, now: float, out: SchedulerOutput) -> None:
         for req in [*self.running, *self.waiting]:
-            kind = self._expired(req, now)
-            if kind is not None:
+            if (kind := expired(req, now)) is not None:
                 req.timeout_kind = kind
                 self.accounting.on_timeout(req, kind)
                 self.finish(req, RequestStatus.FINISHED_TIMEOUT)
                 out.timed_out.append(req)
-
-    @staticmethod
-    def _expired(req: Request, now: float) -> str | None:
-        if req.timeout_kind is not None:
-            return req.timeout_kind  # its last token came too late (see SchedulerAccounting.on_token)
-        t = req.timeouts
-        age = now - req.arrival_time
-        if req.first_scheduled_time is None and t.queue is not None and age > t.queue:
-            return "queue"
-        if req.first_token_time is None and t.ttft is not None and age > t.ttft:
-            return "ttft"
-        if req.last_token_time is not None and t.token is not None and now - req.last_token_time > t.token:
-            return "token"
-        if t.total is not None and age > t.total:
-            return "total"
-        return None
 
     def _shed(self, level: int, out: SchedulerOutput) -> None:
         """Apply the shedder's level to the sheddable classes (level 1 acts at the door)."""
@@ -408,6 +392,8 @@ class Scheduler:
                     self._start_forks(req, sampled, now)
                 req.output_ids.append(token)
                 on_token(req, now)
+        if self.fair is not None:  # (fcfs counts nothing)
+            self.fair.charge_step(out)
 
     def _start_forks(self, root: Request, sampled: dict[int, int], now: float) -> None:
         """At the root's first token each fork takes its blocks, class, deadlines and timeline."""
@@ -421,6 +407,8 @@ class Scheduler:
             fork.output_ids.append(sampled[fork.seq_id])
             self.accounting.on_token(fork, now)
             self.running.append(fork)
+            if self.fair is not None:
+                self.fair.enter(fork.tenant, fork.tenant_weight)
 
     def finish(self, req: Request, status: RequestStatus) -> None:
         """End a request (stopped, length, aborted, timed out) and return its blocks at once."""
@@ -435,10 +423,12 @@ class Scheduler:
             if req.swapped:
                 bm.free_swapped(req.seq_id)
                 req.swapped = False
-        # else: a fork that never started (its group ended before the prompt finished)
+        else:  # never queued here: a fork that never started (its group ended before the prompt did)
+            req.status = status
+            return
+        if self.fair is not None:
+            self.fair.leave(req.tenant)
         req.status = status
-        if req.priority_class is None:
-            return  # never queued here
         self.accounting.on_finish(req, status, self.clock())
 
     def requests_snapshot(self, limit: int) -> list[RequestSnapshot]:
@@ -448,3 +438,7 @@ class Scheduler:
     def snapshot(self) -> list[ClassSnapshot]:
         """Every class's state now, most important first (O(waiting + running))."""
         return self.accounting.snapshot(self.clock(), self.waiting, self.running, self.block_manager.block_table)
+
+    def tenants_snapshot(self) -> tuple[TenantSnapshot, ...]:
+        """Every tenant's fair share now (none under fcfs)."""
+        return () if self.fair is None else self.fair.snapshot(self.waiting, self.running)

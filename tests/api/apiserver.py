@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +16,7 @@ from aiohttp.test_utils import TestServer
 from inferd.api.app import create_app
 from inferd.api.door import FrontDoor
 from inferd.api.state import DOOR, STATE, ServerState
+from inferd.api.tenants import Keyring
 from inferd.config import Settings
 from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.llm_engine import LLMEngine
@@ -56,12 +57,13 @@ def data_events(events: list[str]) -> list[Any]:
 
 
 @asynccontextmanager
-async def serve(llm: LLMEngine, settings: Settings | None = None, api_keys: frozenset[str] = frozenset()) -> AsyncIterator[Server]:
+async def serve(llm: LLMEngine, settings: Settings | None = None, api_keys: frozenset[str] = frozenset(),
+                reload_keys: Callable[[], Keyring] | None = None) -> AsyncIterator[Server]:
     engine = AsyncEngine(llm)
     settings = settings or Settings()
     if settings.model.name is None:
         settings = settings.model_copy(update={"model": settings.model.model_copy(update={"name": MODEL})})
-    app = create_app(engine, settings, api_keys)
+    app = create_app(engine, settings, api_keys, reload_keys)
     test_server = TestServer(app)
     await test_server.start_server()
     try:
@@ -99,7 +101,8 @@ async def assert_pool_whole(engine: AsyncEngine, door: FrontDoor, within: float 
         assert door.admission.queued(cls.name) == (0, 0), cls.name
 
 
-def assert_error(status: int, body: Any, expected_status: int, param: str | None = None, code: str | None = None) -> None:
+def assert_error(status: int, body: Any, expected_status: int, param: str | None = None, code: str | None = None,
+                 type_: str | None = None) -> None:
     assert status == expected_status, body
     assert set(body) == {"error"}, body
     error = body["error"]
@@ -108,8 +111,12 @@ def assert_error(status: int, body: Any, expected_status: int, param: str | None
     expected_type = "invalid_request_error" if expected_status < 500 else error["type"]
     if expected_status == 401:
         expected_type = "authentication_error"
+    if expected_status == 403:
+        expected_type = "permission_error"
     if expected_status == 429:
         expected_type = "rate_limit_error"
+    if type_ is not None:
+        expected_type = type_
     assert error["type"] == expected_type, error
     if param is not None:
         assert error["param"] == param, error

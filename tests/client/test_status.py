@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from inferd.client.status import LocalThroughput, StatusError, fetch, render, sparkline, status_url
+from inferd.client.status import LocalThroughput, StatusError, _request_rows, fetch, render, sparkline, status_url
+from inferd.client.status_panels import fmt_count
 
 NOW = 1_800_000_000.0
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -121,6 +122,7 @@ def test_render_without_new_fields() -> None:
     {}, {"classes": None, "requests": None, "throughput": None},
     {"classes": [{}], "requests": [{}], "throughput": {"history": []}, "device_memory": {}},
     {"kv_blocks_total": 0, "kv_blocks_used": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0},
+    {"tenants": [{}, None, "x"]}, {"tenants": {"acme": {}}},
 ])
 def test_render_tolerates_sparse_snapshots(snapshot: dict[str, Any]) -> None:
     assert "inferd status" in text_of(snapshot, width=80)
@@ -139,6 +141,74 @@ def test_render_device_memory_and_request_cap() -> None:
     assert "requests (10), 7 not shown" in text
     shown = re.findall(r"\b(1\d\d)\s+batch\s+(\w+)", text)
     assert shown == [("108", "running"), ("106", "running"), ("104", "running")]  # running first, oldest first
+
+
+def _tenant(name: str, **over: Any) -> dict[str, Any]:
+    t = {
+        "name": name, "tier": "gold", "weight": 2.0, "requests": 12345, "prompt_tokens": 1_234_567,
+        "completion_tokens": 98_765, "rejections": {"requests": 3, "tokens": 1}, "waiting": 2, "running": 5,
+        "virtual_tokens": 61_728.4, "ttft_p50_seconds": 0.12, "ttft_p95_seconds": 0.9, "tpot_p50_seconds": 0.031,
+        "remaining_requests": 7, "remaining_tokens": 360_000,
+    }
+    t.update(over)
+    return t
+
+
+def test_render_tenants() -> None:
+    snap = copy.deepcopy(FULL)
+    snap["tenants"] = [_tenant("acme"), _tenant("free-tier-co", tier=None, weight=0.5, requests=3, prompt_tokens=900,
+                                                 completion_tokens=40, rejections={}, virtual_tokens=1880.0)]
+    text = text_of(snap)
+    assert "tenants (2)" in text
+    assert row(text, "acme").split() == ["acme", "gold", "2", "2", "5", "12.3k", "1.2M", "98.8k", "61.7k", "120ms",
+                                         "900ms", "31ms", "4", "7", "360.0k"]
+    assert row(text, "free-tier-co").split()[:9] == ["free-tier-co", "-", "0.5", "2", "5", "3", "900", "40", "1880"]
+    assert row(text, "free-tier-co").split()[12] == "0"  # rejections: none
+    assert text.index("queues") < text.index("tenants (2)") < text.index("KV cache")
+    assert max(len(line) for line in text.splitlines()) <= 120
+
+
+def test_render_tenants_missing_fields() -> None:
+    old_server = {"name": "acme", "tier": "gold", "weight": 1.0, "requests": 1}  # the rest not sent
+    nulls = _tenant("nolimits", tier=None, ttft_p50_seconds=None, ttft_p95_seconds=None, tpot_p50_seconds=None,
+                    remaining_requests=None, remaining_tokens=None, weight=None)
+    text = text_of({**FULL, "tenants": [old_server, nulls]})
+    assert row(text, "acme").split() == ["acme", "gold", "1", "-", "-", "1"] + ["-"] * 9
+    fields = row(text, "nolimits").split()
+    assert fields[1:3] == ["-", "-"] and fields[9:12] == ["-", "-", "-"] and fields[13:] == ["-", "-"]
+    assert "tenants (1)" in text_of({**FULL, "tenants": [{}]})  # a tenant with nothing at all still renders
+
+
+@pytest.mark.parametrize("tenants", [None, [], "acme", [None]])
+def test_no_tenants_panel_without_tenants(tenants: Any) -> None:
+    snap = copy.deepcopy(FULL)
+    if tenants is not None:
+        snap["tenants"] = tenants
+    text = text_of(snap)
+    assert "tenants" not in text and row(text, "interactive")
+
+
+def _screen(n_tenants: int, height: int = 50) -> list[str]:
+    """The lines of a `run` frame on a 120 x `height` screen, with 100 requests and `n_tenants`."""
+    snap = copy.deepcopy(FULL)
+    snap["tenants"] = [_tenant(f"t{i}") for i in range(n_tenants)]
+    snap["requests"] = [{"id": i, "class": "batch", "state": "running", "age_seconds": 1.0} for i in range(100)]
+    console = Console(record=True, width=120, height=height, color_system=None, file=io.StringIO())
+    console.print(render(snap, now=NOW, max_requests=_request_rows(console, snap)))
+    return console.export_text().splitlines()
+
+
+def test_request_table_leaves_room_for_tenants() -> None:
+    without = len(_screen(0))
+    assert without <= 50
+    for n in (1, 4, 10):
+        assert len(_screen(n)) == without  # the request table gives up exactly the tenant panel's lines
+
+
+def test_fmt_count() -> None:
+    assert [fmt_count(v) for v in (0, 9999, 10_000, 12_345, 999_949, 999_999, 1_234_567, 2.5e9)] == [
+        "0", "9999", "10.0k", "12.3k", "999.9k", "1.0M", "1.2M", "2.5G"]
+    assert fmt_count(None) == fmt_count(float("nan")) == fmt_count(True) == "-"
 
 
 def test_sparkline() -> None:

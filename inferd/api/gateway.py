@@ -1,0 +1,168 @@
+"""The gateway: what a tenant may use, its rate limits, and its accounts, on the event loop.
+
+    principal -> model and class allowed? (403) -> dual bucket charge (429 / 400) -> the door
+              <- refund of the tokens not generated, TTFT / TPOT, tokens in and out <- the end
+
+A request is charged its prompt tokens plus max_tokens for every choice when it is admitted,
+before any queueing, so a tenant cannot overdraw with long outputs; what it did not generate is
+given back when it ends. The gateway is the only writer of the limiters and the per-tenant
+accounts; the engine's side of fairness (virtual token counters) is in its snapshot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from inferd.api.errors import APIError, bad_request
+from inferd.api.ratelimit import Charge, NeverFits, RateLimited, TenantLimiter, retry_after_header
+from inferd.api.tenants import Keyring, Principal, Tenant
+from inferd.engine.accounting import Samples
+from inferd.engine.policy import SchedulingPolicy
+from inferd.engine.protocol import RequestMetrics
+
+# why a tenant's request was refused: the gateway's own reasons, then the door's (admission.py)
+GATEWAY_REASONS = ("rate_limit_requests", "rate_limit_tokens", "too_large", "model_not_allowed",
+                   "class_not_allowed")
+
+
+@dataclass
+class TenantAccount:
+    """A tenant's counts since start (kept across reloads, so counters never go back)."""
+
+    requests: int = 0  # admitted by the gateway
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    rejections: Counter[str] = field(default_factory=Counter)  # by reason
+    ttft: Samples = field(default_factory=Samples)
+    tpot: Samples = field(default_factory=Samples)
+
+
+class Ticket:
+    """One admitted request's account with its tenant: its charge, refunded when it ends."""
+
+    def __init__(self, tenant: Tenant, account: TenantAccount, limiter: TenantLimiter | None,
+                 charge: Charge | None) -> None:
+        self.tenant = tenant
+        self.account = account
+        self.limiter = limiter
+        self.charge = charge
+
+    def refused(self, reason: str) -> None:
+        """The door refused it after the gateway let it through (queue full, draining, ...)."""
+        self.account.requests -= 1
+        self.account.rejections[reason] += 1
+
+    def finished(self, metrics: RequestMetrics) -> None:
+        """One choice ended: its latencies go into the tenant's histograms."""
+        if metrics.ttft is None:
+            return
+        self.account.ttft.add(metrics.ttft)
+        if metrics.output_tokens > 1:
+            self.account.tpot.add((metrics.e2e - metrics.ttft) / (metrics.output_tokens - 1))
+
+    def close(self, prompt_tokens: int, completion_tokens: int) -> None:
+        """The request ended: count its tokens, refund what it was charged and did not use."""
+        self.account.prompt_tokens += prompt_tokens
+        self.account.completion_tokens += completion_tokens
+        if self.limiter is not None and self.charge is not None:
+            self.limiter.refund(self.charge, prompt_tokens + completion_tokens)
+
+
+class Gateway:
+    def __init__(self, keyring: Keyring, policy: SchedulingPolicy,
+                 reload: Callable[[], Keyring] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self._reload = reload
+        self._clock = clock
+        self.keyring = keyring
+        self.limiters: dict[str, TenantLimiter] = {}
+        self.accounts: dict[str, TenantAccount] = {}
+        self.apply(keyring)
+
+    def apply(self, keyring: Keyring) -> None:
+        """Serve with these keys and tenants from now on (a tenant's buckets keep their levels)."""
+        classes = {c.name for c in self.policy.classes}
+        for tenant in keyring.tenants.values():
+            unknown = sorted({*(tenant.classes or ()), *filter(None, [tenant.default_class])} - classes)
+            if unknown:  # (the settings check this against the file's classes; these are the running ones)
+                raise ValueError(f"tenants.{tenant.name}: unknown classes {unknown}; the classes are {sorted(classes)}")
+        limiters = {}
+        for name, tenant in keyring.tenants.items():
+            limiter = self.limiters.get(name)
+            if limiter is None:
+                limiter = TenantLimiter(tenant.limits, self._clock)
+            else:
+                limiter.update(tenant.limits)  # keeps what the tenant has used
+            limiters[name] = limiter
+            self.accounts.setdefault(name, TenantAccount())
+        self.keyring, self.limiters = keyring, limiters
+
+    def reload_keyring(self) -> Keyring:
+        """The keys and tenants read again (SIGHUP, POST /admin/reload): blocking file reads, so
+        off the event loop; `apply` the result on it. A bad file raises, and nothing changes."""
+        if self._reload is None:
+            raise ValueError("this server was not started from the command line: nothing to reload")
+        return self._reload()
+
+    # ---------------------------------------------------------------------------- checks
+
+    def priority(self, principal: Principal, requested: str | int | None) -> str | int | None:
+        """The class a request asks for: its own `priority`, else its tenant's default."""
+        tenant = principal.tenant
+        return requested if requested is not None or tenant is None else tenant.default_class
+
+    def check_class(self, principal: Principal, class_name: str) -> None:
+        tenant = principal.tenant
+        if tenant is not None:
+            self._check(tenant, tenant.classes, "priority class", class_name, "priority", "class_not_allowed")
+
+    def check_model(self, principal: Principal, model: str) -> None:
+        tenant = principal.tenant
+        if tenant is not None:
+            self._check(tenant, tenant.models, "model", model, "model", "model_not_allowed")
+
+    def _check(self, tenant: Tenant, allowed: frozenset[str] | None, what: str, name: str, param: str,
+               code: str) -> None:
+        """A 403 naming what the tenant may use, unless `name` is in `allowed` (None: anything)."""
+        if allowed is None or name in allowed:
+            return
+        self._refuse(tenant, code)
+        raise APIError(403, f"the tenant {tenant.name!r} may not use the {what} {name!r}; it may use {sorted(allowed)}",
+                       type="permission_error", param=param, code=code)
+
+    # ------------------------------------------------------------------------- admission
+
+    def admit(self, principal: Principal, tokens: int) -> Ticket | None:
+        """Charge a request of up to `tokens` tokens (prompts + max_tokens for every choice) to
+        its tenant's buckets: a Ticket to close when it ends (None: no tenant), else 429 / 400."""
+        tenant = principal.tenant
+        if tenant is None:
+            return None
+        limiter, account = self.limiters[tenant.name], self.accounts[tenant.name]
+        try:
+            charge = limiter.admit(tokens)
+        except NeverFits as e:
+            self._refuse(tenant, "too_large")
+            raise bad_request(f"the request needs up to {e.tokens} tokens (prompt + max_tokens for every choice) "
+                              f"and the tenant's tokens_burst is {e.capacity}: it can never be admitted; lower "
+                              "max_tokens or n", param="max_tokens", code="rate_limit_too_large") from None
+        except RateLimited as e:
+            self._refuse(tenant, f"rate_limit_{e.kind}")
+            raise APIError(429, e.message, type=e.kind, code="rate_limit_exceeded",
+                           headers={"Retry-After": retry_after_header(e.retry_after)}) from None
+        account.requests += 1
+        return Ticket(tenant, account, limiter, charge)
+
+    def _refuse(self, tenant: Tenant, reason: str) -> None:
+        self.accounts[tenant.name].rejections[reason] += 1
+
+    def headers(self, principal: Principal) -> dict[str, str]:
+        """OpenAI's x-ratelimit-* headers of the caller's tenant, as its buckets stand now."""
+        tenant = principal.tenant
+        if tenant is None:
+            return {}
+        limiter = self.limiters.get(tenant.name)
+        return {} if limiter is None else limiter.headers()

@@ -1,0 +1,195 @@
+"""The table regions of `inferd status` and the formatting they share with the rest of the frame.
+
+Each region is a pure function of the /v1/status snapshot (a plain dict) to a rich renderable:
+
+    queues(s)                 one row per priority class
+    tenants(s)                one row per tenant; None when the server sends no tenants
+    requests(s, max_requests) the running and waiting requests
+    counters(s)               preemptions, timeouts, rejections, deadline misses, shed level
+
+Fields a server does not send render as MISSING ("-").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich import box
+from rich.console import RenderableType
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+MISSING = "-"
+_REQUEST_STYLES = {"running": "green", "waiting": "yellow", "swapped": "magenta"}
+
+
+# ---------------------------------------------------------------------------------- regions
+
+
+def queues(s: dict[str, Any]) -> RenderableType:
+    t = table()
+    classes = dicts(s.get("classes"))
+    widest = max((len(str(c.get("name", MISSING))) for c in classes), default=1)
+    t.add_column("class", style="bold", no_wrap=True, min_width=widest)
+    for name in ("prio", "waiting", "queued tok", "oldest", "running", "KV blk", "TTFT p50", "p95",
+                 "target", "timeouts", "rejected"):
+        t.add_column(name, justify="right")
+    for c in classes:
+        limits = c.get("limits") if isinstance(c.get("limits"), dict) else {}
+        target, p95 = limits.get("ttft_target"), c.get("ttft_p95_seconds")
+        late = is_num(target) and is_num(p95) and p95 > target
+        t.add_row(
+            str(c.get("name", MISSING)), fmt_int(c.get("priority")), fmt_int(c.get("waiting")),
+            fmt_int(c.get("queued_tokens")), fmt_dur(c.get("oldest_wait_seconds")), fmt_int(c.get("running")),
+            fmt_int(c.get("kv_blocks_used")), fmt_dur(c.get("ttft_p50_seconds")),
+            Text(fmt_dur(p95), style="bold red" if late else ""), fmt_dur(target),
+            fmt_total(c.get("timeouts")), fmt_total(c.get("rejections")),
+        )
+    return Panel(t, title="queues", title_align="left", box=box.ROUNDED)
+
+
+def tenants(s: dict[str, Any]) -> RenderableType | None:
+    """One row per tenant, in the server's order; None (no region) when there are none."""
+    rows = dicts(s.get("tenants"))
+    if not rows:
+        return None
+    t = table()
+    widest = max(len(str(r.get("name", MISSING))) for r in rows)
+    t.add_column("tenant", style="bold", no_wrap=True, min_width=widest)
+    t.add_column("tier", no_wrap=True)
+    # vtok: tokens served / weight, the fair-share clock (the least goes first); TTFT and TPOT:
+    # p50s; left: what the tenant's rate-limit buckets hold now. NOTE: short headers, so fifteen
+    # columns fit 120 with room for tenant names
+    for name in ("weight", "wait", "run", "reqs", "tok in", "tok out", "vtok", "TTFT", "p95", "TPOT", "rej",
+                 "req left", "tok left"):
+        t.add_column(name, justify="right", no_wrap=True)
+    for r in rows:
+        rejected = fmt_total(r.get("rejections"))
+        t.add_row(
+            str(r.get("name", MISSING)), str(r.get("tier") or MISSING),
+            f"{r['weight']:g}" if is_num(r.get("weight")) else MISSING,
+            fmt_int(r.get("waiting")), fmt_int(r.get("running")), fmt_count(r.get("requests")),
+            fmt_count(r.get("prompt_tokens")), fmt_count(r.get("completion_tokens")),
+            fmt_count(r.get("virtual_tokens")), fmt_dur(r.get("ttft_p50_seconds")),
+            fmt_dur(r.get("ttft_p95_seconds")), fmt_dur(r.get("tpot_p50_seconds")),
+            Text(rejected, style="yellow" if rejected not in (MISSING, "0") else ""),
+            fmt_count(r.get("remaining_requests")), fmt_count(r.get("remaining_tokens")),
+        )
+    return Panel(t, title=f"tenants ({len(rows)})", title_align="left", box=box.ROUNDED)
+
+
+def requests(s: dict[str, Any], max_requests: int | None) -> RenderableType:
+    """Running first, then the oldest: the ones to look at when something is stuck."""
+    listed = s.get("requests")
+    if not isinstance(listed, list):
+        return Panel(Text(MISSING), title="requests", title_align="left", box=box.ROUNDED)
+    order = {"running": 0, "swapped": 1, "waiting": 2}
+    rows = sorted(dicts(listed), key=lambda r: (order.get(str(r.get("state")), 3), -num(r.get("age_seconds"))))
+    shown = rows if max_requests is None else rows[:max(0, max_requests)]
+    t = table()
+    t.add_column("id", justify="right")
+    widest = max((len(str(r.get("class", MISSING))) for r in shown), default=1)
+    t.add_column("class", no_wrap=True, min_width=widest)
+    t.add_column("state")
+    for name in ("age", "tokens in/out", "TTFT"):
+        t.add_column(name, justify="right")
+    for r in shown:
+        state = str(r.get("state", MISSING))
+        t.add_row(
+            fmt_int(r.get("id")), str(r.get("class", MISSING)), Text(state, style=_REQUEST_STYLES.get(state, "")),
+            fmt_dur(r.get("age_seconds")), f"{fmt_int(r.get('prompt_tokens'))} / {fmt_int(r.get('output_tokens'))}",
+            fmt_dur(r.get("ttft_seconds")),
+        )
+    title = f"requests ({len(rows)})"
+    if len(shown) < len(rows):
+        title += f", {len(rows) - len(shown)} not shown"
+    return Panel(t, title=title, title_align="left", box=box.ROUNDED)
+
+
+def counters(s: dict[str, Any]) -> RenderableType:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="dim")
+    grid.add_column()
+    misses: dict[str, int] = {}
+    for c in dicts(s.get("classes")):
+        deadline_misses = c.get("deadline_misses")
+        for kind, n in (deadline_misses.items() if isinstance(deadline_misses, dict) else ()):
+            misses[kind] = misses.get(kind, 0) + int(num(n))
+    shed = s.get("shed_level")
+    shed_text = Text(fmt_int(shed), style="bold red" if is_num(shed) and shed > 0 else "")
+    if isinstance(s.get("shed_actions"), dict) and s["shed_actions"]:
+        shed_text.append(f" ({fmt_counts(s['shed_actions'])})", style="dim")
+    grid.add_row("preemptions", fmt_counts(s.get("preemptions")))
+    grid.add_row("timeouts", fmt_counts(s.get("timeouts")))
+    grid.add_row("rejections", fmt_counts(s.get("rejections")))
+    grid.add_row("deadline misses", fmt_counts(misses) if dicts(s.get("classes")) else MISSING)
+    grid.add_row("shed level", shed_text)
+    return Panel(grid, title="counters", title_align="left", box=box.ROUNDED)
+
+
+def table() -> Table:
+    # NOTE: one space of padding, one of separator: twelve columns fit an 80-column pane's
+    # worth of data in 120 columns without truncating class names
+    return Table(box=box.SIMPLE_HEAD, expand=True, pad_edge=False, show_edge=False, padding=(0, 1, 0, 0))
+
+
+# ------------------------------------------------------------------------------ formatting
+
+
+def is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def num(v: Any) -> float:
+    return float(v) if is_num(v) else 0.0
+
+
+def fmt_int(v: Any) -> str:
+    return str(int(v)) if is_num(v) else MISSING
+
+
+def fmt_count(v: Any) -> str:
+    """A count that grows without bound, in at most 6 characters: 9999, 12.3k, 4.5M, 1.2G."""
+    if not is_num(v):
+        return MISSING
+    if abs(v) < 10_000:
+        return str(round(v))
+    v /= 1000
+    for unit in ("k", "M"):
+        if abs(v) < 999.95:  # what would round to 1000.0 moves up a unit
+            return f"{v:.1f}{unit}"
+        v /= 1000
+    return f"{v:.1f}G"
+
+
+def fmt_dur(v: Any) -> str:
+    """Seconds, human-sized: 110ms, 1.2s, 3m05s, 2h07m."""
+    if not is_num(v):
+        return MISSING
+    if v < 1:
+        return f"{v * 1000:.0f}ms"
+    if v < 60:
+        return f"{v:.1f}s"
+    if v < 3600:
+        return f"{int(v // 60)}m{int(v % 60):02d}s"
+    return f"{int(v // 3600)}h{int(v % 3600 // 60):02d}m"
+
+
+def dicts(v: Any) -> list[dict[str, Any]]:
+    return [x for x in v if isinstance(x, dict)] if isinstance(v, list) else []
+
+
+def fmt_counts(d: Any) -> str:
+    """{"recompute": 3, "swap": 1} -> "recompute 3, swap 1"; {} -> "0"; absent -> "-"."""
+    if not isinstance(d, dict):
+        return MISSING
+    items = [f"{k} {int(n)}" for k, n in sorted(d.items()) if is_num(n) and n]
+    return ", ".join(items) or "0"
+
+
+def fmt_total(d: Any) -> str:
+    if not isinstance(d, dict):
+        return MISSING
+    return str(sum(int(n) for n in d.values() if is_num(n)))
