@@ -148,6 +148,12 @@ class ServerSettings(_Section):
     api_keys_file: str | None = None
     open_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")  # served without a key
     keepalive_seconds: float = Field(default=10.0, gt=0, le=300)  # SSE comment while queued
+    # a "resumable" stream whose client left runs on this long, for GET /v1/streams/<id> (resume.py)
+    resume_grace_seconds: float = Field(default=30.0, gt=0, le=3600)
+    resume_max_streams: int = Field(default=1024, ge=1)  # resumable streams held at once; more: 429
+    # a stream whose client reads nothing this long is paused (KV kept), twice this long cut
+    slow_client_seconds: float = Field(default=10.0, gt=0)
+    stream_send_buffer_bytes: int = Field(default=65536, ge=0)  # a stream socket's SO_SNDBUF; 0: the OS's
     drain_seconds: float = Field(default=30.0, ge=0)  # SIGTERM: in-flight requests may finish this long
     probe_interval_seconds: float = Field(default=60.0, ge=0)  # re-run the inference probe when idle; 0: start-up only
     liveness_seconds: float = Field(default=60.0, gt=0)  # /health fails if the engine has work but no step this long
@@ -224,6 +230,53 @@ class RuntimeSettings(_Section):
     threads: int = Field(default=0, ge=0, le=1024)  # torch CPU threads; 0: one per core
 
 
+class OutputFilterSettings(_Section):
+    # one term per line ('#' comments), `re:PATTERN` a regex; read once at start-up by
+    # EngineConfig.from_settings (engine/output_filter.py); None: no filter
+    blocklist_file: str | None = None
+    action: Literal["mask", "stop"] = "mask"  # "*" over a blocked term, or end with "content_filter"
+
+
+_REDACT = {  # tag -> regex, applied in this order (a key's or an address's digits are gone before "number")
+    "email": r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9-]{1,63}(?:\.[A-Za-z0-9-]{1,63}){0,8}\.[A-Za-z]{2,24}",
+    "api_key": r"\b(?:sk|pk|rk)-[A-Za-z0-9_-]{8,}|\b(?:ghp|gho|ghs|xox[abprs])[_-][A-Za-z0-9_-]{10,}"
+               r"|\bAKIA[0-9A-Z]{16}\b",
+    "ipv4": r"\b(?:(?:25[0-5]|2[0-4]\d|1?\d?\d)\.){3}(?:25[0-5]|2[0-4]\d|1?\d?\d)\b",
+    "number": r"\+?\d(?:[ ().-]{0,2}\d){6,}",  # phone, card, account: 7+ digits, maybe separated
+}
+
+
+class RequestLogSettings(_Section):
+    """The request file (one JSON line per finished generation) and the drift statistics."""
+
+    path: str | None = None  # None: off
+    max_bytes: int = Field(default=64 * 2**20, ge=1)  # rotate the file past this size
+    backups: int = Field(default=5, ge=1)  # rotated files kept: path.1 .. path.N
+    redact: bool = True
+    redact_patterns: dict[str, str] = Field(default_factory=lambda: dict(_REDACT))
+    refusal_phrases: tuple[str, ...] = ("I'm sorry", "I am sorry", "I cannot", "I can't help", "I can't assist",
+                                        "I am unable to", "I'm unable to", "As an AI")
+    drift_window_seconds: float = Field(default=300.0, gt=0)
+    baseline_requests: int = Field(default=200, ge=1)
+
+    @field_validator("max_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return int(parse_memory(value)) if isinstance(value, str) else value
+
+    @field_validator("redact_patterns")
+    @classmethod
+    def _patterns(cls, value: dict[str, str]) -> dict[str, str]:
+        for tag, pattern in value.items():
+            if not re.fullmatch(r"[a-z0-9_]+", tag):
+                raise ValueError(f"tag {tag!r}: lower-case letters, digits and '_' only")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"{tag}: invalid regex ({e})") from None
+        return value
+
+
 class Settings(_Section):
     server: ServerSettings = ServerSettings()
     limits: LimitSettings = LimitSettings()
@@ -237,6 +290,8 @@ class Settings(_Section):
         default_factory=lambda: {name: ClassSettings(**t) for name, t in _BUILTIN_CLASSES.items()})
     health: HealthSettings = HealthSettings()
     runtime: RuntimeSettings = RuntimeSettings()
+    output_filter: OutputFilterSettings = OutputFilterSettings()
+    request_log: RequestLogSettings = RequestLogSettings()  # off unless request_log.path is set
     # [tenants.NAME] tables: who may call, at what rate, with what share (api/tenants.py)
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
 

@@ -27,11 +27,14 @@ from inferd.api.errors import error_middleware
 from inferd.api.logs import request_log_middleware
 from inferd.api.metrics import setup_metrics
 from inferd.api.probe import InferenceProbe
+from inferd.api.request_log import setup_request_log
 from inferd.api.door import FrontDoor
 from inferd.api.gateway import Gateway
 from inferd.api.logprobs import TokenTexts
 from inferd.api.routes import add_routes
-from inferd.api.state import DOOR, ENGINE, GATEWAY, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS, ServerState
+from inferd.api.resume import StreamRegistry
+from inferd.api.state import (DOOR, ENGINE, GATEWAY, RESUMABLE, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS,
+                              ServerState)
 from inferd.api.tenants import Keyring
 from inferd.config import Settings
 from inferd.engine.async_engine import AsyncEngine
@@ -68,8 +71,11 @@ def create_app(engine: AsyncEngine, settings: Settings, api_keys: frozenset[str]
     app[SETTINGS] = settings
     app[TOKEN_TEXTS] = TokenTexts(engine.tokenizer)
     app[SSE_RESPONSES] = set()
+    app[RESUMABLE] = StreamRegistry(server.resume_grace_seconds, server.resume_max_streams, server.keepalive_seconds,
+                                    app[SSE_RESPONSES])
     app[STATE] = ServerState(served_name(settings, engine.limits.model_path))
     add_routes(app)
+    setup_request_log(app, settings.request_log, app[STATE].model_name)  # before the metrics, which read it
     setup_metrics(app)
     app.on_response_prepare.append(_rate_limit_headers)
     app.cleanup_ctx.append(_engine_lifecycle)
@@ -109,3 +115,4 @@ async def _end_streams(app: web.Application) -> None:
         await asyncio.sleep(0.02)
     if open_streams:
         log.warning("%d streams did not end within %.0f s", len(open_streams), STREAMS_END_SECONDS)
+    app[RESUMABLE].close()  # (detached resumable streams: their requests ended with the engine)

@@ -20,6 +20,7 @@ from inferd.api.tenants import ANONYMOUS, OPEN, Keyring, Principal
 from inferd.config import SettingsError
 
 PRINCIPAL = web.RequestKey("principal", Principal)
+KEY_DIGEST = web.RequestKey("key_digest", str)  # the caller's key (hex SHA-256): who owns a resumable stream
 
 _DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 
@@ -81,6 +82,7 @@ def auth_middleware(keyring: Callable[[], Keyring], open_paths: tuple[str, ...],
             raise APIError(403, f"{request.path} needs an admin key", type="permission_error",
                            code="admin_key_required")
         request[PRINCIPAL] = principal
+        request[KEY_DIGEST] = digest(key)
         record = request.get(RECORD)
         if record is not None and principal.tenant is not None:
             record.tenant = principal.tenant.name  # (its log line names it, refused or not)

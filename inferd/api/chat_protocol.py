@@ -165,7 +165,7 @@ class ChatResponseMessage(ResponseModel):
     tool_calls: list[ToolCallOut] | None = None
 
 
-FinishReason = Literal["stop", "length", "timeout", "tool_calls"]
+FinishReason = Literal["stop", "length", "content_filter", "timeout", "tool_calls"]
 
 
 class ChatChoice(ResponseModel):

@@ -63,6 +63,10 @@ class FrontDoor:
         """A 400 for a request its class can never run (checked prompt, chosen max_tokens)."""
         if not 1 <= n <= self.limits.max_num_seqs:
             raise bad_request(f"n must be in [1, {self.limits.max_num_seqs}], got {n}", param="n")
+        if params.logprobs is not None and self.limits.output_filter:
+            # NOTE: their token strings come from token ids, around the filter: they would leak
+            raise bad_request("logprobs are not available on this server: its output filter is on",
+                              param="logprobs")
         if params.max_tokens > cls.max_tokens:
             raise bad_request(f"max_tokens must be at most {cls.max_tokens} in the {cls.name!r} class, "
                               f"got {params.max_tokens}", param="max_tokens")
@@ -77,7 +81,7 @@ class FrontDoor:
 
     def submit(self, prompts: Sequence[list[int]], params: SamplingParams, n: int, cls: PriorityClass,
                timeouts: Timeouts, tenant: str | None = None, tenant_weight: float = 1.0,
-               constraints: Sequence[LogitsConstraint] | None = None) -> list[RequestStream]:
+               constraints: Sequence[LogitsConstraint] | None = None, segment: str = "token") -> list[RequestStream]:
         """Check every prompt, admit them all into the class's queue (or none: 429 / 503), then
         submit one engine request per prompt (with its own constraint, if any); each leaves the
         queue when the engine schedules it or it ends first."""
@@ -97,7 +101,7 @@ class FrontDoor:
             for i, prompt in enumerate(prompts):
                 request = EngineRequest(self.engine.new_group_id(), prompt, params, cls.name, n, timeouts,
                                         arrival_time=arrival, tenant=tenant, tenant_weight=tenant_weight,
-                                        constraint=constraints[i] if constraints else None)
+                                        constraint=constraints[i] if constraints else None, segment=segment)
                 departure = functools.partial(self.admission.leave, cls.name, 1, len(prompt))
                 streams.append(self.engine.submit(request, on_queue_exit=departure))
         except BaseException:

@@ -14,10 +14,13 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from dataclasses import fields as dataclass_fields
 from typing import Any
 
 from aiohttp import web
+
+from inferd.api.request_log import REQUEST_JOURNAL, RequestTexts
 
 request_log = logging.getLogger("inferd.requests")
 
@@ -40,6 +43,7 @@ class RequestRecord:
     ttft: float | None = None
     finish: list[str] = field(default_factory=list)  # each choice's finish reason
     prompt: str | None = None  # only with server.log_prompts
+    texts: RequestTexts | None = None  # prompt and outputs, only for the request file (request_log.py)
 
 
 RECORD = web.RequestKey("request_record", RequestRecord)
@@ -48,7 +52,7 @@ RECORD = web.RequestKey("request_record", RequestRecord)
 def log_fields(request: web.Request, status: int, e2e: float, record: RequestRecord | None) -> dict[str, Any]:
     fields: dict[str, Any] = {"path": request.path, "status": status, "e2e": round(e2e, 4)}
     if record is not None:
-        values = asdict(record)
+        values = {f.name: getattr(record, f.name) for f in dataclass_fields(record) if f.name != "texts"}
         values["class"] = values.pop("priority_class")
         values["finish"] = ",".join(sorted(set(record.finish))) or None
         for key in ("queue_time", "ttft"):
@@ -65,15 +69,19 @@ async def request_log_middleware(request: web.Request, handler: Callable[[web.Re
     if request.path in QUIET_PATHS:
         return await handler(request)
     start = time.monotonic()
-    request[RECORD] = RequestRecord()
+    journal = request.app.get(REQUEST_JOURNAL)
+    request[RECORD] = RequestRecord(texts=None if journal is None else RequestTexts())
     status = 499  # the client left before an answer (the handler was cancelled)
     try:
         response = await handler(request)
         status = response.status
         return response
     finally:
-        fields = log_fields(request, status, time.monotonic() - start, request[RECORD])
-        request_log.info("request %s", " ".join(f"{k}={v}" for k, v in fields.items()), extra={"fields": fields})
+        e2e = time.monotonic() - start
+        values = log_fields(request, status, e2e, request[RECORD])
+        request_log.info("request %s", " ".join(f"{k}={v}" for k, v in values.items()), extra={"fields": values})
+        if journal is not None:  # the request file's line, if it was a generation
+            journal.finished(request[RECORD], request.path, status, e2e)
 
 
 class JsonFormatter(logging.Formatter):

@@ -28,8 +28,10 @@ from prometheus_client.registry import Collector
 
 from inferd.api.admission import REASONS
 from inferd.api.door import FrontDoor
+from inferd.api.drift import SCRIPTS, DriftMonitor
 from inferd.api.gateway import GATEWAY_REASONS, Gateway
-from inferd.api.state import DOOR, ENGINE, GATEWAY, STATE, ServerState
+from inferd.api.request_log import REQUEST_JOURNAL
+from inferd.api.state import DOOR, ENGINE, GATEWAY, RESUMABLE, STATE, ServerState
 from inferd.api.structured import GRAMMAR_KINDS
 from inferd.engine.accounting import ClassSnapshot, Histogram
 from inferd.engine.async_engine import AsyncEngine
@@ -201,9 +203,38 @@ def _tenant_metrics(gateway: Gateway, stats: EngineSnapshot) -> Iterator[Metric]
         yield family
 
 
+def _drift_metrics(drift: DriftMonitor) -> Iterator[Metric]:
+    """The window against the baseline (api/drift.py; with [request_log] on). NOTE: PSI only per
+    feature with requests on both sides."""
+    report = drift.report()
+    psi = GaugeMetricFamily("inferd_drift_psi", "Population stability index of a feature: the last "
+                            "request_log.drift_window_seconds against the baseline (> 0.2: shifted).",
+                            labels=["feature"])
+    for feature, value in report.psi.items():
+        psi.add_metric([feature], value)
+    yield psi
+    languages = GaugeMetricFamily("inferd_drift_language_ratio", "The window's prompt letters, share per script.",
+                                  labels=["script"])
+    for script in SCRIPTS:
+        languages.add_metric([script], report.languages.get(script, 0.0))
+    yield languages
+    for name, doc, value in (
+            ("inferd_drift_baseline_requests", "Requests in the drift baseline so far.", report.baseline_requests),
+            ("inferd_drift_window_requests", "Requests in the drift window.", report.window_requests),
+            ("inferd_drift_mean_prompt_tokens", "Mean prompt tokens in the window.", report.mean_prompt_tokens),
+            ("inferd_drift_mean_completion_tokens", "Mean tokens per choice in the window.",
+             report.mean_completion_tokens),
+            ("inferd_drift_refusal_ratio", "Choices with a refusal phrase / choices, in the window.",
+             report.refusal_rate)):
+        if value is not None:
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
 class EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine, door: FrontDoor, gateway: Gateway, state: ServerState) -> None:
+    def __init__(self, engine: AsyncEngine, door: FrontDoor, gateway: Gateway, state: ServerState,
+                 drift: DriftMonitor | None = None) -> None:
         self.engine = engine
+        self.drift = drift
         self.door = door
         self.gateway = gateway
         self.state = state
@@ -229,7 +260,14 @@ class EngineCollector(Collector):
         yield from _fault_metrics(stats)
         yield CounterMetricFamily("inferd_drain_cut_requests", "Requests still running when a drain ended.",
                                   value=self.state.drain_cut)
+        slow = self.state.slow_clients
+        yield CounterMetricFamily("inferd_slow_client_pauses", "Streams paused: their client read nothing for "
+                                  "server.slow_client_seconds.", value=slow.paused)
+        yield CounterMetricFamily("inferd_slow_client_cuts", "Streams cut: their client read nothing for twice "
+                                  "server.slow_client_seconds.", value=slow.cut)
         yield from self._device(stats)
+        if self.drift is not None:
+            yield from _drift_metrics(self.drift)
         yield from _picker_aliases(stats, self.engine.limits, self.state.model_name, self._started)
 
     def _device(self, stats: EngineSnapshot) -> Iterator[Metric]:
@@ -250,7 +288,10 @@ class EngineCollector(Collector):
 
 def setup_metrics(app: web.Application) -> None:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(EngineCollector(app[ENGINE], app[DOOR], app[GATEWAY], app[STATE]))
+    journal = app.get(REQUEST_JOURNAL)
+    registry.register(EngineCollector(app[ENGINE], app[DOOR], app[GATEWAY], app[STATE],
+                                      None if journal is None else journal.drift))
+    registry.register(app[RESUMABLE])  # (its gauges: resume.py)
     app[REGISTRY] = registry
     app.router.add_get("/metrics", metrics)
 

@@ -113,6 +113,17 @@ class SamplingFields(RequestModel):
     ttft_timeout: float | None = Field(default=None, gt=0)
     token_timeout: float | None = Field(default=None, gt=0)
     total_timeout: float | None = Field(default=None, gt=0)
+    # inferd's streaming: text released per token, or in whole sentences or lines (no empty deltas)
+    segment: Literal["token", "sentence", "line"] = "token"
+    # a stream that outlives a disconnect: GET /v1/streams/<id> resumes it (api/resume.py)
+    resumable: bool = False
+
+    @field_validator("resumable")
+    @classmethod
+    def _resumable_streams_only(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("stream") is not True:
+            raise ValueError("resumable needs stream: true (a plain reply has nothing to resume)")
+        return value
 
     @field_validator("logit_bias")
     @classmethod
@@ -191,7 +202,7 @@ class CompletionChoice(ResponseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length", "timeout"] | None
+    finish_reason: Literal["stop", "length", "content_filter", "timeout"] | None
 
 
 class Usage(ResponseModel):

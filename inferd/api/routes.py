@@ -6,6 +6,7 @@
     POST /detokenize           tokenize.py         GET /ready         readiness: probed, not draining
     GET  /openapi.json         from the pydantic models (protocol.py, chat_protocol.py, status_protocol.py)
     GET  /admin/tenants        admin.py (admin key)   POST /admin/reload   keys and tenants read again
+    GET, DELETE /v1/streams/<id>  resume.py: resume or cancel a resumable stream
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from inferd.api.admin import add_admin_routes, tenant_statuses, visible_tenant
 from inferd.api.auth import principal_of
 from inferd.api.chat import create_chat_completion
 from inferd.api.completions import create_completion
-from inferd.api.state import DOOR, ENGINE, GATEWAY, SETTINGS, STATE
+from inferd.api.request_log import REQUEST_JOURNAL
+from inferd.api.state import DOOR, ENGINE, GATEWAY, RESUMABLE, SETTINGS, STATE
 from inferd.api.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -132,15 +134,25 @@ async def status(request: web.Request) -> web.Response:
                                                                   total_bytes=memory.total_bytes),
         engine_healthy=stats.healthy, step_failures=stats.step_failures,
         oom_events_last_minute=stats.oom_events_last_minute, token_budget=stats.token_budget,
+        resumable_streams_detached=request.app[RESUMABLE].detached,
         classes=_classes(request),
         requests=requests,
         tenants=tenant_statuses(request.app[GATEWAY], stats, only),
+        drift=journal.drift.report() if (journal := request.app.get(REQUEST_JOURNAL)) and only is None else None,
     )
     return web.json_response(p.dump(body))
 
 
 async def openapi(request: web.Request) -> web.Response:
     return web.json_response(openapi_document())
+
+
+async def resume_stream(request: web.Request) -> web.StreamResponse:
+    return await request.app[RESUMABLE].resume(request)
+
+
+async def delete_stream(request: web.Request) -> web.StreamResponse:
+    return await request.app[RESUMABLE].delete(request)
 
 
 def add_routes(app: web.Application) -> None:
@@ -153,6 +165,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/v1/streams/{response_id}", resume_stream)
+    app.router.add_delete("/v1/streams/{response_id}", delete_stream)
     add_admin_routes(app)
 
 
@@ -192,18 +206,21 @@ _ERRORS = {
     **_INVALID,
     **_FORBIDDEN,
     "429": _error("the tenant's rate limit (code rate_limit_exceeded), or the class's queue is full, it is being "
-                  "shed, or the request would miss its TTFT deadline; Retry-After says when to come back"),
+                  "shed, the request would miss its TTFT deadline, or too many resumable streams are held; "
+                  "Retry-After says when to come back"),
     "503": _error("the engine is not running, the server is draining, or the request timed out before its first "
                   "token; Retry-After says when to come back"),
 }
 
 
-def _event(chunk: type[BaseModel]) -> dict[str, Any]:
+def _event(*chunks: type[BaseModel]) -> dict[str, Any]:
     """One server-sent event of a stream (before OpenAPI 3.2, a text/event-stream `schema`
-    describes each event): `id: N` and `data:` a chunk, an error that ends the stream, or [DONE]."""
-    payload = {"contentMediaType": "application/json", "contentSchema": {"anyOf": [_ref(chunk), _ref(p.ErrorResponse)]}}
+    describes each event): `id: <response id>:<sequence number>` and `data:` a chunk, an error
+    that ends the stream, or [DONE]."""
+    payload = {"contentMediaType": "application/json",
+               "contentSchema": {"anyOf": [*map(_ref, chunks), _ref(p.ErrorResponse)]}}
     return {"type": "object", "required": ["data"], "properties": {
-        "id": {"type": "string", "pattern": "^[0-9]+$"},
+        "id": {"type": "string", "pattern": "^(cmpl|chatcmpl)-[0-9a-f]{32}:[0-9]+$"},
         "event": {"const": "message"},
         "data": {"anyOf": [{"const": "[DONE]"}, {"type": "string", "not": {"const": "[DONE]"}, **payload}]},
     }}
@@ -225,6 +242,29 @@ def _generate(summary: str, request: type[BaseModel], response: type[BaseModel],
     })
 
 
+def _streams() -> dict[str, Any]:
+    """GET (resume) and DELETE (cancel) /v1/streams/{response_id}: a resumable stream (resume.py)."""
+    stream_id = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"},
+                 "description": "the id of a response streamed with resumable: true"}
+    after = [{"name": "after", "in": "query", "schema": {"type": "integer", "minimum": -1},
+              "description": "the sequence number N of the last event received (its id is `<response id>:N`)"},
+             {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"},
+              "description": "the last event's id, as EventSource sends it (`after` wins); neither: from the start"}]
+    missing = {"404": _error("no such stream held for this caller (unknown, ended, or past its grace period)")}
+    replay = {"description": "the events after the one named, then the live ones, then `data: [DONE]`",
+              "content": {"text/event-stream": {"schema": _event(p.CompletionStreamResponse, cp.ChatCompletionChunk)}}}
+    deleted = {"type": "object", "required": ["id", "object", "deleted"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "stream"}, "deleted": {"const": True}}}
+    return {
+        "get": {"summary": "Resume a resumable stream", "parameters": [stream_id, *after], "responses": {
+            "200": replay, "400": _error("after or Last-Event-ID names no event of this stream"),
+            **_UNAUTHORIZED, **missing}},
+        "delete": {"summary": "Cancel a resumable stream: its request aborted at once", "parameters": [stream_id],
+                   "responses": {"200": {"description": "cancelled", "content": {"application/json": {
+                       "schema": deleted}}}, **_UNAUTHORIZED, **missing}},
+    }
+
+
 def _get(summary: str, responses: dict[str, Any], *, open_path: bool = False) -> dict[str, Any]:
     """A GET; an open path (server.open_paths by default) needs no key, the others may answer 401."""
     if open_path:
@@ -243,6 +283,7 @@ def _paths() -> dict[str, Any]:
                            {"200": _json(TokenizeResponse, "the token ids"), **_INVALID}),
         "/detokenize": _post("Token ids back to text", _ref(DetokenizeRequest),
                              {"200": _json(DetokenizeResponse, "the text"), **_INVALID}),
+        "/v1/streams/{response_id}": _streams(),
         "/v1/models": _get("List the served model", {"200": _json(p.ModelList, "the model")}),
         "/v1/status": _get("Engine statistics", {"200": _json(s.StatusResponse, "a snapshot")}),
         "/health": _get("Liveness", {"200": _json(s.HealthResponse, "the engine runs"),

@@ -11,26 +11,28 @@ cancelled client's request gives its KV blocks back at the engine's next step.
 
 from __future__ import annotations
 
-import json
-import logging
+import functools
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from aiohttp import ClientConnectionResetError, web
+from aiohttp import web
 from pydantic import BaseModel
 
 from inferd.api.auth import principal_of
+from inferd.api.backpressure import bound_send_buffer, wait_for_reader
+from inferd.api.body import read_json
 from inferd.api.door import FrontDoor
 from inferd.api.errors import APIError, bad_request, engine_abort_error, engine_failure_error, timeout_error
 from inferd.api.logprobs import TokenTexts
 from inferd.api.logs import RECORD, RequestRecord
 from inferd.api.protocol import SamplingFields, Usage
-from inferd.api.sse import EventStream, OutputQueue, dumps
+from inferd.api.resume import caller_of, event_bound
+from inferd.api.sse import EventSink, OutputQueue, dumps, write_events
 from inferd.api.gateway import Ticket
-from inferd.api.state import DOOR, ENGINE, GATEWAY, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS
+from inferd.api.state import DOOR, ENGINE, GATEWAY, RESUMABLE, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS
 from inferd.api.structured import check_logit_bias, request_constraints
 from inferd.config import Settings
 from inferd.engine.async_engine import RequestStream
@@ -38,8 +40,6 @@ from inferd.engine.policy import PriorityClass, Timeouts
 from inferd.engine.protocol import EngineOutput, LogitsConstraint, TokenLogprob
 from inferd.model.sampling_params import SamplingParams
 from inferd.model.tokenizer import Tokenizer
-
-log = logging.getLogger(__name__)
 
 POLL_SECONDS = 1.0  # how often a non-streaming handler checks that its client is still there
 
@@ -107,41 +107,6 @@ class ResponseFormat(Protocol):
 # --------------------------------------------------------------------------------- checks
 
 
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"invalid JSON: {name} is not a number")
-
-
-MAX_JSON_DEPTH = 64  # nested arrays and objects in a request body
-
-
-async def read_json(request: web.Request) -> dict[str, Any]:
-    """The body as a JSON object (NaN / Infinity refused, nesting bounded); errors become 400s."""
-    body = await request.read()
-    try:
-        data = json.loads(body, parse_constant=_reject_constant)
-    except RecursionError:  # deeper than the parser's own stack allows
-        raise bad_request(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") from None
-    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, the constants above
-        raise bad_request(f"invalid JSON in the request body: {e}") from None
-    if not isinstance(data, dict):
-        raise bad_request("the request body must be a JSON object")
-    if _depth_exceeds(data, MAX_JSON_DEPTH):
-        raise bad_request(f"the request body is nested more than {MAX_JSON_DEPTH} levels deep")
-    return data
-
-
-def _depth_exceeds(data: Any, limit: int) -> bool:
-    """Whether arrays and objects nest deeper than `limit` (iteratively: no recursion to overflow)."""
-    level = [data]
-    for _ in range(limit):
-        level = [child for node in level
-                 for child in (node.values() if isinstance(node, dict) else node if isinstance(node, list) else ())
-                 if isinstance(child, dict | list)]
-        if not level:
-            return False
-    return True
-
-
 def check_model(served: str, name: str) -> None:
     if name != served:
         raise APIError(404, f"the model {name!r} does not exist; this server serves {served!r}",
@@ -195,6 +160,8 @@ def request_record(request: web.Request, user: str | None, prompt_text: Callable
         record.user = user
         if request.app[SETTINGS].server.log_prompts:
             record.prompt = prompt_text()
+        if record.texts is not None:  # the request file is on (request_log.py)
+            record.texts.prompt = record.prompt or prompt_text()
     return record
 
 
@@ -233,12 +200,14 @@ async def generate(request: web.Request, body: SamplingFields, fmt: ResponseForm
     params = sampling_params(body, max_tokens[0], fmt.logprobs(body))
     check_logit_bias(body, door.limits.vocab_size)
     constraints = await request_constraints(door, body, len(prompts))
+    if body.resumable:
+        app[RESUMABLE].check_room()  # (429 before any charge; opening one checks again)
     # every check is passed: charge the tenant (its rate limits) before any queueing
     ticket = gateway.admit(principal, sum(len(p) + params.max_tokens * body.n for p in prompts))
     record = request_record(request, body.user, lambda: fmt.prompt_text(tokenizer, body, prompts))
     token_text = app[TOKEN_TEXTS]
     with Generation(door, prompts, params, body.n, cls, request_timeouts(body), fmt.id_prefix, record,
-                    constraints, ticket) as gen:
+                    constraints, ticket, segment=body.segment) as gen:
         if not body.stream:
             results = await gen.gather(request)
             if results is None:
@@ -252,7 +221,8 @@ async def generate(request: web.Request, body: SamplingFields, fmt: ResponseForm
         def tail() -> list[dict[str, Any]]:
             return [events.event([], gen.usage())] if body.include_usage else []
 
-        return await gen.stream(request, fmt.head(body, events), fmt.renderer(body, token_text, events), tail)
+        return await gen.stream(request, fmt.head(body, events), fmt.renderer(body, token_text, events), tail,
+                                body.resumable)
 
 
 # ---------------------------------------------------------------------------- generation
@@ -266,12 +236,16 @@ class Generation:
     aborts what has not finished.
     """
 
+    outlives_handler = False  # a resumable stream: its producer's task ends it, not the `with` block
+
     def __init__(self, door: FrontDoor, prompts: Sequence[list[int]], params: SamplingParams, n: int,
                  cls: PriorityClass, timeouts: Timeouts, id_prefix: str, record: RequestRecord | None = None,
-                 constraints: Sequence[LogitsConstraint] | None = None, ticket: Ticket | None = None) -> None:
+                 constraints: Sequence[LogitsConstraint] | None = None, ticket: Ticket | None = None,
+                 segment: str = "token") -> None:
         self.door = door
         self.ticket = ticket  # its tenant's account: refunded and counted at the end
         self.constraints = constraints  # one per prompt, for a structured output
+        self.segment = segment  # "sentence" / "line": the engine holds text back; empty deltas are not sent
         self.prompts = prompts
         self.params = params
         self.n = n
@@ -301,7 +275,8 @@ class Generation:
         try:
             self.streams = self.door.submit(
                 self.prompts, self.params, self.n, self.cls, self.timeouts, constraints=self.constraints,
-                tenant=ticket.tenant.name if ticket else None, tenant_weight=ticket.tenant.weight if ticket else 1.0)
+                tenant=ticket.tenant.name if ticket else None, tenant_weight=ticket.tenant.weight if ticket else 1.0,
+                segment=self.segment)
         except APIError as e:
             if ticket is not None:
                 ticket.refused(e.code or "refused")
@@ -310,16 +285,23 @@ class Generation:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.record is not None:  # (the log line is written as the handler ends)
+            self.record.completion_tokens = self.completion_tokens
+        if not self.outlives_handler:  # a resumable stream's producer task ends it (resume.py)
+            self.end()
+
+    def end(self) -> None:
+        """Abort what has not finished; the tenant's account counts the tokens, refunds the rest."""
         for stream in self.streams:
             stream.abort()
-        if self.record is not None:
-            self.record.completion_tokens = self.completion_tokens
         if self.ticket is not None:
             self.ticket.close(self.prompt_tokens, self.completion_tokens)
 
     def _note(self, out: EngineOutput) -> None:
         """A finished choice's outcome and timings, for the request's log line and its tenant."""
         record, metrics = self.record, out.metrics
+        if record is not None and record.texts is not None:  # every output's text, for the request file
+            record.texts.add(out)
         if not out.finished:
             return
         if self.ticket is not None and metrics is not None:
@@ -363,36 +345,38 @@ class Generation:
         return results
 
     async def stream(self, request: web.Request, head: list[dict[str, Any]], render: Render,
-                     tail: Callable[[], list[dict[str, Any]]]) -> web.StreamResponse:
+                     tail: Callable[[], list[dict[str, Any]]], resumable: bool = False) -> web.StreamResponse:
         """Answer with SSE: the `head` events, one `render(prompt, output)` event per output
         (one per token, even when the detokenizer holds its text back), the `tail()` events,
-        then `data: [DONE]`. An engine abort (shutdown) ends the stream with an error event."""
-        open_streams = request.app[SSE_RESPONSES]
-        events = EventStream()
-        open_streams.add(events.response)
-        outputs = OutputQueue(self.streams)
-        try:
-            await events.open(request)
-            for payload in head:
-                events.add(payload)
-            await events.flush()
-            if await self._stream_outputs(outputs, events, render, request.app[SETTINGS].server.keepalive_seconds):
-                for payload in tail():
-                    events.add(payload)
-            await events.close()
-        except (ConnectionResetError, ClientConnectionResetError):
-            log.debug("client of %s left mid-stream", request.path)
-        except Exception:  # noqa: BLE001 - the status line is sent: report in the stream, not as a 500
-            if not events.response.prepared:
-                raise
-            log.exception("streaming %s failed", request.path)
-            await _close_with_error(events, APIError(500, "internal server error", type="server_error"))
-        finally:
-            outputs.close()
-            open_streams.discard(events.response)
-        return events.response
+        then `data: [DONE]`. An engine abort (shutdown) ends the stream with an error event.
+        Written straight to the socket (sse.py); a `resumable` stream's events are produced by a
+        task of their own that outlives a disconnect, into a buffer its writers copy (resume.py)."""
+        keepalive = request.app[SETTINGS].server.keepalive_seconds
 
-    async def _stream_outputs(self, outputs: OutputQueue, events: EventStream, render: Render,
+        async def produce(events: EventSink) -> None:
+            outputs = OutputQueue(self.streams)
+            try:
+                for payload in head:
+                    events.add(payload)
+                await events.flush()
+                if await self._stream_outputs(outputs, events, render, keepalive):
+                    for payload in tail():
+                        events.add(payload)
+            finally:
+                outputs.close()
+
+        if not resumable:
+            server = request.app[SETTINGS].server
+            bound_send_buffer(request, server.stream_send_buffer_bytes)
+            guard = functools.partial(wait_for_reader, request, self.streams, server.slow_client_seconds,
+                                      request.app[STATE].slow_clients)
+            return await write_events(request, self.id, produce, request.app[SSE_RESPONSES], guard)
+        bound = event_bound(len(head), len(self.prompts) * self.n, self.params.max_tokens)
+        stream = request.app[RESUMABLE].open(self.id, caller_of(request), bound, produce, self.end)
+        self.outlives_handler = True
+        return await stream.serve(request, -1)
+
+    async def _stream_outputs(self, outputs: OutputQueue, events: EventSink, render: Render,
                               keepalive: float) -> bool:
         """Write every output as it comes; False if an engine abort or failure cut the stream short."""
         while not outputs.done:
@@ -406,6 +390,8 @@ class Generation:
                     events.add(_ending_error(out).body())
                     return False
                 self.completion_tokens += len(out.new_token_ids)
+                if not out.text and self.segment != "token" and not out.finished and not out.logprobs:
+                    continue  # segmented: no event for a token whose text is held back
                 events.add(render(prompt, out))
                 if out.finish_reason == "timeout":  # after the choice's last chunk, say which
                     events.add(timeout_error(out).body())
@@ -416,14 +402,6 @@ class Generation:
 def _ending_error(out: EngineOutput) -> APIError:
     """Why a choice ended without an answer: an engine abort (shutdown) or a failure."""
     return engine_abort_error(out) if out.finish_reason == "abort" else engine_failure_error(out)
-
-
-async def _close_with_error(events: EventStream, error: APIError) -> None:
-    try:
-        events.add(error.body())
-        await events.close()
-    except (ConnectionResetError, ClientConnectionResetError):
-        pass
 
 
 def client_gone(request: web.Request) -> bool:

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from inferd.api.backpressure import SlowClientCounts
 from inferd.api.door import FrontDoor
 from inferd.api.gateway import Gateway
 from inferd.api.logprobs import TokenTexts
+from inferd.api.resume import StreamRegistry
 from inferd.config import Settings
 from inferd.engine.async_engine import AsyncEngine
 
@@ -24,6 +26,7 @@ class ServerState:
     probe_error: str | None = None  # the last probe's failure, if it failed
     draining: bool = False
     drain_cut: int = 0  # requests still running when the drain's grace period ended
+    slow_clients: SlowClientCounts = field(default_factory=SlowClientCounts)
 
     def name(self, engine: AsyncEngine) -> str:
         if self.draining:
@@ -40,3 +43,4 @@ STATE = web.AppKey("state", ServerState)
 SETTINGS = web.AppKey("settings", Settings)
 TOKEN_TEXTS = web.AppKey("token_texts", TokenTexts)
 SSE_RESPONSES = web.AppKey("sse_responses", set[web.StreamResponse])  # open streams, for shutdown
+RESUMABLE = web.AppKey("resumable", StreamRegistry)  # resumable streams by response id (resume.py)

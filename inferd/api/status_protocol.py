@@ -102,6 +102,21 @@ class DeviceMemory(ResponseModel):
     total_bytes: int
 
 
+class DriftStatus(ResponseModel):
+    """Traffic now against the baseline (the first requests): [request_log], api/drift.py."""
+
+    baseline_requests: int  # in the baseline so far
+    baseline_complete: bool  # it has request_log.baseline_requests; the window fills only then
+    window_seconds: float
+    window_requests: int  # finished in the window
+    psi: dict[str, float]  # per feature: population stability index, window against baseline
+    mean_prompt_tokens: float | None  # in the window
+    mean_completion_tokens: float | None  # per choice
+    refusal_rate: float | None  # choices with a refusal phrase / choices
+    languages: dict[str, float]  # the window's prompts' letters, share per script
+    finish_reasons: dict[str, float]  # share per reason
+
+
 class StatusResponse(ResponseModel):
     model: str
     dtype: str
@@ -130,6 +145,8 @@ class StatusResponse(ResponseModel):
     step_failures: dict[str, int] = {}  # by kind: forward, request, oom
     oom_events_last_minute: int = 0
     token_budget: int = 0  # tokens per step now (halved after an out-of-memory step)
+    resumable_streams_detached: int = 0  # resumable streams whose client left, within their grace
     classes: list[ClassStatus]
     requests: list[RequestStatus]  # running first, at most 100; a tenant sees only its own
     tenants: list[TenantStatus] = []  # a tenant sees only itself
+    drift: DriftStatus | None = None  # with [request_log] on; not shown to a tenant

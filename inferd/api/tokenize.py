@@ -20,7 +20,8 @@ from inferd.api.chat import chat_prompt
 from inferd.api.errors import bad_request
 from inferd.api.chat_protocol import ChatMessage, Tool
 from inferd.api.protocol import RequestModel, ResponseModel, dump
-from inferd.api.serving import check_model, read_json
+from inferd.api.body import read_json
+from inferd.api.serving import check_model
 from inferd.api.state import ENGINE, STATE
 
 

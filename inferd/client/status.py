@@ -13,6 +13,7 @@ The frame is laid out in named regions, top to bottom:
     kv          KV blocks used / cached / free, prefix-cache hit rate, device memory
     throughput  generation tok/s over the last minute, as a sparkline
     requests    the running and waiting requests  |  counters: preemptions, timeouts, ...
+    drift       PSI per feature against the baseline, the window's means (only with [request_log])
 
 Fields a server does not send (older servers lack state, history, requests, limits, tenants)
 show as "-", so every region renders against any version of /v1/status. The table regions and
@@ -38,7 +39,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from inferd.client.status_panels import (MISSING, counters, dicts, fmt_dur, fmt_int, is_num, num, queues,
+from inferd.client.status_panels import (MISSING, counters, dicts, drift, fmt_dur, fmt_int, is_num, num, queues,
                                          requests, tenants)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
@@ -121,6 +122,7 @@ def render(snapshot: dict[str, Any], now: float | None = None, max_requests: int
         tenants(snapshot),
         _side_by_side((_kv(snapshot), 2), (_throughput(snapshot), 3)),
         _side_by_side((requests(snapshot, max_requests), 3), (counters(snapshot), 2)),
+        drift(snapshot),
     )
     return Group(*(region for region in regions if region is not None))
 
@@ -284,7 +286,9 @@ def _request_rows(console: Console, snapshot: dict[str, Any]) -> int:
     # there are tenants (at 100+ columns); the request table gets the rest of the screen, so the
     # frame does not overflow it (Live crops the bottom)
     n_tenants = len(dicts(snapshot.get("tenants")))
-    return max(1, console.height - 21 - len(dicts(snapshot.get("classes"))) - (4 + n_tenants if n_tenants else 0))
+    n_drift = 4 if isinstance(snapshot.get("drift"), dict) else 0  # its panel: two lines and the frame
+    return max(1, console.height - 21 - len(dicts(snapshot.get("classes"))) - (4 + n_tenants if n_tenants else 0)
+               - n_drift)
 
 
 def run(url: str = DEFAULT_URL, interval: float = 1.0, once: bool = False, api_key: str | None = None) -> None:

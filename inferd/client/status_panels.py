@@ -6,6 +6,7 @@ Each region is a pure function of the /v1/status snapshot (a plain dict) to a ri
     tenants(s)                one row per tenant; None when the server sends no tenants
     requests(s, max_requests) the running and waiting requests
     counters(s)               preemptions, timeouts, rejections, deadline misses, shed level
+    drift(s)                  PSI per feature and the window's means; None when the server sends none
 
 Fields a server does not send render as MISSING ("-").
 """
@@ -16,13 +17,14 @@ import math
 from typing import Any
 
 from rich import box
-from rich.console import RenderableType
+from rich.console import Group, RenderableType
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
 MISSING = "-"
 _REQUEST_STYLES = {"running": "green", "waiting": "yellow", "swapped": "magenta"}
+_FEATURE_NAMES = {"prompt_tokens": "prompt len", "completion_tokens": "output len", "finish_reason": "finish"}
 
 
 # ---------------------------------------------------------------------------------- regions
@@ -127,6 +129,32 @@ def counters(s: dict[str, Any]) -> RenderableType:
     grid.add_row("deadline misses", fmt_counts(misses) if dicts(s.get("classes")) else MISSING)
     grid.add_row("shed level", shed_text)
     return Panel(grid, title="counters", title_align="left", box=box.ROUNDED)
+
+
+def drift(s: dict[str, Any]) -> RenderableType | None:
+    """The traffic's drift from its baseline (two lines); None (no region) without [request_log]."""
+    d = s.get("drift")
+    if not isinstance(d, dict):
+        return None
+    psi = d.get("psi") if isinstance(d.get("psi"), dict) else {}
+    line1 = Text("PSI ", style="dim")
+    for feature, value in psi.items():
+        style = "bold red" if is_num(value) and value > 0.2 else "yellow" if is_num(value) and value > 0.1 else ""
+        line1.append(f"{_FEATURE_NAMES.get(feature, feature)} ")
+        line1.append(f"{value:.2f}" if is_num(value) else MISSING, style=style)
+        line1.append("  ")
+    if not psi:
+        line1.append("- (the baseline or the window is still empty)")
+    refusals = d.get("refusal_rate")
+    line2 = Text.assemble(
+        ("window ", "dim"), fmt_int(d.get("window_requests")), " req  ",
+        ("prompt ", "dim"), fmt_int(d.get("mean_prompt_tokens")), " tok  ",
+        ("output ", "dim"), fmt_int(d.get("mean_completion_tokens")), " tok  ",
+        ("refusals ", "dim"), f"{refusals:.1%}" if is_num(refusals) else MISSING, "  ",
+        ("baseline ", "dim"), fmt_int(d.get("baseline_requests")), " req",
+        ("" if d.get("baseline_complete") else " (filling)", "yellow"),
+    )
+    return Panel(Group(line1, line2), title="drift", title_align="left", box=box.ROUNDED)
 
 
 def table() -> Table:

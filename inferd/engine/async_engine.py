@@ -51,6 +51,12 @@ class Abort:
     group_id: int
 
 
+@dataclass(frozen=True, slots=True)
+class Pause:
+    group_id: int
+    paused: bool  # False: resume
+
+
 class RequestStream:
     """The outputs of one submitted group (all its n choices), in order, on the event loop.
 
@@ -127,6 +133,12 @@ class RequestStream:
             for output in await self.get_batch():
                 yield output
 
+    def pause(self, paused: bool = True) -> None:
+        """Skip (or, with False, resume) the group's steps, its KV blocks kept: its reader is
+        behind (a slow client). Ignored once it finished."""
+        if not self.finished and not self.aborted:
+            self._engine._pause(self.group_id, paused)
+
     def abort(self) -> None:
         """Cancel the group (client gone, stream closed); idempotent, safe after it finished."""
         if not self.finished and not self.aborted:
@@ -147,7 +159,7 @@ class AsyncEngine:
         self._engine = engine
         self.tokenizer: Tokenizer = engine.tokenizer
         self.limits: EngineLimits = engine.limits
-        self._inbox: deque[EngineRequest | Abort] = deque()
+        self._inbox: deque[EngineRequest | Abort | Pause] = deque()
         self._wakeup = threading.Event()
         self._streams: dict[int, RequestStream] = {}  # touched on the event loop only
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -215,6 +227,10 @@ class AsyncEngine:
         self._inbox.append(Abort(group_id))
         self._wakeup.set()
 
+    def _pause(self, group_id: int, paused: bool) -> None:
+        self._inbox.append(Pause(group_id, paused))
+        self._wakeup.set()
+
     def _deliver(self, step: StepOutputs) -> None:
         for group_id in step.started:
             stream = self._streams.get(group_id)
@@ -271,6 +287,9 @@ class AsyncEngine:
             item = self._inbox.popleft()
             if isinstance(item, Abort):
                 engine.abort(item.group_id)
+                continue
+            if isinstance(item, Pause):
+                engine.pause(item.group_id, item.paused)
                 continue
             try:
                 engine.add_request(item)

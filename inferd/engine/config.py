@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from inferd.config import Settings
+from inferd.engine.output_filter import Blocklist, read_blocklist
 from inferd.engine.policy import SchedulingPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -33,9 +34,12 @@ class EngineConfig:
     swap_space: float = _DEFAULTS.cache.swap_space  # bytes of host memory for swapped-out blocks
     failure_window_seconds: float = _DEFAULTS.health.failure_window_seconds  # see engine/health.py
     failure_recover_seconds: float = _DEFAULTS.health.recover_seconds
+    output_filter: Blocklist | None = None  # the blocklist, read from output_filter.blocklist_file
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
+        """The engine's config; reads the blocklist file (SettingsError names a bad line)."""
+        blocklist = settings.output_filter.blocklist_file
         return cls(
             model=settings.model.path,
             dtype=settings.model.dtype,
@@ -51,6 +55,7 @@ class EngineConfig:
             swap_space=settings.cache.swap_space,
             failure_window_seconds=settings.health.failure_window_seconds,
             failure_recover_seconds=settings.health.recover_seconds,
+            output_filter=read_blocklist(blocklist, settings.output_filter.action) if blocklist else None,
         )
 
     def resolved_device(self) -> torch.device:

@@ -19,7 +19,7 @@ import time
 import torch
 
 from inferd.engine.kv_cache import KVCache
-from inferd.engine.scheduler import ScheduledChunk
+from inferd.engine.plan import ScheduledChunk
 from inferd.model.attention import CudaAttention
 from inferd.model.llama import LlamaModel, StepAttention
 

@@ -20,7 +20,7 @@ import torch
 from inferd.engine.faults import FaultInjector
 from inferd.engine.request import Request
 from inferd.engine.runner import ModelRunner, StepResult
-from inferd.engine.scheduler import ScheduledChunk, SchedulerOutput
+from inferd.engine.plan import ScheduledChunk, SchedulerOutput
 from inferd.model.sampler import SamplerOutput
 
 log = logging.getLogger(__name__)

@@ -36,7 +36,7 @@ from inferd.engine.accounting import TenantSnapshot
 from inferd.engine.request import Request
 
 if TYPE_CHECKING:
-    from inferd.engine.scheduler import SchedulerOutput
+    from inferd.engine.plan import SchedulerOutput
 
 Tenant = str | None  # None: every request that names no tenant, together
 

@@ -25,6 +25,7 @@ from inferd.engine.config import EngineConfig
 from inferd.engine.executor import StepExecutor, StepFailed
 from inferd.engine.faults import FaultInjector
 from inferd.engine.health import EngineHealth
+from inferd.engine.output_filter import CONTENT_FILTER, output_filter
 from inferd.engine.output_processor import OutputProcessor
 from inferd.engine.protocol import (
     DeviceMemory,
@@ -49,6 +50,8 @@ log = logging.getLogger(__name__)
 STATUS_REQUESTS = 100  # requests listed in a snapshot at most
 MIN_TOKEN_BUDGET = 16  # tokens per step that out-of-memory backoff never goes below
 OOM_RECOVER_STEPS = 64  # clean steps before the token budget doubles back
+ENDINGS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
+           CONTENT_FILTER: RequestStatus.FINISHED_FILTERED}  # OutputProcessor's endings
 
 
 def device_memory(device: torch.device) -> DeviceMemory | None:
@@ -95,7 +98,7 @@ class LLMEngine:
         self.policy = config.policy
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.policy)
-        self.outputs = OutputProcessor(tokenizer)
+        self.outputs = OutputProcessor(tokenizer, output_filter(config.output_filter))
         self.executor = StepExecutor(self.runner)
         self.executor.faults = FaultInjector.from_environ()
         self.health = EngineHealth(config.failure_window_seconds, config.failure_recover_seconds)
@@ -130,6 +133,7 @@ class LLMEngine:
             policy=self.policy, architecture=self.model_config.architecture, num_layers=self.model_config.num_layers,
             dtype=str(self.model.dtype).removeprefix("torch."), device=str(self.model.device),
             model_path=self.config.model or str(default_model_path()),
+            output_filter=self.config.output_filter is not None,
         )
 
     # ------------------------------------------------------------------------------ requests
@@ -158,7 +162,7 @@ class LLMEngine:
             self.faults.on_add(group, self.tokenizer.decode(prompt_ids))
         for member in (root, *root.forks):
             self.requests[member.seq_id] = member
-            self.outputs.add(member)
+            self.outputs.add(member, self.outputs.hooks(request.segment))
         self.scheduler.add(root)
 
     def add(self, prompt: str | Sequence[int], params: SamplingParams, n: int = 1, *,
@@ -178,6 +182,13 @@ class LLMEngine:
         for member in (root, *root.forks):
             if self.requests.pop(member.seq_id, None) is not None:
                 self._finish(member, RequestStatus.FINISHED_ABORTED)
+
+    def pause(self, group_id: int, paused: bool) -> None:
+        """Skip (or resume) a group's steps, keeping its KV blocks; unknown ids are ignored."""
+        root = self._groups.get(group_id)
+        if root is not None:
+            for member in (root, *root.forks):
+                self.scheduler.pause(member, paused)
 
     def group_ids(self) -> list[int]:
         """The groups not finished yet."""
@@ -230,7 +241,7 @@ class LLMEngine:
                 step.outputs += self._fail_group(request.group_id, "internal_error", f"{type(e).__name__}: {e}")
                 continue
             if ending is not None:
-                status = RequestStatus.FINISHED_STOPPED if ending == "stop" else RequestStatus.FINISHED_LENGTH
+                status = ENDINGS[ending]
                 self._finish(request, status)
                 out.finished, out.finish_reason = True, status.finish_reason
                 out.metrics = request_metrics(request, self.scheduler.clock())

@@ -3,16 +3,19 @@
     token --detokenize--> text delta --stop strings / stop ids / EOS--> --length--> hooks --> output
 
 Each unfinished choice has an `IncrementalDetokenizer` (UTF-8 held whole, stop strings held
-back) and a list of `OutputHook`s: the place where per-request output filters plug in. The
-engine thread is the only caller.
+back) and a list of `OutputHook`s: the place where per-request output filters plug in, in
+order: the server's blocklist (engine/output_filter.py), then the request's segmentation
+(engine/segmenter.py). The engine thread is the only caller.
 """
 
 from __future__ import annotations
 
 from typing import Protocol
 
+from inferd.engine.output_filter import OutputFilter
 from inferd.engine.protocol import EngineOutput, TokenLogprob
 from inferd.engine.request import Request
+from inferd.engine.segmenter import segment_hook
 from inferd.model.detokenizer import IncrementalDetokenizer
 from inferd.model.sampler import SamplerOutput
 from inferd.model.tokenizer import Tokenizer
@@ -20,15 +23,17 @@ from inferd.model.tokenizer import Tokenizer
 
 class OutputHook(Protocol):
     """Sees each choice's text as it is released. Returns the text to send now (it may hold some
-    back for later calls) and whether the choice must stop here; `final` is the choice's last
+    back for later calls) and whether the choice must stop here: False, True (finish_reason
+    "stop") or the finish reason to end it with ("content_filter"); `final` is the choice's last
     call, where anything held back must be released or dropped."""
 
-    def __call__(self, text: str, final: bool) -> tuple[str, bool]: ...
+    def __call__(self, text: str, final: bool) -> tuple[str, bool | str]: ...
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, output_filter: OutputFilter | None = None) -> None:
         self.tokenizer = tokenizer
+        self.output_filter = output_filter  # the server's blocklist, compiled once; None: off
         self._detokenizers: dict[int, IncrementalDetokenizer] = {}  # seq_id -> its detokenizer, while unfinished
         self._hooks: dict[int, list[OutputHook]] = {}  # seq_id -> its hooks, for the seqs that have any
 
@@ -37,13 +42,22 @@ class OutputProcessor:
         if hooks:
             self._hooks[seq.seq_id] = list(hooks)
 
+    def hooks(self, segment: str = "token") -> list[OutputHook]:
+        """A new choice's own hooks: the blocklist's, then its segmentation's (each holds state)."""
+        hooks: list[OutputHook] = [] if self.output_filter is None else [self.output_filter.hook()]
+        segmenter = segment_hook(segment)
+        if segmenter is not None:
+            hooks.append(segmenter)
+        return hooks
+
     def remove(self, seq_id: int) -> None:
         self._detokenizers.pop(seq_id, None)
         self._hooks.pop(seq_id, None)
 
     def on_token(self, seq: Request, token: int, sampled: SamplerOutput, row: int) -> tuple[EngineOutput, str | None]:
         """The choice's output for the token it just sampled, and how it ends if it does:
-        "stop" (a stop condition or a hook), "length" (max_tokens or the context), else None."""
+        "stop" (a stop condition or a hook), "length" (max_tokens or the context), a hook's own
+        reason ("content_filter"), else None."""
         # NOTE: runs once per token of every running choice: kept to plain lookups and one call
         seq_id = seq.seq_id
         if seq.constraint is not None:
@@ -61,8 +75,8 @@ class OutputProcessor:
             out.text += detokenizer.flush()
         if self._hooks and seq_id in self._hooks:
             out.text, stopped = self._run_hooks(self._hooks[seq_id], out.text, ending is not None)
-            if stopped and ending is None:
-                ending = "stop"
+            if stopped:
+                ending = stopped if isinstance(stopped, str) else ending or "stop"
         return out, ending
 
     def flush(self, seq_id: int) -> str:
@@ -74,9 +88,9 @@ class OutputProcessor:
         return text
 
     @staticmethod
-    def _run_hooks(hooks: list[OutputHook], text: str, final: bool) -> tuple[str, bool]:
-        stopped = False
+    def _run_hooks(hooks: list[OutputHook], text: str, final: bool) -> tuple[str, bool | str]:
+        stopped: bool | str = False
         for hook in hooks:
-            text, stop = hook(text, final or stopped)
-            stopped |= stop
+            text, stop = hook(text, final or bool(stopped))
+            stopped = stopped or stop
         return text, stopped

@@ -55,6 +55,7 @@ class EngineRequest:
     tenant: str | None = None  # who pays for it: accounting, and fair sharing inside its class
     tenant_weight: float = 1.0  # the tenant's share against the others' (fair sharing, > 0)
     constraint: LogitsConstraint | None = None  # the slot for per-request logits constraints
+    segment: str = "token"  # how text is released: per token, in whole "sentence"s or "line"s
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,10 +93,10 @@ class EngineOutput:
 
     group_id: int
     new_token_ids: list[int]
-    text: str  # new text (stop strings and held-back partial characters excluded)
+    text: str  # new text (stop strings, held-back partial characters and text hooks hold back excluded)
     index: int = 0  # which of the group's n choices
     finished: bool = False
-    finish_reason: str | None = None  # "stop", "length", "abort", "timeout" or "error"
+    finish_reason: str | None = None  # "stop", "length", "content_filter", "abort", "timeout" or "error"
     stop_reason: str | int | None = None  # the stop string or token id that matched; the
     # timeout's kind ("queue", "ttft", "token", "total") with "timeout"; a message with "abort"
     # and "error"
@@ -130,6 +131,7 @@ class EngineLimits:
     dtype: str  # "bfloat16", ...
     device: str  # "cpu", "cuda:0"
     model_path: str  # the GGUF file or Hugging Face folder it serves
+    output_filter: bool = False  # a blocklist filters the text (so logprobs' token strings would not be)
 
     def priority_class(self, name: str) -> PriorityClass:
         return self.policy.lookup(name)

@@ -22,6 +22,7 @@ class RequestStatus(enum.IntEnum):
     FINISHED_ABORTED = 12  # cancelled by the caller
     FINISHED_TIMEOUT = 13  # a queue, TTFT, per-token or total timeout (Request.timeout_kind)
     FINISHED_ERROR = 14  # a fault: its own processing raised, or its step's forward failed
+    FINISHED_FILTERED = 15  # the output filter stopped it (a blocked term)
 
     @property
     def finished(self) -> bool:
@@ -36,6 +37,7 @@ class RequestStatus(enum.IntEnum):
             RequestStatus.FINISHED_ABORTED: "abort",
             RequestStatus.FINISHED_TIMEOUT: "timeout",
             RequestStatus.FINISHED_ERROR: "error",
+            RequestStatus.FINISHED_FILTERED: "content_filter",
         }.get(self)
 
 
@@ -70,6 +72,7 @@ class Request:
     progress_mark: int = -1  # len(output_ids) when last resumed; not preempted again until it grows
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at its (last) admission
     token_cap: int | None = None  # load shedding's lower max_tokens, when in force
+    paused: bool = False  # its reader is behind: not scheduled, its KV blocks kept
     timeout_kind: str | None = None  # which timeout ended it
     # its own logits constraint (a grammar's matcher), advanced with every token it samples; its
     # state survives a preemption, as the sampled tokens do

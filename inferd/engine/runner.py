@@ -10,7 +10,7 @@ from inferd.engine.cuda_graphs import DecodeGraphs
 from inferd.engine.kv_cache import KVCache
 from inferd.engine.masks import MaskFiller
 from inferd.engine.request import Request
-from inferd.engine.scheduler import ScheduledChunk, SchedulerOutput
+from inferd.engine.plan import ScheduledChunk, SchedulerOutput
 from inferd.model.llama import LlamaModel, StepAttention
 from inferd.model.sampler import Sampler, SamplerOutput
 from inferd.model.tensors import device_tensor

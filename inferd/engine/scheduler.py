@@ -30,58 +30,19 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from inferd.engine.accounting import (ClassSnapshot, RequestSnapshot, SchedulerAccounting, TenantSnapshot,
                                       requests_snapshot)
 from inferd.engine.block_manager import BlockManager
 from inferd.engine.deadlines import expired, order_key
 from inferd.engine.fairness import FairShare
+from inferd.engine.plan import ScheduledChunk, SchedulerOutput
 from inferd.engine.policy import PriorityClass, SchedulingPolicy
 from inferd.engine.request import Request, RequestStatus
 from inferd.engine.shedding import LoadShedder
 
 # what an admission attempt tells the loop over candidates
 _ADMITTED, _SKIP, _STOP = 0, 1, 2  # skip: a limit of the request's class; stop: the engine is full
-
-
-@dataclass
-class ScheduledChunk:
-    request: Request
-    start: int  # position of the first new token
-    num_tokens: int  # new tokens computed this step
-    block_table: list[int]  # the request's blocks (read-only for the runner)
-
-    @property
-    def samples(self) -> bool:
-        """True when the chunk reaches the last known token, so a next token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    prefills: list[ScheduledChunk] = field(default_factory=list)  # chunks of more than one token
-    decodes: list[ScheduledChunk] = field(default_factory=list)  # one token each
-    # KV copies the runner makes before the forward, in this order (a block that swap-out frees
-    # may be reused by a swap-in or a copy-on-write of the same step)
-    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
-    preempted: list[Request] = field(default_factory=list)
-    started: list[Request] = field(default_factory=list)  # scheduled for the first time
-    timed_out: list[Request] = field(default_factory=list)  # ended this step (timeout_kind says why)
-
-    @property
-    def chunks(self) -> list[ScheduledChunk]:
-        return self.prefills + self.decodes
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.prefills) + len(self.decodes)
-
-    @property
-    def num_prefill_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.prefills)
 
 
 class Scheduler:
@@ -103,6 +64,7 @@ class Scheduler:
         # its counters, where the engine reads them: per class; totals by preemption mode, timeout kind
         self.stats, self.preemptions, self.timeouts = acct.stats, acct.preemptions, acct.timeouts
         self._applied_level = 0
+        self.paused = 0  # requests paused now (a slow reader)
         self.fair = FairShare() if policy.fairness == "vtc" else None  # None: fcfs, nothing counted
         # per schedule() call
         self._budget = 0
@@ -135,6 +97,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def pause(self, req: Request, paused: bool) -> None:
+        """Skip (or resume) an unfinished request's steps; it keeps its blocks and its place."""
+        if not req.status.finished and req.paused != paused:
+            req.paused = paused
+            self.paused += 1 if paused else -1
+
     # ------------------------------------------------------------------------------- schedule
 
     def schedule(self) -> SchedulerOutput:
@@ -156,7 +124,7 @@ class Scheduler:
         for req in list(self.running):
             if self._budget <= 0:
                 break
-            if req.status == RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1:
+            if req.status == RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1 and not req.paused:
                 # (the common case inline: blocks suffice; _grow preempts when they do not)
                 copies = bm.append(req.seq_id, 1, reserve=self._reserve[req.priority_class.name])
                 if copies is None:
@@ -167,6 +135,8 @@ class Scheduler:
 
         # prefills: running chunks and admissions, merged in order
         candidates = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1] + self.waiting
+        if self.paused:  # (rare: skipped until resumed, their blocks kept)
+            candidates = [r for r in candidates if not r.paused]
         if self.fair is None:
             candidates.sort(key=lambda r: order_key(r, now, self.policy.aging_seconds))
         else:  # each rank shared between its tenants
@@ -414,6 +384,7 @@ class Scheduler:
         """End a request (stopped, length, aborted, timed out) and return its blocks at once."""
         if req.status.finished:
             return  # an abort racing a finish: already freed
+        self.pause(req, False)  # (a paused one leaves the count)
         bm = self.block_manager
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)

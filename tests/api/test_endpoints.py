@@ -51,9 +51,10 @@ def check_sse(response: aiohttp.ClientResponse, events: list[str]) -> list[Any]:
     assert response.headers["Cache-Control"] == "no-cache"
     assert response.headers["X-Accel-Buffering"] == "no"
     assert events[-1] == "data: [DONE]"
-    ids = [int(e.split("\n")[0].removeprefix("id: ")) for e in events[:-1]]
-    assert ids == list(range(len(ids)))
-    return data_events(events)
+    chunks = data_events(events)
+    ids = [e.split("\n")[0].removeprefix("id: ") for e in events[:-1]]
+    assert ids == [f"{chunks[0]['id']}:{n}" for n in range(len(ids))]  # <response id>:<sequence number>
+    return chunks
 
 
 # ------------------------------------------------------------------------------ completions
@@ -231,7 +232,7 @@ async def test_status_returns_to_idle(server: Server) -> None:
             "kv_blocks_used", "kv_blocks_cached", "kv_usage_ratio", "running", "waiting", "steps", "preemptions",
             "timeouts", "rejections", "prefix_cache_queries", "prefix_cache_hits", "shed_level", "shed_actions",
             "throughput", "device_memory", "engine_healthy", "step_failures", "oom_events_last_minute",
-            "token_budget", "classes", "requests", "tenants"} == set(body)
+            "token_budget", "resumable_streams_detached", "classes", "requests", "tenants", "drift"} == set(body)
     assert body["engine_healthy"] is True and body["token_budget"] == 512
     assert (body["dtype"], body["device"], body["device_memory"]) == ("float32", "cpu", None)
     assert body["classes"][0]["limits"]["ttft_target"] == 2.0

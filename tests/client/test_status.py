@@ -205,6 +205,27 @@ def test_request_table_leaves_room_for_tenants() -> None:
         assert len(_screen(n)) == without  # the request table gives up exactly the tenant panel's lines
 
 
+DRIFT = {"baseline_requests": 200, "baseline_complete": True, "window_seconds": 300.0, "window_requests": 42,
+         "psi": {"prompt_tokens": 1.234, "completion_tokens": 0.15, "finish_reason": 0.01}, "mean_prompt_tokens": 812.4,
+         "mean_completion_tokens": 64.0, "refusal_rate": 0.025, "languages": {"latin": 1.0},
+         "finish_reasons": {"stop": 1.0}}
+
+
+def test_render_drift_only_when_the_server_sends_it() -> None:
+    assert "drift" not in text_of(FULL) and "drift" not in text_of({**FULL, "drift": None})
+    text = text_of({**FULL, "drift": DRIFT})
+    assert "prompt len 1.23" in text and "output len 0.15" in text and "finish 0.01" in text
+    assert "window 42 req" in text and "prompt 812 tok" in text and "refusals 2.5%" in text
+    assert "(filling)" not in text and "(filling)" in text_of({**FULL, "drift": {**DRIFT, "baseline_complete": False}})
+    assert "still empty" in text_of({**FULL, "drift": {**DRIFT, "psi": {}}})
+    snap = copy.deepcopy(FULL)
+    snap["requests"] = [{"id": i, "class": "batch", "state": "running", "age_seconds": 1.0} for i in range(100)]
+    for with_drift in (snap, {**snap, "drift": DRIFT}):
+        console = Console(record=True, width=120, height=50, color_system=None, file=io.StringIO())
+        console.print(render(with_drift, now=NOW, max_requests=_request_rows(console, with_drift)))
+        assert len(console.export_text().splitlines()) == len(_screen(0))  # the request table makes room
+
+
 def test_fmt_count() -> None:
     assert [fmt_count(v) for v in (0, 9999, 10_000, 12_345, 999_949, 999_999, 1_234_567, 2.5e9)] == [
         "0", "9999", "10.0k", "12.3k", "999.9k", "1.0M", "1.2M", "2.5G"]

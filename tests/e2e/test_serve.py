@@ -112,10 +112,11 @@ def test_sse_framing_ids_and_done(server: Server) -> None:
     assert headers["Cache-Control"] == "no-cache" and headers["X-Accel-Buffering"] == "no"
     events = [e for e in text.split("\n\n") if e.strip() and not e.startswith(":")]
     assert events[-1] == "data: [DONE]"
-    for event in events[:-1]:
+    for number, event in enumerate(events[:-1]):
         lines = event.split("\n")
         assert lines[0].startswith("id: ") and lines[1].startswith("data: {")
-        json.loads(lines[1][len("data: "):])
+        chunk = json.loads(lines[1][len("data: "):])
+        assert lines[0] == f"id: {chunk['id']}:{number}"  # <response id>:<sequence number>
 
 
 def test_64_concurrent_streams_equal_each_request_alone(client: openai.OpenAI, server: Server) -> None:

@@ -1,0 +1,93 @@
+"""Slow clients: a stream whose client stops reading holds neither the engine nor memory for long.
+
+    before each write:  the transport below its high-water mark?  yes -> write (the common case)
+                        no -> wait for the client to read, up to server.slow_client_seconds
+                              -> still full: pause the request (its steps skipped, KV kept)
+                                 and wait as long again
+                              -> still full: abort the request (its KV blocks freed at the next
+                                 step), count it, drop the connection
+
+What one stream can hold is bounded three ways: the socket's send buffer (SO_SNDBUF) and the
+transport's own buffer (its high-water mark: writing waits above it), both set to
+server.stream_send_buffer_bytes when the stream opens, and the outputs the engine produces in
+the slow_client_seconds before the pause (tokens a second x those seconds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from inferd.engine.async_engine import RequestStream
+
+log = logging.getLogger(__name__)
+
+POLL_SECONDS = 0.05  # how often a blocked writer looks again (only while its client is behind)
+
+
+@dataclass
+class SlowClientCounts:
+    """Streams whose client fell behind (event loop only)."""
+
+    paused: int = 0  # requests paused while their client did not read
+    cut: int = 0  # requests aborted because it still did not
+
+
+class ClientTooSlow(ConnectionResetError):
+    """The client did not read for twice server.slow_client_seconds: the stream is cut."""
+
+
+def bound_send_buffer(request: web.Request, size: int) -> None:
+    """Cap what the stream's socket and transport hold for a client that does not read: the
+    kernel's send buffer, and the transport's high-water mark, above which writing waits (and
+    this module decides). 0: leave both at their defaults (megabytes; 64 KiB)."""
+    transport = request.transport
+    if not size or transport is None:
+        return
+    transport.set_write_buffer_limits(high=size)
+    sock = transport.get_extra_info("socket")
+    try:
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+    except OSError as e:  # (not a TCP socket, e.g. a Unix one in some set-up): keep the default
+        log.debug("SO_SNDBUF not set: %s", e)
+
+
+def client_behind(request: web.Request) -> bool:
+    """The transport holds more than its high-water mark: the next write would wait for the client."""
+    protocol = request.protocol
+    return protocol is not None and protocol.writing_paused
+
+
+async def wait_for_reader(request: web.Request, streams: Sequence[RequestStream], seconds: float,
+                          counts: SlowClientCounts) -> None:
+    """Wait until the client reads again; pause the streams after `seconds`, and after twice
+    that abort them and raise ClientTooSlow (the caller's cleanup frees the rest)."""
+    start, paused = time.monotonic(), False
+    try:
+        while client_behind(request):
+            waited = time.monotonic() - start
+            if waited > 2 * seconds:
+                for stream in streams:
+                    stream.abort()
+                counts.cut += 1
+                log.warning("%s: the client read nothing for %.0f s: stream cut", request.path, waited)
+                if request.transport is not None:
+                    request.transport.abort()  # (drops what its buffers hold)
+                raise ClientTooSlow(f"the client read nothing for {waited:.0f} s")
+            if waited > seconds and not paused:
+                paused = True
+                counts.paused += 1
+                for stream in streams:
+                    stream.pause()
+            await asyncio.sleep(POLL_SECONDS)
+    finally:
+        if paused:
+            for stream in streams:
+                stream.pause(False)  # (ignored once aborted or finished)

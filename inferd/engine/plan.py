@@ -1,0 +1,51 @@
+"""One step's plan, as the scheduler hands it to the runner: ids, positions, token counts and
+block ids only, never a tensor (the runner builds those).
+
+    request's tokens   [ computed ........ | this chunk (num_tokens) | not yet ]
+                       0                 start                 start + num_tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inferd.engine.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # position of the first new token
+    num_tokens: int  # new tokens computed this step
+    block_table: list[int]  # the request's blocks (read-only for the runner)
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the last known token, so a next token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[ScheduledChunk] = field(default_factory=list)  # chunks of more than one token
+    decodes: list[ScheduledChunk] = field(default_factory=list)  # one token each
+    # KV copies the runner makes before the forward, in this order (a block that swap-out frees
+    # may be reused by a swap-in or a copy-on-write of the same step)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    preempted: list[Request] = field(default_factory=list)
+    started: list[Request] = field(default_factory=list)  # scheduled for the first time
+    timed_out: list[Request] = field(default_factory=list)  # ended this step (timeout_kind says why)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.prefills + self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefills) + len(self.decodes)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefills)
