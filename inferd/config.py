@@ -170,16 +170,16 @@ class ServerSettings(_Section):
         return _digests(value)
 
 
-_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
+SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")  # a key's digest, as settings and the keys file hold it
+DIGEST_HINT = "64 hex characters; make one with `printf %s KEY | sha256sum`"
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 def _digests(values: tuple[str, ...]) -> tuple[str, ...]:
     for number, value in enumerate(values):
-        if not _DIGEST.fullmatch(value):
+        if not SHA256_HEX.fullmatch(value):
             # NOTE: the value is not echoed: it may be a key pasted in the clear
-            raise ValueError(f"entry {number} is not a SHA-256 hex digest (64 hex characters; make one with "
-                             "`printf %s KEY | sha256sum`)")
+            raise ValueError(f"entry {number} is not a SHA-256 hex digest ({DIGEST_HINT})")
     return tuple(v.lower() for v in values)
 
 

@@ -11,7 +11,6 @@ caller of a server with no keys) sees them all.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -79,8 +78,7 @@ async def list_tenants(request: web.Request) -> web.Response:
 async def reload_keys(request: web.Request) -> web.Response:
     gateway = request.app[GATEWAY]
     try:
-        keyring = await asyncio.to_thread(gateway.reload_keyring)  # reads files: off the loop
-        gateway.apply(keyring)
+        keyring = await gateway.reload()
     except (SettingsError, ValueError) as e:
         log.warning("reload refused (the old keys and tenants stay): %s", e)
         raise bad_request(f"reload refused, the old keys and tenants stay: {e}", code="invalid_settings") from None

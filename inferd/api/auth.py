@@ -8,7 +8,6 @@ settings (tenants.py). With no keys at all the server is open.
 from __future__ import annotations
 
 import hashlib
-import re
 from collections.abc import Callable
 
 from aiohttp import web
@@ -17,12 +16,11 @@ from aiohttp.typedefs import Middleware
 from inferd.api.errors import APIError, Handler
 from inferd.api.logs import RECORD
 from inferd.api.tenants import ANONYMOUS, OPEN, Keyring, Principal
-from inferd.config import SettingsError
+from inferd.config import DIGEST_HINT, SHA256_HEX, SettingsError
 
 PRINCIPAL = web.RequestKey("principal", Principal)
 KEY_DIGEST = web.RequestKey("key_digest", str)  # the caller's key (hex SHA-256): who owns a resumable stream
 
-_DIGEST = re.compile(r"[0-9a-fA-F]{64}")
 
 
 def digest(key: str) -> str:
@@ -44,11 +42,10 @@ def load_api_keys(cli_keys: list[str], env_value: str | None, keys_file: str | N
             entry = line.split("#", 1)[0].strip()
             if not entry:
                 continue
-            if not _DIGEST.fullmatch(entry):
+            if not SHA256_HEX.fullmatch(entry):
                 # NOTE: the line is not echoed: it may be a key pasted in the clear
                 raise SettingsError(
-                    f"server.api_keys_file: {keys_file} line {number} is not a SHA-256 hex digest "
-                    "(64 hex characters; make one with `printf %s KEY | sha256sum`)"
+                    f"server.api_keys_file: {keys_file} line {number} is not a SHA-256 hex digest ({DIGEST_HINT})"
                 )
             digests.add(entry.lower())
     return frozenset(digests)
@@ -74,7 +71,8 @@ def auth_middleware(keyring: Callable[[], Keyring], open_paths: tuple[str, ...],
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
             raise _unauthorized("missing API key: send `Authorization: Bearer KEY`")
-        principal = keys.lookup(key)
+        given = hashlib.sha256(key.encode()).digest()  # (hashed once: the lookup and the stream owner)
+        principal = keys.lookup_digest(given)
         if principal is None:
             raise _unauthorized("invalid API key")
         if not principal.admin and (request.path.startswith("/admin/") or
@@ -82,7 +80,7 @@ def auth_middleware(keyring: Callable[[], Keyring], open_paths: tuple[str, ...],
             raise APIError(403, f"{request.path} needs an admin key", type="permission_error",
                            code="admin_key_required")
         request[PRINCIPAL] = principal
-        request[KEY_DIGEST] = digest(key)
+        request[KEY_DIGEST] = given.hex()
         record = request.get(RECORD)
         if record is not None and principal.tenant is not None:
             record.tenant = principal.tenant.name  # (its log line names it, refused or not)

@@ -11,6 +11,7 @@ accounts; the engine's side of fairness (virtual token counters) is in its snaps
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -100,12 +101,14 @@ class Gateway:
             self.accounts.setdefault(name, TenantAccount())
         self.keyring, self.limiters = keyring, limiters
 
-    def reload_keyring(self) -> Keyring:
-        """The keys and tenants read again (SIGHUP, POST /admin/reload): blocking file reads, so
-        off the event loop; `apply` the result on it. A bad file raises, and nothing changes."""
+    async def reload(self) -> Keyring:
+        """The keys and tenants read again (SIGHUP, POST /admin/reload), off the event loop (file
+        reads), then served. A bad file raises SettingsError or ValueError, and nothing changes."""
         if self._reload is None:
             raise ValueError("this server was not started from the command line: nothing to reload")
-        return self._reload()
+        keyring = await asyncio.to_thread(self._reload)
+        self.apply(keyring)
+        return keyring
 
     # ---------------------------------------------------------------------------- checks
 

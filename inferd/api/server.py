@@ -104,10 +104,8 @@ async def _drain(app: web.Application, engine: AsyncEngine, notifier: Notifier, 
 
 async def _reload_keys(app: web.Application) -> None:
     """SIGHUP: the keys and tenants read again; a bad file is logged and the old ones stay."""
-    gateway = app[GATEWAY]
     try:
-        keyring = await asyncio.to_thread(gateway.reload_keyring)
-        gateway.apply(keyring)
+        keyring = await app[GATEWAY].reload()
     except (SettingsError, ValueError) as e:
         log.error("SIGHUP: reload refused, the old keys and tenants stay: %s", e)
         return

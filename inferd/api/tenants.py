@@ -80,7 +80,10 @@ class Keyring:
         return self.num_keys == 0
 
     def lookup(self, key: str) -> Principal | None:
-        given = hashlib.sha256(key.encode()).digest()
+        return self.lookup_digest(hashlib.sha256(key.encode()).digest())
+
+    def lookup_digest(self, given: bytes) -> Principal | None:
+        """The principal of a key given by its SHA-256 digest (32 bytes), or None."""
         found = None
         for stored, principal in self._index.get(given[:_PREFIX], ()):
             if hmac.compare_digest(stored, given):
