@@ -151,7 +151,7 @@ class ServerSettings(_Section):
     # a "resumable" stream whose client left runs on this long, for GET /v1/streams/<id> (resume.py)
     resume_grace_seconds: float = Field(default=30.0, gt=0, le=3600)
     resume_max_streams: int = Field(default=1024, ge=1)  # resumable streams held at once; more: 429
-    # a stream whose client reads nothing this long is paused (KV kept), twice this long cut
+    # a stream whose client is behind is paused (KV kept) until it reads; reading nothing this long: cut
     slow_client_seconds: float = Field(default=10.0, gt=0)
     stream_send_buffer_bytes: int = Field(default=65536, ge=0)  # a stream socket's SO_SNDBUF; 0: the OS's
     drain_seconds: float = Field(default=30.0, ge=0)  # SIGTERM: in-flight requests may finish this long

@@ -1,16 +1,18 @@
 """Slow clients: a stream whose client stops reading holds neither the engine nor memory for long.
 
     before each write:  the transport below its high-water mark?  yes -> write (the common case)
-                        no -> wait for the client to read, up to server.slow_client_seconds
-                              -> still full: pause the request (its steps skipped, KV kept)
-                                 and wait as long again
-                              -> still full: abort the request (its KV blocks freed at the next
-                                 step), count it, drop the connection
+                        no -> pause the request (its steps skipped, KV kept): nothing is
+                              generated ahead of a client that is not reading
+                              -> the client reads again: resume
+                              -> nothing read for server.slow_client_seconds: abort the request
+                                 (its KV blocks freed at the next step), count it, drop the
+                                 connection
 
-What one stream can hold is bounded three ways: the socket's send buffer (SO_SNDBUF) and the
-transport's own buffer (its high-water mark: writing waits above it), both set to
-server.stream_send_buffer_bytes when the stream opens, and the outputs the engine produces in
-the slow_client_seconds before the pause (tokens a second x those seconds).
+What one stream holds is bounded by its buffers, set when the stream opens: the transport's
+high-water mark (server.stream_send_buffer_bytes) and the kernel's, where SO_SNDBUF caps the
+socket and TCP_NOTSENT_LOWAT keeps what the client's window has not taken small. A client that
+never reads is found once these and its own receive window are full, and no sooner: until then
+nothing tells it from one that reads.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from inferd.engine.async_engine import RequestStream
 log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.05  # how often a blocked writer looks again (only while its client is behind)
+# bytes the kernel takes beyond what the client's window holds: the rest waits in the transport,
+# where the high-water mark sees it
+NOTSENT_LOWAT = 1024
 
 
 @dataclass
@@ -40,7 +45,7 @@ class SlowClientCounts:
 
 
 class ClientTooSlow(ConnectionResetError):
-    """The client did not read for twice server.slow_client_seconds: the stream is cut."""
+    """The client read nothing for server.slow_client_seconds: the stream is cut."""
 
 
 def bound_send_buffer(request: web.Request, size: int) -> None:
@@ -55,6 +60,8 @@ def bound_send_buffer(request: web.Request, size: int) -> None:
     try:
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+            if hasattr(socket, "TCP_NOTSENT_LOWAT"):  # (Linux, macOS)
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NOTSENT_LOWAT, NOTSENT_LOWAT)
     except OSError as e:  # (not a TCP socket, e.g. a Unix one in some set-up): keep the default
         log.debug("SO_SNDBUF not set: %s", e)
 
@@ -67,13 +74,13 @@ def client_behind(request: web.Request) -> bool:
 
 async def wait_for_reader(request: web.Request, streams: Sequence[RequestStream], seconds: float,
                           counts: SlowClientCounts) -> None:
-    """Wait until the client reads again; pause the streams after `seconds`, and after twice
-    that abort them and raise ClientTooSlow (the caller's cleanup frees the rest)."""
+    """Pause the streams until the client reads again; after `seconds` without it, abort them and
+    raise ClientTooSlow (the caller's cleanup frees the rest)."""
     start, paused = time.monotonic(), False
     try:
         while client_behind(request):
             waited = time.monotonic() - start
-            if waited > 2 * seconds:
+            if waited > seconds:
                 for stream in streams:
                     stream.abort()
                 counts.cut += 1
@@ -81,7 +88,7 @@ async def wait_for_reader(request: web.Request, streams: Sequence[RequestStream]
                 if request.transport is not None:
                     request.transport.abort()  # (drops what its buffers hold)
                 raise ClientTooSlow(f"the client read nothing for {waited:.0f} s")
-            if waited > seconds and not paused:
+            if not paused:
                 paused = True
                 counts.paused += 1
                 for stream in streams:

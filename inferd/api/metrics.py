@@ -261,9 +261,9 @@ class EngineCollector(Collector):
         yield CounterMetricFamily("inferd_drain_cut_requests", "Requests still running when a drain ended.",
                                   value=self.state.drain_cut)
         slow = self.state.slow_clients
-        yield CounterMetricFamily("inferd_slow_client_pauses", "Streams paused: their client read nothing for "
-                                  "server.slow_client_seconds.", value=slow.paused)
-        yield CounterMetricFamily("inferd_slow_client_cuts", "Streams cut: their client read nothing for twice "
+        yield CounterMetricFamily("inferd_slow_client_pauses", "Streams paused: their client was not "
+                                  "reading (send buffers full).", value=slow.paused)
+        yield CounterMetricFamily("inferd_slow_client_cuts", "Streams cut: their client read nothing for "
                                   "server.slow_client_seconds.", value=slow.cut)
         yield from self._device(stats)
         if self.drift is not None:
