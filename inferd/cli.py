@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
+
+if TYPE_CHECKING:  # (imported where used: `inferd --help` stays quick)
+    from inferd.api.fleet import ModelSpec
+    from inferd.config import Settings
+    from inferd.engine.async_engine import AsyncEngine
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="inferd: an LLM inference serving daemon.")
 
@@ -115,10 +122,8 @@ def serve(
     from inferd.api.auth import load_api_keys
     from inferd.api.tenants import Keyring
     from inferd.config import Settings, SettingsError, load_settings
+    from inferd.api.fleet import ModelSpec, load_fleet, model_specs
     from inferd.api.server import run_server
-    from inferd.engine.async_engine import AsyncEngine
-    from inferd.engine.config import EngineConfig
-    from inferd.engine.llm_engine import LLMEngine
     from inferd.model.errors import ModelLoadError
 
     overrides = {
@@ -145,11 +150,29 @@ def serve(
     except SettingsError as e:
         _fail(str(e))
     _configure_runtime(settings.runtime.threads, serving=True, log_format=settings.server.log_format)
+    def read_specs() -> list[ModelSpec]:  # SIGHUP: the [models] tables read again
+        return model_specs(load_settings(settings_file, overrides))
+
     try:
-        run_server(settings, api_keys, lambda: AsyncEngine(LLMEngine.from_config(EngineConfig.from_settings(settings))),
-                   reload_keys)
+        run_server(settings, api_keys, lambda: load_fleet(settings, _model_loader(settings)), reload_keys, read_specs)
     except (ModelLoadError, ValueError, OSError) as e:
         _fail(str(e))
+
+
+def _model_loader(settings: Settings) -> Callable[[ModelSpec], AsyncEngine]:
+    """How `inferd serve` loads one revision of one model: [model], [cache] and [scheduler], with
+    its [models.NAME] table's path, dtype and KV memory (reloads call it in a worker thread)."""
+    from inferd.engine.async_engine import AsyncEngine
+    from inferd.engine.config import EngineConfig
+    from inferd.engine.llm_engine import LLMEngine
+
+    def load(spec: ModelSpec) -> AsyncEngine:
+        config = EngineConfig.from_settings(settings)
+        kv = config.kv_cache_memory if spec.kv_cache_memory is None else spec.kv_cache_memory
+        config = dataclasses.replace(config, model=spec.path, dtype=spec.dtype or config.dtype, kv_cache_memory=kv)
+        return AsyncEngine(LLMEngine.from_config(config))
+
+    return load
 
 
 @app.command()

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from inferd.engine.policy import DEFAULT_CLASSES, PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
+from inferd.fleet_settings import DegradationSettings, ModelTable, RouteTable, check_fleet
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -294,6 +295,11 @@ class Settings(_Section):
     request_log: RequestLogSettings = RequestLogSettings()  # off unless request_log.path is set
     # [tenants.NAME] tables: who may call, at what rate, with what share (api/tenants.py)
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
+    # [models.NAME] and [routes.NAME] tables: several models in one process (fleet_settings.py);
+    # no [models] table: the one model of [model]
+    models: dict[str, ModelTable] = Field(default_factory=dict)
+    routes: dict[str, RouteTable] = Field(default_factory=dict)
+    degradation: DegradationSettings = DegradationSettings()
 
     @field_validator("classes", mode="before")
     @classmethod
@@ -309,6 +315,10 @@ class Settings(_Section):
     def _valid_policy(self) -> Settings:
         self.policy()  # raises ValueError naming what is wrong (duplicate priority, default_class)
         self._check_tenants()
+        check_fleet(self.models, self.routes, set(self.classes))
+        unknown = [c for c in self.degradation.classes if c not in self.classes]
+        if unknown:
+            raise ValueError(f"degradation.classes: unknown classes {unknown}; the classes are {list(self.classes)}")
         return self
 
     def _check_tenants(self) -> None:
@@ -358,7 +368,7 @@ def load_settings(
             raise SettingsError(f"{path}: invalid TOML ({e})") from None
     environ = os.environ if environ is None else environ
     for section, fields in Settings.model_fields.items():
-        if section in ("classes", "tenants"):
+        if section in ("classes", "tenants", "models", "routes"):
             continue  # tables of tables: the file only
         for key, field in fields.annotation.model_fields.items():  # type: ignore[union-attr]
             value = environ.get(f"INFERD_{section}_{key}".upper())

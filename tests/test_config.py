@@ -8,6 +8,7 @@ import pytest
 
 from inferd.config import Settings, SettingsError, TenantSettings, load_settings, parse_memory
 from inferd.engine.config import EngineConfig
+from inferd.fleet_settings import ModelTable, RouteTable
 
 REPO_TOML = Path(__file__).resolve().parents[1] / "inferd.toml"
 
@@ -16,7 +17,7 @@ def test_repo_inferd_toml_is_valid_and_documents_every_key() -> None:
     settings = load_settings(REPO_TOML)
     text = REPO_TOML.read_text()
     for section, model in settings:
-        if section in ("classes", "tenants"):
+        if section in ("classes", "tenants", "models", "routes"):
             continue
         assert f"[{section}]" in text
         for key in type(model).model_fields:
@@ -28,6 +29,10 @@ def test_repo_inferd_toml_is_valid_and_documents_every_key() -> None:
     assert "# [tenants.acme]" in text and not settings.tenants  # an example, commented out
     for key in TenantSettings.model_fields:
         assert f"# {key} = " in text, f"tenants.NAME.{key} is not documented in inferd.toml"
+    assert "# [models.smollm2]" in text and not settings.models  # examples, commented out
+    for table, keys in (("models", ModelTable.model_fields), ("routes", RouteTable.model_fields)):
+        for key in keys:
+            assert f"# {key} = " in text, f"{table}.NAME.{key} is not documented in inferd.toml"
     assert settings.policy() == load_settings(None, environ={}).policy()  # the file shows the defaults
 
 

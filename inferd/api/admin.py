@@ -21,7 +21,8 @@ from inferd.api.auth import principal_of
 from inferd.api.errors import bad_request
 from inferd.api.gateway import Gateway
 from inferd.api.protocol import dump
-from inferd.api.state import ENGINE, GATEWAY
+from inferd.api.fleet import FLEET
+from inferd.api.state import GATEWAY
 from inferd.api.tenants import Principal
 from inferd.config import SettingsError
 from inferd.engine.protocol import EngineSnapshot
@@ -71,7 +72,7 @@ def _tenant_table(gateway: Gateway, snapshot: EngineSnapshot) -> list[dict[str, 
 
 
 async def list_tenants(request: web.Request) -> web.Response:
-    gateway, engine = request.app[GATEWAY], request.app[ENGINE]
+    gateway, engine = request.app[GATEWAY], request.app[FLEET].primary.current.engine
     return web.json_response({"object": "list", "data": _tenant_table(gateway, engine.snapshot)})
 
 

@@ -1,10 +1,11 @@
-"""The aiohttp application: keys, middlewares, routes and the engine's lifecycle.
+"""The aiohttp application: keys, middlewares, routes and the models' lifecycle.
 
-    startup   cleanup_ctx: engine.start(), the inference  (the engine thread runs; /ready turns
-              probe in a task                            200 once the probe has run)
-    shutdown  on_shutdown: engine.stop(), then wait     (every open stream ends with an abort:
+    startup   cleanup_ctx: fleet.start(): each model's  (its engine thread runs; /ready turns 200
+              engine, its inference probe in a task;    once every model's probe has run)
+              the degradation triggers' clock
+    shutdown  on_shutdown: fleet.stop(), then wait      (every open stream ends with an abort:
               for the open SSE responses to end          handlers write an error event and [DONE])
-    cleanup   cleanup_ctx: engine.stop()                (a no-op by then; the same path on a
+    cleanup   cleanup_ctx: fleet.stop()                 (a no-op by then; the same path on a
                                                          failed startup)
 
 aiohttp runs on_shutdown before it waits for handlers, so streams end at once instead of
@@ -18,7 +19,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from pathlib import Path
 
 from aiohttp import web
 
@@ -28,13 +28,11 @@ from inferd.api.logs import request_log_middleware
 from inferd.api.metrics import setup_metrics
 from inferd.api.probe import InferenceProbe
 from inferd.api.request_log import setup_request_log
-from inferd.api.door import FrontDoor
 from inferd.api.gateway import Gateway
-from inferd.api.logprobs import TokenTexts
 from inferd.api.routes import add_routes
 from inferd.api.resume import StreamRegistry
-from inferd.api.state import (DOOR, ENGINE, GATEWAY, RESUMABLE, SETTINGS, SSE_RESPONSES, STATE, TOKEN_TEXTS,
-                              ServerState)
+from inferd.api.fleet import ANSWERED_BY, FALLBACK_FROM, FLEET, Fleet, single_fleet
+from inferd.api.state import DOOR, ENGINE, GATEWAY, RESUMABLE, SETTINGS, SSE_RESPONSES, STATE
 from inferd.api.tenants import Keyring
 from inferd.config import Settings
 from inferd.engine.async_engine import AsyncEngine
@@ -47,38 +45,35 @@ MAX_BODY_BYTES = 32 * 2**20  # a batch of long token-id prompts is large JSON
 STREAMS_END_SECONDS = 5.0  # how long shutdown waits for open streams to write their last event
 
 
-def served_name(settings: Settings, model_path: str) -> str:
-    """The model name clients send: the setting, else the file's stem or the folder's name."""
-    if settings.model.name:
-        return settings.model.name
-    path = Path(model_path)
-    return path.stem if path.is_file() else path.name
-
-
-def create_app(engine: AsyncEngine, settings: Settings, api_keys: frozenset[str] = frozenset(),
+def create_app(engine: AsyncEngine | Fleet, settings: Settings, api_keys: frozenset[str] = frozenset(),
                reload_keys: Callable[[], Keyring] | None = None) -> web.Application:
-    """The app over `engine`: tenants and admin keys from `settings`, plain keys as `api_keys`
-    (hex digests); `reload_keys` re-reads them all (SIGHUP, POST /admin/reload)."""
-    gateway = Gateway(Keyring.build(settings, api_keys), engine.limits.policy, reload_keys)
+    """The app over `engine` (one model) or a fleet (several, fleet.py): tenants and admin keys
+    from `settings`, plain keys as `api_keys` (hex digests); `reload_keys` re-reads them all
+    (SIGHUP, POST /admin/reload)."""
+    fleet = engine if isinstance(engine, Fleet) else single_fleet(engine, settings)
+    primary = fleet.primary.current
+    gateway = Gateway(Keyring.build(settings, api_keys), primary.engine.limits.policy, reload_keys)
     server = settings.server
     # outermost first: the request log sees the final status, which the error middleware renders
     middlewares = [request_log_middleware, error_middleware,
                    auth_middleware(lambda: gateway.keyring, server.open_paths, server.status_admin_only)]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
-    app[ENGINE] = engine
-    app[DOOR] = FrontDoor(engine)
+    app[FLEET] = fleet
+    # the first model's revision at start-up, for tests (the server itself goes through the fleet,
+    # as a reload replaces it)
+    app[ENGINE], app[DOOR], app[PROBE] = primary.engine, primary.door, primary.probe
     app[GATEWAY] = gateway
     app[SETTINGS] = settings
-    app[TOKEN_TEXTS] = TokenTexts(engine.tokenizer)
     app[SSE_RESPONSES] = set()
     app[RESUMABLE] = StreamRegistry(server.resume_grace_seconds, server.resume_max_streams, server.keepalive_seconds,
                                     app[SSE_RESPONSES])
-    app[STATE] = ServerState(served_name(settings, engine.limits.model_path))
+    app[STATE] = fleet.server
     add_routes(app)
     setup_request_log(app, settings.request_log, app[STATE].model_name)  # before the metrics, which read it
     setup_metrics(app)
     app.on_response_prepare.append(_rate_limit_headers)
-    app.cleanup_ctx.append(_engine_lifecycle)
+    app.on_response_prepare.append(_model_headers)
+    app.cleanup_ctx.append(_fleet_lifecycle)
     app.on_shutdown.append(_end_streams)
     return app
 
@@ -91,16 +86,31 @@ async def _rate_limit_headers(request: web.Request, response: web.StreamResponse
         response.headers.update(request.app[GATEWAY].headers(principal))
 
 
-async def _engine_lifecycle(app: web.Application) -> AsyncIterator[None]:
-    engine = app[ENGINE]
-    app[DOOR].open()
-    await engine.start()
-    probe = InferenceProbe(engine, app[STATE], app[SETTINGS].server.probe_interval_seconds)
-    app[PROBE] = probe
-    probing = asyncio.ensure_future(probe.run())
+async def _model_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """Which model and revision answered (x-inferd-model: "name@revision"), and, when a degraded
+    model's fallback did, the model asked for (x-inferd-fallback-from)."""
+    answered_by = request.get(ANSWERED_BY)
+    if answered_by is not None:
+        response.headers["x-inferd-model"] = answered_by
+    fallback_from = request.get(FALLBACK_FROM)
+    if fallback_from is not None:
+        response.headers["x-inferd-fallback-from"] = fallback_from
+
+
+async def _fleet_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    fleet = app[FLEET]
+    await fleet.start()  # (each model's engine thread and probe)
+    tasks = [asyncio.ensure_future(_ready_when_probed(fleet)), asyncio.ensure_future(fleet.watch())]
     yield
-    probing.cancel()
-    await engine.stop()
+    for task in tasks:
+        task.cancel()
+    await fleet.stop()
+
+
+async def _ready_when_probed(fleet: Fleet) -> None:
+    while not fleet.probed:
+        await asyncio.sleep(0.02)
+    fleet.server.probed = True
 
 
 async def _end_streams(app: web.Application) -> None:
@@ -108,8 +118,10 @@ async def _end_streams(app: web.Application) -> None:
     if open_streams:
         log.info("shutting down: ending %d open streams", len(open_streams))
     app[STATE].draining = True
-    app[DOOR].start_draining()  # new requests: 503 with a Retry-After
-    await app[ENGINE].stop()  # every unfinished request gets an abort output
+    fleet = app[FLEET]
+    for served in fleet.served():
+        served.door.start_draining()  # new requests: 503 with a Retry-After
+    await fleet.stop()  # every unfinished request gets an abort output
     deadline = time.monotonic() + STREAMS_END_SECONDS
     while open_streams and time.monotonic() < deadline:
         await asyncio.sleep(0.02)

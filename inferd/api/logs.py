@@ -32,6 +32,8 @@ class RequestRecord:
     """What the handlers learn about one API request, for its log line (filled as it runs)."""
 
     id: str | None = None
+    model: str | None = None  # the model that answered (several models: fleet.py)
+    revision: str | None = None  # and its revision
     priority_class: str | None = None
     tenant: str | None = None  # its configured name (never a key or a digest)
     user: str | None = None

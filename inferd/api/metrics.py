@@ -27,14 +27,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from inferd.api.admission import REASONS
-from inferd.api.door import FrontDoor
 from inferd.api.drift import SCRIPTS, DriftMonitor
 from inferd.api.gateway import GATEWAY_REASONS, Gateway
 from inferd.api.request_log import REQUEST_JOURNAL
-from inferd.api.state import DOOR, ENGINE, GATEWAY, RESUMABLE, STATE, ServerState
+from inferd.api.fleet import FLEET, Fleet
+from inferd.api.state import GATEWAY, RESUMABLE, STATE, ServerState
 from inferd.api.structured import GRAMMAR_KINDS
 from inferd.engine.accounting import ClassSnapshot, Histogram
-from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.health import FAILURE_KINDS
 from inferd.engine.protocol import EngineLimits, EngineSnapshot
 from inferd.engine.policy import TIMEOUT_KINDS
@@ -230,19 +229,69 @@ def _drift_metrics(drift: DriftMonitor) -> Iterator[Metric]:
             yield GaugeMetricFamily(name, doc, value=value)
 
 
+def _fleet_metrics(fleet: Fleet) -> Iterator[Metric]:
+    """Per model (labels: configured names and revisions only), and the routes' shares."""
+    labels = ["model", "revision"]
+    families = {
+        "requests": CounterMetricFamily("inferd_model_requests", "Requests sent to a model (by name, alias, "
+                                        "route or as a fallback).", labels=labels),
+        "fallbacks": CounterMetricFamily("inferd_model_fallbacks", "Requests for a model sent to its fallback "
+                                         "while it was degraded.", labels=labels),
+        "reloads": CounterMetricFamily("inferd_model_reloads", "Revisions that took over.", labels=labels),
+        "reloads_refused": CounterMetricFamily("inferd_model_reloads_refused", "Revisions discarded (load, "
+                                               "probe or evaluation set failed).", labels=labels),
+        "escalations": CounterMetricFamily("inferd_cascade_escalations", "Cascade: this (small) model's "
+                                           "answers found unsure and asked of the large one.", labels=labels),
+        "tokens_saved": CounterMetricFamily("inferd_cascade_tokens_saved", "Cascade: tokens the large model "
+                                            "did not compute, as this model's answer sufficed.", labels=labels),
+    }
+    gauges = {
+        "healthy": GaugeMetricFamily("inferd_model_healthy", "1: probe passes and engine runs.", labels=labels),
+        "degraded": GaugeMetricFamily("inferd_model_degraded", "1: new requests go to the fallback.", labels=labels),
+        "level": GaugeMetricFamily("inferd_model_degradation_level", "Functional degradation level (0 normal, "
+                                   "1 streams whole, 2 max_tokens capped, 3 lowest class refused).", labels=labels),
+        "running": GaugeMetricFamily("inferd_model_requests_running", "Requests running.", labels=labels),
+        "waiting": GaugeMetricFamily("inferd_model_requests_waiting", "Requests waiting.", labels=labels),
+        "kv": GaugeMetricFamily("inferd_model_kv_usage_ratio", "KV blocks in use / total.", labels=labels),
+    }
+    switches = CounterMetricFamily("inferd_model_degradation_switches", "Times a model's new requests started or "
+                                   "stopped going to its fallback.", labels=labels)
+    steps = CounterMetricFamily("inferd_model_degradation_steps", "Functional degradation level changes.",
+                                labels=labels)
+    for slot in fleet.slots.values():
+        served, counts = slot.current, slot.counts
+        key, stats = [slot.name, served.spec.revision], served.engine.snapshot
+        for name, family in families.items():
+            family.add_metric(key, getattr(counts, name))
+        switches.add_metric(key, slot.degradation.switches)
+        steps.add_metric(key, slot.ladder.changes)
+        for name, value in (("healthy", served.healthy), ("degraded", slot.degradation.use_fallback),
+                            ("level", slot.ladder.level), ("running", stats.running), ("waiting", stats.waiting),
+                            ("kv", stats.kv_usage_ratio)):
+            gauges[name].add_metric(key, float(value))
+    yield from (*families.values(), switches, steps, *gauges.values())
+    share = GaugeMetricFamily("inferd_route_share", "A route's configured share per target.", labels=["route", "model"])
+    for name, route in fleet.routes.items():
+        for model, value in route.shares().items():
+            share.add_metric([name, model], value)
+    yield share
+
+
 class EngineCollector(Collector):
-    def __init__(self, engine: AsyncEngine, door: FrontDoor, gateway: Gateway, state: ServerState,
-                 drift: DriftMonitor | None = None) -> None:
-        self.engine = engine
+    """The first model's engine (unlabelled, as a single-model server has always had them), the
+    server's own counters, and every model's (`_fleet_metrics`)."""
+
+    def __init__(self, fleet: Fleet, gateway: Gateway, state: ServerState, drift: DriftMonitor | None = None) -> None:
+        self.fleet = fleet
         self.drift = drift
-        self.door = door
         self.gateway = gateway
         self.state = state
         self._nvml = importlib.util.find_spec("pynvml") is not None
         self._started = time.time()  # wall clock: vllm:lora_requests_info's timestamp
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.engine.snapshot
+        primary = self.fleet.primary.current
+        stats, door = primary.engine.snapshot, primary.door
         yield from _class_metrics(stats.classes)
         yield from _cache_metrics(stats)
         yield from _histograms(stats, self.state.model_name)
@@ -251,10 +300,10 @@ class EngineCollector(Collector):
         yield _counter_by("inferd_timeouts", "Requests ended by a timeout, by which.", "kind", TIMEOUT_KINDS,
                           stats.timeouts)
         yield _counter_by("inferd_rejections", "Requests refused at the door, by why.", "reason", REASONS,
-                          self.door.rejections())
+                          door.rejections())
         yield _counter_by("inferd_structured_requests", "Requests held to a grammar, by where it came from "
                           "(response_format's type, or forced tool calls); invalid: refused, it did not compile.",
-                          "kind", GRAMMAR_KINDS, self.door.grammar_requests)
+                          "kind", GRAMMAR_KINDS, door.grammar_requests)
         yield from _tenant_metrics(self.gateway, stats)
         yield GaugeMetricFamily("inferd_shed_level", "Load shedding level (0 normal .. 3).", value=stats.shed_level)
         yield from _fault_metrics(stats)
@@ -268,7 +317,8 @@ class EngineCollector(Collector):
         yield from self._device(stats)
         if self.drift is not None:
             yield from _drift_metrics(self.drift)
-        yield from _picker_aliases(stats, self.engine.limits, self.state.model_name, self._started)
+        yield from _picker_aliases(stats, primary.engine.limits, self.state.model_name, self._started)
+        yield from _fleet_metrics(self.fleet)
 
     def _device(self, stats: EngineSnapshot) -> Iterator[Metric]:
         memory = stats.device_memory
@@ -280,7 +330,7 @@ class EngineCollector(Collector):
             import pynvml  # nvidia-ml-py: optional
 
             pynvml.nvmlInit()
-            index = int(self.engine.limits.device.partition(":")[2] or 0)
+            index = int(self.fleet.primary.current.engine.limits.device.partition(":")[2] or 0)
             utilization = pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(index)).gpu
             yield GaugeMetricFamily("inferd_device_utilization_ratio", "GPU utilization (NVML).",
                                     value=utilization / 100)
@@ -289,8 +339,7 @@ class EngineCollector(Collector):
 def setup_metrics(app: web.Application) -> None:
     registry = CollectorRegistry(auto_describe=False)
     journal = app.get(REQUEST_JOURNAL)
-    registry.register(EngineCollector(app[ENGINE], app[DOOR], app[GATEWAY], app[STATE],
-                                      None if journal is None else journal.drift))
+    registry.register(EngineCollector(app[FLEET], app[GATEWAY], app[STATE], None if journal is None else journal.drift))
     registry.register(app[RESUMABLE])  # (its gauges: resume.py)
     app[REGISTRY] = registry
     app.router.add_get("/metrics", metrics)

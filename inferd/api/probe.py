@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from inferd.api.state import ServerState
+from inferd.api.state import ModelHealth, ServerState
 from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.protocol import EngineRequest
 from inferd.model.sampling_params import SamplingParams
@@ -25,23 +25,31 @@ IDLE_RETRY_SECONDS = 0.5  # how soon to try again when the engine was busy
 
 
 class InferenceProbe:
-    def __init__(self, engine: AsyncEngine, state: ServerState, interval: float) -> None:
+    """One model's probe (each revision of each model has its own); its verdict goes to `health`."""
+
+    def __init__(self, engine: AsyncEngine, health: ModelHealth, interval: float, server: ServerState) -> None:
         self.engine = engine
-        self.state = state
+        self.health = health
+        self.state = server  # (for draining)
         self.interval = interval  # 0: start-up only
         self.expected: list[int] | None = None
         self.runs = 0  # compared runs, for tests and logs
         self._prompt = engine.tokenizer.encode(PROMPT)
         self._params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
 
-    async def run(self) -> None:
-        """The start-up probe, then (with an interval) the periodic ones; runs until cancelled."""
+    async def first(self) -> list[int]:
+        """The start-up probe: the tokens recorded, once the engine has had a quiet moment."""
         while self.expected is None:
             self.expected = await self._alone()
             if self.expected is None:
                 await asyncio.sleep(IDLE_RETRY_SECONDS)
-        self.state.probed = True
+        self.health.probed = True
         log.info("inference probe: %d tokens recorded; ready", len(self.expected))
+        return self.expected
+
+    async def run(self) -> None:
+        """The start-up probe, then (with an interval) the periodic ones; runs until cancelled."""
+        await self.first()
         while self.interval > 0:
             await asyncio.sleep(self.interval)
             tokens = await self._alone()
@@ -55,13 +63,13 @@ class InferenceProbe:
     def check(self, tokens: list[int]) -> None:
         self.runs += 1
         if tokens == self.expected:
-            if self.state.probe_error is not None:
+            if self.health.probe_error is not None:
                 log.warning("inference probe passes again")
-            self.state.probe_error = None
+            self.health.probe_error = None
             return
-        self.state.probe_error = f"inference probe produced {tokens}, expected {self.expected}"
+        self.health.probe_error = f"inference probe produced {tokens}, expected {self.expected}"
         log.error("%s: the model no longer computes what it did at start-up; not ready",
-                  self.state.probe_error)
+                  self.health.probe_error)
 
     async def _alone(self) -> list[int] | None:
         """The probe's tokens, or None if other requests ran meanwhile (or the engine was busy)."""

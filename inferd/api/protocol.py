@@ -239,7 +239,10 @@ class ModelCard(ResponseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "inferd"
-    max_model_len: int
+    max_model_len: int | None = None  # (a route's targets may differ)
+    revision: str | None = None  # the revision serving it (a model or an alias)
+    alias_of: str | None = None  # an alias: the model it names
+    route: dict[str, float] | None = None  # a route: its targets' shares
 
 
 class ModelList(ResponseModel):

@@ -141,7 +141,8 @@ class RequestJournal:
             finish_reasons=tuple(record.finish), refusals=sum(map(self._refusal, outputs)),
             languages=script_shares(texts.prompt or "")))
         line = {"id": record.id, "tenant": record.tenant, "user": record.user, "class": record.priority_class,
-                "model": self.model, "path": path, "status": status, "prompt_tokens": record.prompt_tokens,
+                "model": record.model or self.model, "revision": record.revision, "path": path, "status": status,
+                "prompt_tokens": record.prompt_tokens,
                 "completion_tokens": record.completion_tokens, "cached_tokens": record.cached_tokens,
                 "finish_reasons": texts.finish_reasons(), "queue_time": _round(record.queue_time),
                 "ttft": _round(record.ttft), "e2e": _round(e2e), "prompt": texts.prompt, "outputs": outputs}

@@ -6,6 +6,7 @@
     POST /detokenize           tokenize.py         GET /ready         readiness: probed, not draining
     GET  /openapi.json         from the pydantic models (protocol.py, chat_protocol.py, status_protocol.py)
     GET  /admin/tenants        admin.py (admin key)   POST /admin/reload   keys and tenants read again
+    POST /admin/models/<name>/reload, /rollback       reload.py (admin key): a new revision, or the previous
     GET, DELETE /v1/streams/<id>  resume.py: resume or cancel a resumable stream
 """
 
@@ -28,7 +29,9 @@ from inferd.api.auth import principal_of
 from inferd.api.chat import create_chat_completion
 from inferd.api.completions import create_completion
 from inferd.api.request_log import REQUEST_JOURNAL
-from inferd.api.state import DOOR, ENGINE, GATEWAY, RESUMABLE, SETTINGS, STATE
+from inferd.api.fleet import FLEET, Fleet
+from inferd.api.reload import add_reload_routes
+from inferd.api.state import GATEWAY, RESUMABLE, SETTINGS, STATE, ServerState
 from inferd.api.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -44,36 +47,58 @@ _STARTED = 0  # ModelCard.created: fixed, as nothing here knows when the weights
 
 
 async def list_models(request: web.Request) -> web.Response:
-    name, limits = request.app[STATE].model_name, request.app[ENGINE].limits
-    models = p.ModelList(data=[p.ModelCard(id=name, created=_STARTED, max_model_len=limits.max_model_len)])
-    return web.json_response(p.dump(models))
+    """Every served name: models (with their revision), aliases, routes."""
+    fleet = request.app[FLEET]
+    cards = []
+    for slot in fleet.slots.values():
+        spec, limits = slot.current.spec, slot.current.engine.limits
+        cards.append(p.ModelCard(id=slot.name, created=_STARTED, max_model_len=limits.max_model_len,
+                                 revision=spec.revision))
+        cards += [p.ModelCard(id=alias, created=_STARTED, max_model_len=limits.max_model_len, revision=spec.revision,
+                              alias_of=slot.name) for alias in spec.aliases]
+    cards += [p.ModelCard(id=name, created=_STARTED, route=route.shares()) for name, route in fleet.routes.items()]
+    return web.json_response(p.dump(p.ModelList(data=cards)))
 
 
 async def health(request: web.Request) -> web.Response:
-    """Liveness: the engine thread runs, its loop went round recently (a hung step fails it) and
-    it is not failing step after step (health.liveness_failures in a row fail it)."""
-    engine, settings = request.app[ENGINE], request.app[SETTINGS]
-    stalled = time.monotonic() - engine.last_beat > settings.server.liveness_seconds
-    failing = engine.snapshot.consecutive_step_failures >= settings.health.liveness_failures
-    if engine.alive and not stalled and not failing:
-        return web.json_response({"status": "ok"})
-    return web.json_response({"status": "unavailable"}, status=503, headers={"Retry-After": "5"})
+    """Liveness: every model's engine thread runs, its loop went round recently (a hung step
+    fails it) and it is not failing step after step (health.liveness_failures in a row)."""
+    settings, now = request.app[SETTINGS], time.monotonic()
+    for slot in request.app[FLEET].slots.values():
+        engine = slot.current.engine
+        stalled = now - engine.last_beat > settings.server.liveness_seconds
+        failing = engine.snapshot.consecutive_step_failures >= settings.health.liveness_failures
+        if not engine.alive or stalled or failing:
+            return web.json_response({"status": "unavailable"}, status=503, headers={"Retry-After": "5"})
+    return web.json_response({"status": "ok"})
+
+
+def readiness(state: ServerState, fleet: Fleet) -> tuple[str, str | None]:
+    """(state, reason): ready once every model has been probed, unless draining or a model that
+    has no fallback fails its probe or its steps (one with a fallback is served by it)."""
+    if state.draining:
+        return "draining", None
+    for slot in fleet.slots.values():
+        served = slot.current
+        if slot.current.spec.fallback is not None and served.engine.alive:
+            continue
+        if served.health.probe_error is not None:
+            return "not_ready", served.health.probe_error
+        if not served.engine.alive:
+            return "not_ready", f"the engine of {slot.name} stopped"
+        if not served.engine.snapshot.healthy:
+            failed = served.engine.snapshot.consecutive_step_failures
+            return "not_ready", (f"the engine failed {failed} steps in a row" if failed
+                                 else "the engine failed steps in a row recently; recovering")
+    return ("ready" if state.probed else "loading"), None
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Readiness: loaded, the inference probe passes, the engine is not failing steps, not
-    draining; else 503 with the reason."""
-    state, engine = request.app[STATE], request.app[ENGINE]
-    name = state.name(engine)
+    """Readiness (`readiness`); 503 with the reason otherwise."""
+    name, reason = readiness(request.app[STATE], request.app[FLEET])
     if name == "ready":
         return web.json_response({"status": name})
-    body: dict[str, str] = {"status": name}
-    if state.probe_error is not None:
-        body["reason"] = state.probe_error
-    elif not engine.snapshot.healthy:
-        failed = engine.snapshot.consecutive_step_failures
-        body["reason"] = (f"the engine failed {failed} steps in a row" if failed
-                          else "the engine failed steps in a row recently; recovering")
+    body = {"status": name} if reason is None else {"status": name, "reason": reason}
     return web.json_response(body, status=503, headers={"Retry-After": "5"})
 
 
@@ -87,7 +112,8 @@ def _limits(cls: PriorityClass) -> s.ClassLimits:
 
 
 def _classes(request: web.Request) -> list[s.ClassStatus]:
-    engine, door = request.app[ENGINE], request.app[DOOR]
+    primary = request.app[FLEET].primary.current
+    engine, door = primary.engine, primary.door
     rejections: dict[str, dict[str, int]] = {}
     for (name, reason), count in door.admission.rejections.items():
         rejections.setdefault(name, {})[reason] = count
@@ -107,7 +133,9 @@ def _classes(request: web.Request) -> list[s.ClassStatus]:
 
 
 async def status(request: web.Request) -> web.Response:
-    engine, state = request.app[ENGINE], request.app[STATE]
+    fleet, state = request.app[FLEET], request.app[STATE]
+    primary = fleet.primary.current
+    engine = primary.engine
     stats, limits = engine.snapshot, engine.limits
     now = time.monotonic()
     generation_rate, prompt_rate = engine.throughput.rates(now)
@@ -121,10 +149,10 @@ async def status(request: web.Request) -> web.Response:
     memory = stats.device_memory
     body = s.StatusResponse(
         model=state.model_name, dtype=limits.dtype, device=limits.device, version=__version__,
-        uptime_seconds=now - state.started, state=state.name(engine), max_model_len=limits.max_model_len,
+        uptime_seconds=now - state.started, state=readiness(state, fleet)[0], max_model_len=limits.max_model_len,
         kv_blocks_total=stats.kv_blocks_total, kv_blocks_used=stats.kv_blocks_used,
         kv_blocks_cached=stats.kv_blocks_cached, running=stats.running, waiting=stats.waiting, steps=stats.steps,
-        preemptions=stats.preemptions, timeouts=stats.timeouts, rejections=request.app[DOOR].rejections(),
+        preemptions=stats.preemptions, timeouts=stats.timeouts, rejections=primary.door.rejections(),
         prefix_cache_queries=stats.prefix_queries, prefix_cache_hits=stats.prefix_hits,
         shed_level=stats.shed_level, shed_actions=stats.shed_actions,
         kv_usage_ratio=stats.kv_usage_ratio,
@@ -139,8 +167,30 @@ async def status(request: web.Request) -> web.Response:
         requests=requests,
         tenants=tenant_statuses(request.app[GATEWAY], stats, only),
         drift=journal.drift.report() if (journal := request.app.get(REQUEST_JOURNAL)) and only is None else None,
+        models=model_statuses(fleet),
+        routes=[s.RouteStatus(name=name, kind="cascade" if r.cascade else "split", shares=r.shares())
+                for name, r in fleet.routes.items()],
     )
     return web.json_response(p.dump(body))
+
+
+def model_statuses(fleet: Fleet) -> list[s.ModelStatus]:
+    out = []
+    for slot in fleet.slots.values():
+        served, counts = slot.current, slot.counts
+        stats = served.engine.snapshot
+        out.append(s.ModelStatus(
+            name=slot.name, revision=served.spec.revision, aliases=list(served.spec.aliases),
+            path=served.engine.limits.model_path, healthy=served.healthy, probe_error=served.health.probe_error,
+            fallback=served.spec.fallback, degraded=slot.degradation.use_fallback,
+            degraded_reason=slot.degradation.reason, functional_level=slot.ladder.name,
+            previous_revision=None if slot.previous is None else slot.previous.revision,
+            retiring_revisions=[r.spec.revision for r in slot.retiring], running=stats.running, waiting=stats.waiting,
+            kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total, requests=counts.requests,
+            fallbacks=counts.fallbacks, reloads=counts.reloads, reloads_refused=counts.reloads_refused,
+            escalations=counts.escalations, tokens_saved=counts.tokens_saved,
+        ))
+    return out
 
 
 async def openapi(request: web.Request) -> web.Response:
@@ -168,6 +218,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/streams/{response_id}", resume_stream)
     app.router.add_delete("/v1/streams/{response_id}", delete_stream)
     add_admin_routes(app)
+    add_reload_routes(app)
 
 
 # ---------------------------------------------------------------------------------- OpenAPI
@@ -284,7 +335,7 @@ def _paths() -> dict[str, Any]:
         "/detokenize": _post("Token ids back to text", _ref(DetokenizeRequest),
                              {"200": _json(DetokenizeResponse, "the text"), **_INVALID}),
         "/v1/streams/{response_id}": _streams(),
-        "/v1/models": _get("List the served model", {"200": _json(p.ModelList, "the model")}),
+        "/v1/models": _get("List the served models, aliases and routes", {"200": _json(p.ModelList, "the models")}),
         "/v1/status": _get("Engine statistics", {"200": _json(s.StatusResponse, "a snapshot")}),
         "/health": _get("Liveness", {"200": _json(s.HealthResponse, "the engine runs"),
                                      "503": _json(s.HealthResponse, "the engine stopped, or its loop hangs")},
@@ -305,7 +356,28 @@ def _paths() -> dict[str, Any]:
                                        "application/json": {"schema": {"type": "object"}}}},
                                                  "400": _error("the new settings are invalid; the old ones stay"),
                                                  **_UNAUTHORIZED, **_FORBIDDEN}}},
+        "/admin/models/{name}/reload": _revision_change(
+            "Load a new revision of a model beside the old one; it takes over once it passes its probe and "
+            "evaluation set (admin key)", {"type": "object", "additionalProperties": False, "properties": {
+                "path": {"type": "string"}, "revision": {"type": "string"}}}),
+        "/admin/models/{name}/rollback": _revision_change("Return a model to its previous revision (admin key)", None),
     }
+
+
+def _revision_change(summary: str, body: dict[str, Any] | None) -> dict[str, Any]:
+    name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}, "description": "a model"}
+    served = {"type": "object", "required": ["model", "revision", "path", "reloaded"], "properties": {
+        "model": {"type": "string"}, "revision": {"type": "string"}, "path": {"type": "string"},
+        "reloaded": {"type": "boolean"}}}
+    post: dict[str, Any] = {"summary": summary, "parameters": [name], "responses": {
+        "200": {"description": "the revision now serving", "content": {"application/json": {"schema": served}}},
+        "400": _error("an invalid body"), **_UNAUTHORIZED, **_FORBIDDEN, "404": _error("no such model"),
+        "409": _error("no previous revision (rollback)"),
+        "422": _error("the revision was rejected (it did not load, or failed its probe or evaluation set); "
+                      "the old one keeps serving")}}
+    if body is not None:
+        post["requestBody"] = {"required": False, "content": {"application/json": {"schema": body}}}
+    return {"post": post}
 
 
 @functools.cache

@@ -3,7 +3,8 @@ drain: stop admitting, let in-flight requests finish within a grace period, exit
 
 systemd (Type=notify) hears: STATUS while loading, READY=1 once the inference probe has run,
 WATCHDOG=1 from the engine loop, STOPPING=1 when the drain starts. SIGHUP reads the keys and
-tenants again (the settings file's [tenants], server.admin_key_sha256, server.api_keys_file)."""
+tenants again (the settings file's [tenants], server.admin_key_sha256, server.api_keys_file) and
+reloads every model whose [models.NAME] table changed (reload.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,9 @@ import uvloop
 from aiohttp import web
 
 from inferd.api.app import create_app
-from inferd.api.state import DOOR, GATEWAY, STATE
+from inferd.api.fleet import FLEET, Fleet, ModelSpec
+from inferd.api.reload import reload_changed
+from inferd.api.state import GATEWAY, STATE
 from inferd.api.systemd import Notifier
 from inferd.api.tenants import Keyring
 from inferd.config import Settings, SettingsError
@@ -26,15 +29,17 @@ from inferd.engine.async_engine import AsyncEngine
 log = logging.getLogger("inferd")
 
 
-async def serve(settings: Settings, api_keys: frozenset[str], load_engine: Callable[[], AsyncEngine],
-                reload_keys: Callable[[], Keyring] | None = None) -> None:
-    """Serve the engine `load_engine` builds (the caller knows how: the API never imports torch);
-    SIGHUP reads the keys and tenants again through `reload_keys`."""
+async def serve(settings: Settings, api_keys: frozenset[str], load: Callable[[], AsyncEngine | Fleet],
+                reload_keys: Callable[[], Keyring] | None = None,
+                read_specs: Callable[[], list[ModelSpec]] | None = None) -> None:
+    """Serve the engine or the fleet of engines `load` builds (the caller knows how: the API
+    never imports torch); SIGHUP reads the keys and tenants again through `reload_keys`, and
+    reloads every model whose table `read_specs` finds changed."""
     notifier = Notifier.from_environ()
-    notifier.status("loading the model")
-    engine = load_engine()
-    app = create_app(engine, settings, api_keys, reload_keys)
-    state, limits = app[STATE], engine.limits
+    notifier.status("loading the models")
+    app = create_app(load(), settings, api_keys, reload_keys)
+    state, fleet = app[STATE], app[FLEET]
+    engine = fleet.primary.current.engine
     # handler_cancellation: a non-streaming request whose client left is aborted at once
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()  # (starts the engine thread)
@@ -45,12 +50,15 @@ async def serve(settings: Settings, api_keys: frozenset[str], load_engine: Calla
         await runner.cleanup()
         raise
     host, port = runner.addresses[0][:2]
-    log.info(
-        "inferd serving %s (%s, %d layers) dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
-        "api_keys=%d on http://%s:%d",
-        state.model_name, limits.architecture, limits.num_layers, limits.dtype, limits.device,
-        limits.num_kv_blocks, limits.block_size, limits.max_model_len, len(api_keys), host, port,
-    )
+    for slot in fleet.slots.values():
+        limits = slot.current.engine.limits
+        log.info(
+            "inferd serving %s (%s, %d layers) dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
+            "api_keys=%d on http://%s:%d",
+            slot.current.spec.label if len(fleet.slots) > 1 else slot.name, limits.architecture, limits.num_layers,
+            limits.dtype, limits.device, limits.num_kv_blocks, limits.block_size, limits.max_model_len,
+            len(api_keys), host, port,
+        )
     signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -58,7 +66,7 @@ async def serve(settings: Settings, api_keys: frozenset[str], load_engine: Calla
     reloads: set[asyncio.Task[None]] = set()  # (held, so a reload in flight is not collected)
 
     def on_sighup() -> None:
-        task = asyncio.ensure_future(_reload_keys(app))
+        task = asyncio.ensure_future(_reload(app, read_specs))
         reloads.add(task)
         task.add_done_callback(reloads.discard)
 
@@ -67,49 +75,55 @@ async def serve(settings: Settings, api_keys: frozenset[str], load_engine: Calla
     while not state.probed and not waiting_for_signal.done():  # READY=1 once the probe has run
         await asyncio.wait([waiting_for_signal], timeout=0.05)
     if state.probed:
-        notifier.ready(f"ready: serving {state.model_name} on http://{host}:{port}")
+        notifier.ready(f"ready: serving {', '.join(fleet.slots)} on http://{host}:{port}")
         if notifier.watchdog_interval is not None:  # (systemd's watchdog counts from READY=1)
             engine.heartbeat = _Pacer(notifier.watchdog, notifier.watchdog_interval)
     try:
         sig = await waiting_for_signal
-        await _drain(app, engine, notifier, signals, settings.server.drain_seconds, signal.Signals(sig).name)
+        await _drain(app, notifier, signals, settings.server.drain_seconds, signal.Signals(sig).name)
     finally:
         log.info("inferd shutting down")
         await runner.cleanup()
         notifier.close()
 
 
-async def _drain(app: web.Application, engine: AsyncEngine, notifier: Notifier, signals: asyncio.Queue[int],
-                 grace: float, signal_name: str) -> None:
+async def _drain(app: web.Application, notifier: Notifier, signals: asyncio.Queue[int], grace: float,
+                 signal_name: str) -> None:
     """Stop admitting (/ready and new requests: 503), let what runs finish for up to `grace`
     seconds, or until a second signal; what still runs then ends with an error event."""
     app[STATE].draining = True
-    app[DOOR].start_draining()
-    notifier.stopping(f"draining: {engine.open_requests} requests in flight")
+    fleet = app[FLEET]  # (open requests: every model's, summed)
+    for served in fleet.served():
+        served.door.start_draining()
+    notifier.stopping(f"draining: {fleet.open_requests} requests in flight")
     log.info("%s: draining %d requests in flight (up to %.0f s; a second signal stops at once)",
-             signal_name, engine.open_requests, grace)
+             signal_name, fleet.open_requests, grace)
     deadline = time.monotonic() + grace
     second = asyncio.ensure_future(signals.get())
     try:
-        while engine.open_requests and time.monotonic() < deadline and not second.done():
+        while fleet.open_requests and time.monotonic() < deadline and not second.done():
             await asyncio.wait([second], timeout=0.05)
     finally:
         second.cancel()
-    if engine.open_requests:
-        app[STATE].drain_cut = engine.open_requests
-        log.warning("drain: %d requests did not finish in time; ending them", engine.open_requests)
+    if fleet.open_requests:
+        app[STATE].drain_cut = fleet.open_requests
+        log.warning("drain: %d requests did not finish in time; ending them", fleet.open_requests)
     else:
         log.info("drain: every request finished")
 
 
-async def _reload_keys(app: web.Application) -> None:
-    """SIGHUP: the keys and tenants read again; a bad file is logged and the old ones stay."""
+async def _reload(app: web.Application, read_specs: Callable[[], list[ModelSpec]] | None) -> None:
+    """SIGHUP: the keys and tenants read again, and every model whose table changed reloaded; a
+    bad file is logged and the old keys, tenants and revisions stay."""
     try:
         keyring = await app[GATEWAY].reload()
+        log.info("SIGHUP: keys reloaded: %d keys, %d tenants", keyring.num_keys, len(keyring.tenants))
+        if read_specs is not None:
+            specs = await asyncio.get_running_loop().run_in_executor(None, read_specs)
+            for line in await reload_changed(app[FLEET], app[STATE], specs):
+                log.info("SIGHUP: %s", line)
     except (SettingsError, ValueError) as e:
-        log.error("SIGHUP: reload refused, the old keys and tenants stay: %s", e)
-        return
-    log.info("SIGHUP: keys reloaded: %d keys, %d tenants", keyring.num_keys, len(keyring.tenants))
+        log.error("SIGHUP: reload refused, the old keys, tenants and models stay: %s", e)
 
 
 class _Pacer:
@@ -127,6 +141,7 @@ class _Pacer:
             self.action()
 
 
-def run_server(settings: Settings, api_keys: frozenset[str], load_engine: Callable[[], AsyncEngine],
-               reload_keys: Callable[[], Keyring] | None = None) -> None:
-    uvloop.run(serve(settings, api_keys, load_engine, reload_keys))
+def run_server(settings: Settings, api_keys: frozenset[str], load: Callable[[], AsyncEngine | Fleet],
+               reload_keys: Callable[[], Keyring] | None = None,
+               read_specs: Callable[[], list[ModelSpec]] | None = None) -> None:
+    uvloop.run(serve(settings, api_keys, load, reload_keys, read_specs))

@@ -117,6 +117,37 @@ class DriftStatus(ResponseModel):
     finish_reasons: dict[str, float]  # share per reason
 
 
+class ModelStatus(ResponseModel):
+    name: str
+    revision: str
+    aliases: list[str]
+    path: str
+    healthy: bool
+    probe_error: str | None = None
+    fallback: str | None = None
+    degraded: bool  # its new requests go to its fallback
+    degraded_reason: str | None = None
+    functional_level: str  # normal, whole, capped, refuse_lowest
+    previous_revision: str | None = None  # what a rollback returns to
+    retiring_revisions: list[str] = []  # old revisions still draining
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    requests: int
+    fallbacks: int
+    reloads: int
+    reloads_refused: int
+    escalations: int
+    tokens_saved: int
+
+
+class RouteStatus(ResponseModel):
+    name: str
+    kind: str  # split or cascade
+    shares: dict[str, float]
+
+
 class StatusResponse(ResponseModel):
     model: str
     dtype: str
@@ -149,4 +180,6 @@ class StatusResponse(ResponseModel):
     classes: list[ClassStatus]
     requests: list[RequestStatus]  # running first, at most 100; a tenant sees only its own
     tenants: list[TenantStatus] = []  # a tenant sees only itself
+    models: list[ModelStatus] = []  # every served model (the top level describes the first)
+    routes: list[RouteStatus] = []
     drift: DriftStatus | None = None  # with [request_log] on; not shown to a tenant

@@ -21,8 +21,8 @@ from inferd.api.errors import bad_request
 from inferd.api.chat_protocol import ChatMessage, Tool
 from inferd.api.protocol import RequestModel, ResponseModel, dump
 from inferd.api.body import read_json
-from inferd.api.serving import check_model
-from inferd.api.state import ENGINE, STATE
+from inferd.api.fleet import FLEET
+from inferd.engine.async_engine import AsyncEngine
 
 
 class TokenizeCompletionRequest(RequestModel):
@@ -59,12 +59,16 @@ def parse_tokenize(data: dict[str, Any]) -> TokenizeCompletionRequest | Tokenize
     return (TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest).model_validate(data)
 
 
+def _engine(request: web.Request, model: str | None) -> AsyncEngine:
+    """The engine of the model (or alias) named, else the first model's; 404 for an unknown one.
+    A route's targets may tokenize differently: name a model."""
+    fleet = request.app[FLEET]
+    return (fleet.primary if model is None else fleet.slot(model)).current.engine
+
+
 async def tokenize(request: web.Request) -> web.Response:
-    app = request.app
-    engine, model = app[ENGINE], app[STATE].model_name
     body = parse_tokenize(await read_json(request))
-    if body.model is not None:
-        check_model(model, body.model)
+    engine = _engine(request, body.model)
     if isinstance(body, TokenizeChatRequest):
         tokens = chat_prompt(engine.tokenizer, body.messages, body.tools, body.add_generation_prompt)
     else:
@@ -74,11 +78,8 @@ async def tokenize(request: web.Request) -> web.Response:
 
 
 async def detokenize(request: web.Request) -> web.Response:
-    app = request.app
-    tokenizer = app[ENGINE].tokenizer
     body = DetokenizeRequest.model_validate(await read_json(request))
-    if body.model is not None:
-        check_model(app[STATE].model_name, body.model)
+    tokenizer = _engine(request, body.model).tokenizer
     vocab = tokenizer.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:

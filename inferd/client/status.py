@@ -7,6 +7,9 @@
 The frame is laid out in named regions, top to bottom:
 
     header      model, device, dtype, version, uptime, state
+    models      one row per served model: revision, health or degradation, functional level, load,
+                reloads, cascade savings; then the routes and their shares (only when the server
+                serves more than one model or has routes)
     queues      one row per priority class: queue, running, KV blocks, TTFT against its target
     tenants     one row per tenant: weight, queue, use, fair-share clock, latency, rate-limit room
                 (only when the server sends tenants)
@@ -15,7 +18,7 @@ The frame is laid out in named regions, top to bottom:
     requests    the running and waiting requests  |  counters: preemptions, timeouts, ...
     drift       PSI per feature against the baseline, the window's means (only with [request_log])
 
-Fields a server does not send (older servers lack state, history, requests, limits, tenants)
+Fields a server does not send (older servers lack state, history, requests, limits, tenants, models)
 show as "-", so every region renders against any version of /v1/status. The table regions and
 the formatting shared by all regions live in `status_panels`.
 """
@@ -39,8 +42,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from inferd.client.status_panels import (MISSING, counters, dicts, drift, fmt_dur, fmt_int, is_num, num, queues,
-                                         requests, tenants)
+from inferd.client.status_panels import (MISSING, counters, dicts, drift, fmt_dur, fmt_int, is_num, models,
+                                         models_lines, num, queues, requests, tenants)
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 SPARK = "▁▂▃▄▅▆▇█"
@@ -118,6 +121,7 @@ def render(snapshot: dict[str, Any], now: float | None = None, max_requests: int
     now = time.time() if now is None else now
     regions = (
         _header(snapshot, now),
+        models(snapshot),
         queues(snapshot),
         tenants(snapshot),
         _side_by_side((_kv(snapshot), 2), (_throughput(snapshot), 3)),
@@ -283,12 +287,12 @@ class LocalThroughput:
 
 def _request_rows(console: Console, snapshot: dict[str, Any]) -> int:
     # NOTE: the other regions take 19 lines plus one per class, and 4 plus one per tenant when
-    # there are tenants (at 100+ columns); the request table gets the rest of the screen, so the
-    # frame does not overflow it (Live crops the bottom)
+    # there are tenants (at 100+ columns), and the models region's own height; the request table
+    # gets the rest of the screen, so the frame does not overflow it (Live crops the bottom)
     n_tenants = len(dicts(snapshot.get("tenants")))
     n_drift = 4 if isinstance(snapshot.get("drift"), dict) else 0  # its panel: two lines and the frame
     return max(1, console.height - 21 - len(dicts(snapshot.get("classes"))) - (4 + n_tenants if n_tenants else 0)
-               - n_drift)
+               - n_drift - models_lines(snapshot))
 
 
 def run(url: str = DEFAULT_URL, interval: float = 1.0, once: bool = False, api_key: str | None = None) -> None:

@@ -2,6 +2,7 @@
 
 Each region is a pure function of the /v1/status snapshot (a plain dict) to a rich renderable:
 
+    models(s)                 one row per served model, then the routes; None for one model and no routes
     queues(s)                 one row per priority class
     tenants(s)                one row per tenant; None when the server sends no tenants
     requests(s, max_requests) the running and waiting requests
@@ -25,6 +26,9 @@ from rich.text import Text
 MISSING = "-"
 _REQUEST_STYLES = {"running": "green", "waiting": "yellow", "swapped": "magenta"}
 _FEATURE_NAMES = {"prompt_tokens": "prompt len", "completion_tokens": "output len", "finish_reason": "finish"}
+_LEVEL_STYLES = {"normal": "", "whole": "yellow", "capped": "yellow", "refuse_lowest": "bold red"}
+_PROBE_ERROR_WIDTH = 40  # a probe error can be a whole traceback line: its start says enough
+_MODEL_WIDTH, _HEALTH_WIDTH = 30, 16  # the most "name@revision (aliases)" takes; the least health gets
 
 
 # ---------------------------------------------------------------------------------- regions
@@ -80,6 +84,102 @@ def tenants(s: dict[str, Any]) -> RenderableType | None:
             fmt_count(r.get("remaining_requests")), fmt_count(r.get("remaining_tokens")),
         )
     return Panel(t, title=f"tenants ({len(rows)})", title_align="left", box=box.ROUNDED)
+
+
+def models(s: dict[str, Any]) -> RenderableType | None:
+    """One row per served model, then one line per route; None (no region) for a server with one
+    model and no routes (or one too old to send them), whose header already says it all."""
+    fleet = _fleet(s)
+    if fleet is None:
+        return None
+    rows, routes = fleet
+    parts: list[RenderableType] = []
+    if rows:
+        t = table()
+        # NOTE: no column wraps, so the panel is exactly models_lines(s) high; health takes the
+        # width the others leave, and a long alias list or probe error ends in an ellipsis
+        t.add_column("model", no_wrap=True, overflow="ellipsis", max_width=_MODEL_WIDTH)
+        t.add_column("health", no_wrap=True, overflow="ellipsis", ratio=1, width=_HEALTH_WIDTH)
+        t.add_column("level", no_wrap=True)
+        # reload/ref: reloads done / refused (the new revision failed its checks); esc/saved: a
+        # cascade's small model: answers escalated to the large one / large-model tokens saved
+        for name in ("run/wait", "KV blk", "reqs", "fallbk", "reload/ref", "esc/saved"):
+            t.add_column(name, justify="right", no_wrap=True)
+        for m in rows:
+            level = str(m.get("functional_level") or MISSING)
+            refused = m.get("reloads_refused")
+            t.add_row(
+                _model_name(m), _health(m), Text(level, style=_LEVEL_STYLES.get(level, "yellow")),
+                f"{fmt_int(m.get('running'))}/{fmt_int(m.get('waiting'))}",
+                f"{fmt_int(m.get('kv_blocks_used'))}/{fmt_int(m.get('kv_blocks_total'))}",
+                fmt_count(m.get("requests")), fmt_count(m.get("fallbacks")),
+                Text.assemble(f"{fmt_int(m.get('reloads'))}/",
+                              (fmt_int(refused), "yellow" if is_num(refused) and refused > 0 else "")),
+                f"{fmt_count(m.get('escalations'))}/{fmt_count(m.get('tokens_saved'))}",
+            )
+        parts.append(t)
+    if routes:
+        parts.append(_routes(routes))
+    return Panel(Group(*parts), title=f"models ({len(rows)})", title_align="left", box=box.ROUNDED)
+
+
+def models_lines(s: dict[str, Any]) -> int:
+    """The height of the models region: 0 when there is none."""
+    fleet = _fleet(s)
+    if fleet is None:
+        return 0
+    rows, routes = fleet
+    return 2 + (2 + len(rows) if rows else 0) + len(routes)  # frame, header and its rule, rows, routes
+
+
+def _fleet(s: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """The models and routes to show; None for one model and no routes, which the header covers."""
+    rows, routes = dicts(s.get("models")), dicts(s.get("routes"))
+    return None if len(rows) < 2 and not routes else (rows, routes)
+
+
+def _model_name(m: dict[str, Any]) -> Text:
+    """name@revision, then its aliases."""
+    text = Text(str(m.get("name", MISSING)), style="bold")
+    if m.get("revision"):
+        text.append(f"@{m['revision']}")
+    aliases = [str(a) for a in m["aliases"] if a] if isinstance(m.get("aliases"), list) else []
+    if aliases:
+        text.append(f" ({', '.join(aliases)})", style="dim")
+    return text
+
+
+def _health(m: dict[str, Any]) -> Text:
+    """Degraded (where its requests go now) over unhealthy (the probe's error) over ok."""
+    if m.get("degraded"):
+        text = f"degraded → {m.get('fallback') or MISSING}"
+        if m.get("degraded_reason"):
+            text += f" ({m['degraded_reason']})"
+        return Text(text, style="bold yellow")
+    healthy = m.get("healthy")
+    if healthy is True:
+        return Text("ok", style="green")
+    if healthy is False:
+        lines = str(m.get("probe_error") or "").strip().splitlines()
+        error = lines[0] if lines else "unhealthy"
+        if len(error) > _PROBE_ERROR_WIDTH:
+            error = error[:_PROBE_ERROR_WIDTH - 1] + "…"
+        return Text(error, style="bold red")
+    return Text(MISSING)
+
+
+def _routes(routes: list[dict[str, Any]]) -> RenderableType:
+    """One line per route: name, kind, and each target's share ("a 90% · b 10%")."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(no_wrap=True)
+    grid.add_column(style="dim", no_wrap=True)
+    grid.add_column(no_wrap=True, overflow="ellipsis")
+    for r in routes:
+        shares = r.get("shares") if isinstance(r.get("shares"), dict) else {}
+        split = " · ".join(f"{model} {fmt_share(share)}" for model, share in shares.items()) or MISSING
+        grid.add_row(Text.assemble(("route ", "dim"), (str(r.get("name", MISSING)), "bold")),
+                     str(r.get("kind") or MISSING), split)
+    return grid
 
 
 def requests(s: dict[str, Any], max_requests: int | None) -> RenderableType:
@@ -190,6 +290,11 @@ def fmt_count(v: Any) -> str:
             return f"{v:.1f}{unit}"
         v /= 1000
     return f"{v:.1f}G"
+
+
+def fmt_share(v: Any) -> str:
+    """A fraction as a percentage, to three digits: 0.9 -> 90%, 1/3 -> 33.3%, 0.005 -> 0.5%."""
+    return f"{v * 100:.3g}%" if is_num(v) else MISSING
 
 
 def fmt_dur(v: Any) -> str:

@@ -94,10 +94,29 @@ class LineHook:
         return held[:end], False
 
 
-def segment_hook(segment: str) -> SentenceHook | LineHook | None:
+class WholeHook:
+    """Holds a choice's whole text back until it ends: a stream answered in one piece (the
+    server's functional degradation, api/degradation.py: no per-token writes while overloaded)."""
+
+    __slots__ = ("held",)
+
+    def __init__(self) -> None:
+        self.held: list[str] = []
+
+    def __call__(self, text: str, final: bool) -> tuple[str, bool]:
+        self.held.append(text)
+        if not final:
+            return "", False
+        whole, self.held = "".join(self.held), []
+        return whole, False
+
+
+def segment_hook(segment: str) -> SentenceHook | LineHook | WholeHook | None:
     """The hook of a segment mode ("token": none)."""
     if segment == "sentence":
         return SentenceHook()
     if segment == "line":
         return LineHook()
+    if segment == "whole":
+        return WholeHook()
     return None

@@ -15,7 +15,8 @@ from aiohttp.test_utils import TestServer
 
 from inferd.api.app import create_app
 from inferd.api.door import FrontDoor
-from inferd.api.state import DOOR, STATE, ServerState
+from inferd.api.fleet import FLEET, Fleet
+from inferd.api.state import DOOR, ENGINE, STATE, ServerState
 from inferd.api.tenants import Keyring
 from inferd.config import Settings
 from inferd.engine.async_engine import AsyncEngine
@@ -57,21 +58,23 @@ def data_events(events: list[str]) -> list[Any]:
 
 
 @asynccontextmanager
-async def serve(llm: LLMEngine, settings: Settings | None = None, api_keys: frozenset[str] = frozenset(),
+async def serve(llm: LLMEngine | Fleet, settings: Settings | None = None, api_keys: frozenset[str] = frozenset(),
                 reload_keys: Callable[[], Keyring] | None = None) -> AsyncIterator[Server]:
-    engine = AsyncEngine(llm)
+    """A server over one model, or over a fleet (several; Server.engine is then the first's)."""
     settings = settings or Settings()
     if settings.model.name is None:
         settings = settings.model_copy(update={"model": settings.model.model_copy(update={"name": MODEL})})
-    app = create_app(engine, settings, api_keys, reload_keys)
+    app = create_app(llm if isinstance(llm, Fleet) else AsyncEngine(llm), settings, api_keys, reload_keys)
+    engine = app[ENGINE]
     test_server = TestServer(app)
     await test_server.start_server()
     try:
         async with aiohttp.ClientSession(base_url=test_server.make_url("")) as session:
             await wait_ready(app[STATE])
             yield Server(engine, app[DOOR], session, test_server)
-        if engine.alive:  # (a test may have stopped it)
-            await assert_pool_whole(engine, app[DOOR])
+        for served in app[FLEET].served():
+            if served.engine.alive:  # (a test may have stopped it)
+                await assert_pool_whole(served.engine, served.door)
     finally:
         await test_server.close()
 

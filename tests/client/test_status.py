@@ -16,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from inferd.client.status import LocalThroughput, StatusError, _request_rows, fetch, render, sparkline, status_url
-from inferd.client.status_panels import fmt_count
+from inferd.client.status_panels import fmt_count, fmt_share
 
 NOW = 1_800_000_000.0
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -123,6 +123,8 @@ def test_render_without_new_fields() -> None:
     {"classes": [{}], "requests": [{}], "throughput": {"history": []}, "device_memory": {}},
     {"kv_blocks_total": 0, "kv_blocks_used": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0},
     {"tenants": [{}, None, "x"]}, {"tenants": {"acme": {}}},
+    {"models": [{}, None, {"aliases": "x", "healthy": False}], "routes": [{}, {"shares": None}, "x"]},
+    {"models": {"a": {}}, "routes": {"r": {}}},
 ])
 def test_render_tolerates_sparse_snapshots(snapshot: dict[str, Any]) -> None:
     assert "inferd status" in text_of(snapshot, width=80)
@@ -205,6 +207,76 @@ def test_request_table_leaves_room_for_tenants() -> None:
         assert len(_screen(n)) == without  # the request table gives up exactly the tenant panel's lines
 
 
+def _model(name: str, revision: str, **over: Any) -> dict[str, Any]:
+    m = {
+        "name": name, "revision": revision, "aliases": [], "path": f"/models/{name}", "healthy": True,
+        "probe_error": None, "fallback": None, "degraded": False, "degraded_reason": None, "functional_level": "normal",
+        "previous_revision": None, "retiring_revisions": [], "running": 2, "waiting": 0, "kv_blocks_used": 12,
+        "kv_blocks_total": 5461, "requests": 12345, "fallbacks": 0, "reloads": 0, "reloads_refused": 0,
+        "escalations": 0, "tokens_saved": 0,
+    }
+    m.update(over)
+    return m
+
+
+FLEET = {
+    "models": [
+        _model("llama", "r2", aliases=["chat"], reloads=2, reloads_refused=1),
+        _model("small", "r1", fallback="llama", degraded=True, degraded_reason="kv full", functional_level="capped",
+               running=9, waiting=41, kv_blocks_used=5400, requests=800, fallbacks=321, escalations=57,
+               tokens_saved=45_678),
+    ],
+    "routes": [{"name": "chat-split", "kind": "split", "shares": {"llama": 0.9, "small": 0.1}}],
+}
+
+
+def test_render_models_and_routes() -> None:
+    text = text_of({**FULL, **FLEET})
+    assert "models (2)" in text
+    assert row(text, "llama@r2").split() == ["llama@r2", "(chat)", "ok", "normal", "2/0", "12/5461", "12.3k", "0",
+                                             "2/1", "0/0"]
+    assert row(text, "small@r1").split() == ["small@r1", "degraded", "→", "llama", "(kv", "full)", "capped", "9/41",
+                                             "5400/5461", "800", "321", "0/0", "57/45.7k"]
+    assert re.search(r"route chat-split\s+split\s+llama 90% · small 10%", text)
+    assert text.index("inferd status") < text.index("models (2)") < text.index("queues")
+    assert max(len(line) for line in text.splitlines()) <= 120
+
+
+def test_render_models_health() -> None:
+    error = "inference probe produced [1, 2, 3, 4, 5, 6, 7, 8], expected [9, 9]\nand more"
+    sick = _model("sick", "r3", healthy=False, probe_error=error, functional_level="refuse_lowest")
+    text = text_of({**FULL, "models": [sick, _model("mute", "r1", healthy=False), _model("old", "r0", healthy=None)]},
+                   width=160)
+    assert "inference probe produced [1, 2, 3, 4, 5…" in text and "and more" not in text  # cut to 40 characters
+    assert row(text, "sick@r3").split()[-7] == "refuse_lowest"
+    assert row(text, "mute@r1").split()[1] == "unhealthy" and row(text, "old@r0").split()[1] == "-"
+
+
+@pytest.mark.parametrize("fleet", [
+    {}, {"models": [], "routes": []}, {"models": None, "routes": None},
+    {"models": [_model("smollm2", "main")]}, {"models": [_model("smollm2", "main")], "routes": []},
+])
+def test_no_models_panel_for_one_model_and_no_routes(fleet: dict[str, Any]) -> None:
+    text = text_of({**FULL, **fleet})
+    assert "models (" not in text and "route " not in text and row(text, "interactive")
+
+
+def test_render_routes_without_models() -> None:
+    """Routes alone (however odd) still show: they say where requests go."""
+    text = text_of({**FULL, "routes": [{"name": "cheap", "kind": "cascade", "shares": {"small": 1.0}}]})
+    assert "models (0)" in text and re.search(r"route cheap\s+cascade\s+small 100%", text)
+
+
+def test_request_table_leaves_room_for_models() -> None:
+    snap = copy.deepcopy(FULL)
+    snap["requests"] = [{"id": i, "class": "batch", "state": "running", "age_seconds": 1.0} for i in range(100)]
+    for fleet in (FLEET, {"models": FLEET["models"] * 3}, {"routes": FLEET["routes"] * 2}):
+        with_models = {**snap, **fleet}
+        console = Console(record=True, width=120, height=50, color_system=None, file=io.StringIO())
+        console.print(render(with_models, now=NOW, max_requests=_request_rows(console, with_models)))
+        assert len(console.export_text().splitlines()) == len(_screen(0))  # the request table makes room
+
+
 DRIFT = {"baseline_requests": 200, "baseline_complete": True, "window_seconds": 300.0, "window_requests": 42,
          "psi": {"prompt_tokens": 1.234, "completion_tokens": 0.15, "finish_reason": 0.01}, "mean_prompt_tokens": 812.4,
          "mean_completion_tokens": 64.0, "refusal_rate": 0.025, "languages": {"latin": 1.0},
@@ -230,6 +302,11 @@ def test_fmt_count() -> None:
     assert [fmt_count(v) for v in (0, 9999, 10_000, 12_345, 999_949, 999_999, 1_234_567, 2.5e9)] == [
         "0", "9999", "10.0k", "12.3k", "999.9k", "1.0M", "1.2M", "2.5G"]
     assert fmt_count(None) == fmt_count(float("nan")) == fmt_count(True) == "-"
+
+
+def test_fmt_share() -> None:
+    assert [fmt_share(v) for v in (0.9, 0.1, 1.0, 1 / 3, 0.005, 0)] == ["90%", "10%", "100%", "33.3%", "0.5%", "0%"]
+    assert fmt_share(None) == fmt_share(True) == "-"
 
 
 def test_sparkline() -> None:

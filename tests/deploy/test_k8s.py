@@ -31,7 +31,8 @@ from kubernetes_validate.utils import all_versions, major_minor
 
 from inferd.api.metrics import setup_metrics
 from inferd.api.routes import add_routes
-from inferd.api.state import DOOR, ENGINE, GATEWAY, RESUMABLE, STATE
+from inferd.api.fleet import FLEET
+from inferd.api.state import GATEWAY, RESUMABLE, STATE
 from inferd.config import Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -178,9 +179,9 @@ def test_a_planted_error_fails_validation(version: str) -> None:
 
 def served_paths() -> set[str]:
     """GET routes of the real app's route table (/metrics comes from setup_metrics, which only
-    stores the engine, door, gateway, resumable streams and state it is given: nothing is scraped here)."""
+    stores the fleet, gateway, resumable streams and state it is given: nothing is scraped here)."""
     app = web.Application()
-    app[ENGINE], app[DOOR], app[STATE] = sentinel.engine, sentinel.door, sentinel.state
+    app[FLEET], app[STATE] = sentinel.fleet, sentinel.state
     app[GATEWAY], app[RESUMABLE] = sentinel.gateway, sentinel.resumable
     add_routes(app)
     setup_metrics(app)
