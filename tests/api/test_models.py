@@ -24,7 +24,7 @@ import pytest_asyncio
 import torch
 from apiserver import Server, assert_error, data_events, serve
 
-from inferd.api.degradation import FunctionalDegradation
+from inferd.api.degradation import FunctionalDegradation, ModelDegradation, Triggers
 from inferd.api.fleet import FLEET, Fleet, ModelSpec, load_fleet
 from inferd.config import Settings
 from inferd.engine.async_engine import AsyncEngine
@@ -169,6 +169,16 @@ async def test_a_model_failing_its_probe_sends_to_its_fallback_until_recovered(s
     await _until(lambda: not slot.degradation.use_fallback, 20)  # probe passes, then 2 s clear
     assert (await complete(server, "big2"))[2] == "big2@b"
     assert slot.degradation.switches == 2  # on once, off once: no flapping while it recovered
+
+
+async def test_a_persistent_overload_read_from_the_engine_sends_to_the_fallback(server: Server) -> None:
+    """The triggers' plumbing: the engine's own snapshot (its queue-time p95) through Fleet.watch."""
+    slot = fleet_of(server).slots["big2"]
+    slot.degradation = ModelDegradation(Triggers(queue_p95_seconds=1e-9, hold_seconds=1.0, recover_seconds=600))
+    assert (await complete(server, "big2"))[2] == "big2@b"  # a queue time > 1 ns: overloaded from now on
+    await _until(lambda: slot.degradation.use_fallback, 10)
+    assert slot.degradation.reason is not None and slot.degradation.reason.startswith("queue time p95")
+    assert (await complete(server, "big2"))[2] == "tiny@1"
 
 
 async def test_a_cascade_escalates_only_when_the_small_answer_is_unsure(server: Server) -> None:
