@@ -115,6 +115,7 @@ def serve(
     preemption_mode: Annotated[Optional[str], typer.Option(help="recompute or swap (settings: scheduler.preemption_mode)")] = None,
     prefix_caching: Annotated[Optional[bool], typer.Option(help="reuse cached KV blocks of shared prefixes (settings: cache.prefix_caching)")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads, 0 for automatic (settings: runtime.threads)")] = None,
+    deterministic: Annotated[Optional[bool], typer.Option(help="CPU: batch-invariant results, at a throughput cost (settings: model.deterministic)")] = None,
     api_key: Annotated[Optional[list[str]], typer.Option(help="an accepted API key (repeatable); also INFERD_API_KEYS and server.api_keys_file")] = None,
     config: ConfigOption = None,
 ) -> None:
@@ -122,14 +123,15 @@ def serve(
     from inferd.api.auth import load_api_keys
     from inferd.api.tenants import Keyring
     from inferd.config import Settings, SettingsError, load_settings
-    from inferd.api.fleet import ModelSpec, load_fleet, model_specs
+    from inferd.api.fleet import load_fleet, model_specs
     from inferd.api.server import run_server
     from inferd.model.errors import ModelLoadError
 
     overrides = {
         "server": {"host": host, "port": port, "drain_seconds": drain_seconds, "probe_interval_seconds": probe_interval,
                    "log_format": log_format},
-        "model": {"path": model, "name": served_model_name, "dtype": dtype, "device": device, "max_model_len": max_model_len},
+        "model": {"path": model, "name": served_model_name, "dtype": dtype, "device": device, "max_model_len": max_model_len,
+                  "deterministic": deterministic},
         "cache": {"kv_cache_memory": kv_cache_memory, "block_size": block_size, "prefix_caching": prefix_caching},
         "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                       "preemption_mode": preemption_mode},
@@ -150,11 +152,9 @@ def serve(
     except SettingsError as e:
         _fail(str(e))
     _configure_runtime(settings.runtime.threads, serving=True, log_format=settings.server.log_format)
-    def read_specs() -> list[ModelSpec]:  # SIGHUP: the [models] tables read again
-        return model_specs(load_settings(settings_file, overrides))
-
-    try:
-        run_server(settings, api_keys, lambda: load_fleet(settings, _model_loader(settings)), reload_keys, read_specs)
+    try:  # (the last argument: SIGHUP reads the [models] tables again)
+        run_server(settings, api_keys, lambda: load_fleet(settings, _model_loader(settings)), reload_keys,
+                   lambda: model_specs(load_settings(settings_file, overrides)))
     except (ModelLoadError, ValueError, OSError) as e:
         _fail(str(e))
 

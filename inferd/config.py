@@ -52,6 +52,8 @@ class ModelSettings(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(default=None, ge=16)
     cuda_graphs: bool = True  # CUDA only: replay decode steps from graphs captured at start-up
+    # CPU: every request's tokens the same whatever runs beside it (batch-invariant kernels)
+    deterministic: bool = False
 
 
 class CacheSettings(_Section):

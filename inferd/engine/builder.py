@@ -63,7 +63,8 @@ def build_execution(model: LlamaModel, config: EngineConfig, max_model_len: int)
                        num_host_blocks=num_host_blocks)
     model.set_attention(select_attention(
         model.device, model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-        config.block_size, config.max_num_seqs, max_model_len))
+        config.block_size, config.max_num_seqs, max_model_len, config.deterministic))
+    model.set_batch_invariant(config.deterministic)
     graphs = None
     if config.cuda_graphs and isinstance(model.attention, CudaAttention):
         graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)

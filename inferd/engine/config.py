@@ -26,6 +26,7 @@ class EngineConfig:
     block_size: int = _DEFAULTS.cache.block_size
     kv_cache_memory: float | None = _DEFAULTS.cache.kv_cache_memory  # bytes, a fraction (0, 1] of free memory, or None: auto
     cuda_graphs: bool = _DEFAULTS.model.cuda_graphs  # on CUDA, replay decode steps from captured graphs
+    deterministic: bool = _DEFAULTS.model.deterministic  # batch-invariant results on the CPU (builder.py)
     max_num_seqs: int = _DEFAULTS.scheduler.max_num_seqs
     max_num_batched_tokens: int = _DEFAULTS.scheduler.max_num_batched_tokens
     max_model_len: int | None = _DEFAULTS.model.max_model_len  # None: the model's context length
@@ -50,6 +51,7 @@ class EngineConfig:
             max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
             max_model_len=settings.model.max_model_len,
             cuda_graphs=settings.model.cuda_graphs,
+            deterministic=settings.model.deterministic,
             policy=settings.policy(),
             enable_prefix_caching=settings.cache.prefix_caching,
             swap_space=settings.cache.swap_space,

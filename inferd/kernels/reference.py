@@ -35,6 +35,14 @@ def write_kv(
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
+# The key/value block of torch's CPU flash attention (SDPA reduces over blocks of min(512, L)
+# keys, L the group's padded context): with every context padded (masked) to a multiple of it,
+# each block is a whole one, so a query row gets the same bits whatever shares its step (other
+# sequences setting L, a prompt split into chunks). Measured with torch 2.13 in
+# tests/engine/test_batch_invariance.py; used with [model] deterministic.
+KV_BLOCK = 512
+
+
 @dataclass
 class AttentionPlan:
     """Gather indices and masks for a group of sequences, shared by all layers of one step."""
@@ -56,10 +64,13 @@ def plan_attention(
     max_seq_len: int | None = None,  # max(seq_lens) and max(query_lens) when the caller knows
     max_query_len: int | None = None,  # them on the host; else read (on a GPU, a host sync)
     num_query_tokens: int | None = None,  # sum(query_lens), likewise
+    kv_block: int | None = None,  # pad the context to a multiple of this (KV_BLOCK: batch invariance)
 ) -> AttentionPlan:
     device = block_tables.device
     n = block_tables.shape[0]
     max_len = int(seq_lens.max()) if max_seq_len is None else max_seq_len
+    if kv_block:
+        max_len = -(-max_len // kv_block) * kv_block
     max_q = int(query_lens.max()) if max_query_len is None else max_query_len
     positions = torch.arange(max_len, device=device)  # [L]
     block_idx = (positions // block_size).clamp(max=block_tables.shape[1] - 1)

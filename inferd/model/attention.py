@@ -23,6 +23,10 @@ log = logging.getLogger(__name__)
 class TorchAttention:
     name = "torch"
 
+    def __init__(self, kv_block: int | None = None) -> None:
+        # contexts padded to a multiple of this: batch-invariant rows ([model] deterministic)
+        self.kv_block = kv_block
+
     def plan_prefill(self, block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
                      block_size: int, device: torch.device) -> reference.AttentionPlan:
         return reference.plan_attention(
@@ -31,6 +35,7 @@ class TorchAttention:
             device_tensor(query_lens, torch.int64, device),  # [N]
             block_size,
             max_seq_len=max(seq_lens), max_query_len=max(query_lens), num_query_tokens=sum(query_lens),
+            kv_block=self.kv_block,
         )
 
     def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,
@@ -60,6 +65,7 @@ class CudaAttention(TorchAttention):
                  device: torch.device) -> None:
         from inferd.kernels import cuda
 
+        super().__init__()
         self._cuda = cuda
         self.num_kv_heads = num_kv_heads
         self.num_sms = cuda.num_sms(device.index or 0)
@@ -93,10 +99,14 @@ class CudaAttention(TorchAttention):
 
 
 def select_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
-                     block_size: int, max_num_seqs: int, max_model_len: int) -> TorchAttention:
-    """Our CUDA kernels where the device, CuPy and the shapes allow; otherwise the reference."""
+                     block_size: int, max_num_seqs: int, max_model_len: int,
+                     deterministic: bool = False) -> TorchAttention:
+    """Our CUDA kernels where the device, CuPy and the shapes allow; otherwise the reference
+    (`deterministic`: with its contexts padded to whole blocks; the CPU's batch-invariant mode)."""
     if device.type != "cuda":
-        return TorchAttention()
+        return TorchAttention(reference.KV_BLOCK if deterministic else None)
+    if deterministic:
+        log.warning("[model] deterministic is a CPU mode: on CUDA, results may still vary with the batch")
     from inferd.kernels import cuda
 
     if not cuda.is_available():

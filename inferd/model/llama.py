@@ -56,6 +56,7 @@ class DecoderLayer:
         self.gate_up = torch.cat([w[f"{prefix}.gate"], w[f"{prefix}.up"]])  # [2 * intermediate, hidden]
         self.down = w[f"{prefix}.down"]  # [hidden, intermediate]
         self.scale = cfg.head_dim**-0.5
+        self.min_rows = 1  # 2: batch-invariant products (`linear`)
 
     def __call__(
         self,
@@ -68,7 +69,7 @@ class DecoderLayer:
         cfg = self.cfg
         t = x.shape[0]
         # attention
-        qkv = F.linear(self.attn_norm(x), self.qkv, self.qkv_bias)  # [T, q + 2 kv]
+        qkv = linear(self.attn_norm(x), self.qkv, self.qkv_bias, self.min_rows)  # [T, q + 2 kv]
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         qk = _rope(qk, cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
@@ -82,10 +83,21 @@ class DecoderLayer:
         if attn.decode is not None:
             parts.append(self.attention.decode(q[p:], key_cache, value_cache, attn.decode, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        x = x + F.linear(out.reshape(t, cfg.q_size), self.o)
+        x = x + linear(out.reshape(t, cfg.q_size), self.o, None, self.min_rows)
         # mlp
-        gate, up = F.linear(self.mlp_norm(x), self.gate_up).chunk(2, dim=-1)
-        return x + F.linear(F.silu(gate) * up, self.down)
+        gate, up = linear(self.mlp_norm(x), self.gate_up, None, self.min_rows).chunk(2, dim=-1)
+        return x + linear(F.silu(gate) * up, self.down, None, self.min_rows)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> torch.Tensor:
+    """F.linear, with at least `min_rows` rows. NOTE: on the CPU, oneDNN's bf16 product takes
+    another path for one row than for two or more, and real activations then differ in the
+    last bits (random test data does not show it); rows 2..N are bit-identical to each other.
+    So the batch-invariant mode (min_rows 2) runs a lone row beside a zero row."""
+    if x.shape[0] < min_rows:
+        padded = torch.cat([x, x.new_zeros(min_rows - x.shape[0], x.shape[1])])
+        return F.linear(padded, weight, bias)[: x.shape[0]]
+    return F.linear(x, weight, bias)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -102,6 +114,7 @@ class LlamaModel:
         self.dtype = dtype
         # the engine swaps in CudaAttention on a GPU (set_attention), once it knows the cache shape
         self.attention = TorchAttention()
+        self.min_rows = 1
         self.embed = weights["embed"]  # [vocab, hidden]
         self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head"]  # [vocab, hidden]
         self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
@@ -123,6 +136,13 @@ class LlamaModel:
         for layer in self.layers:
             layer.attention = attention
 
+    def set_batch_invariant(self, on: bool) -> None:
+        """Every row's result the same bits whatever else is in the batch (`linear`; the
+        attention backend pads its contexts, select_attention)."""
+        self.min_rows = 2 if on else 1
+        for layer in self.layers:
+            layer.min_rows = self.min_rows
+
     @torch.inference_mode()
     def forward(
         self,
@@ -137,7 +157,7 @@ class LlamaModel:
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, attn)
         x = self.norm(x[logits_indices])  # [S, hidden]: the final norm and head only where sampled
-        return F.linear(x, self.lm_head).float()
+        return linear(x, self.lm_head, None, self.min_rows).float()
 
 
 def check_shapes(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:
