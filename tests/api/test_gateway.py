@@ -7,6 +7,7 @@ import asyncio
 import hashlib
 import logging
 import re
+import time
 from typing import Any
 
 import pytest
@@ -81,6 +82,7 @@ async def test_keys_and_what_each_tenant_may_use(llm: LLMEngine, caplog: pytest.
 async def test_two_requests_a_second_burst_two_ten_at_once(llm: LLMEngine) -> None:
     tenants = {"acme": {"key_sha256": [sha(ACME)], "requests_per_second": 2, "requests_burst": 2}}
     async with serve(llm, tenant_settings(tenants)) as server:
+        burst = time.monotonic()
         results = await asyncio.gather(*(complete(server, ACME, max_tokens=1) for _ in range(10)))
         admitted = [r for r in results if r[0] == 200]
         refused = [r for r in results if r[0] == 429]
@@ -96,7 +98,9 @@ async def test_two_requests_a_second_burst_two_ten_at_once(llm: LLMEngine) -> No
             assert "x-ratelimit-limit-tokens" not in headers  # no token limit configured
         await asyncio.sleep(0.6)  # one request refilled
         status, _, headers = await complete(server, ACME, max_tokens=1)
-        assert status == 200 and headers["x-ratelimit-remaining-requests"] == "0"
+        # none left once it is taken, unless a slow machine let a whole second pass since the burst
+        left = {"0"} if time.monotonic() - burst < 1.0 else {"0", "1"}
+        assert status == 200 and headers["x-ratelimit-remaining-requests"] in left, headers
 
 
 @pytest.mark.asyncio
