@@ -25,6 +25,17 @@ class SettingsError(ValueError):
     """An invalid setting; the message names the key and the allowed values."""
 
 
+def read_lines(path: str, setting: str) -> list[str]:
+    """The lines of a text file a setting names (keys file, blocklist); SettingsError naming the
+    setting and the reason when it cannot be read as UTF-8 text."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise SettingsError(f"{setting}: cannot read {path} ({reason})") from None
+
+
 def parse_memory(value: Any) -> float:
     """Bytes ("2GiB", "512MB", 1073741824) or a fraction of free memory (0 < x <= 1)."""
     if isinstance(value, bool):

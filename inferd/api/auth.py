@@ -16,7 +16,7 @@ from aiohttp.typedefs import Middleware
 from inferd.api.errors import APIError, Handler
 from inferd.api.logs import RECORD
 from inferd.api.tenants import ANONYMOUS, OPEN, Keyring, Principal
-from inferd.config import DIGEST_HINT, SHA256_HEX, SettingsError
+from inferd.config import DIGEST_HINT, SHA256_HEX, SettingsError, read_lines
 
 PRINCIPAL = web.RequestKey("principal", Principal)
 KEY_DIGEST = web.RequestKey("key_digest", str)  # the caller's key (hex SHA-256): who owns a resumable stream
@@ -32,13 +32,7 @@ def load_api_keys(cli_keys: list[str], env_value: str | None, keys_file: str | N
     digests = {digest(k.strip()) for k in cli_keys if k.strip()}
     digests |= {digest(k.strip()) for k in (env_value or "").split(",") if k.strip()}
     if keys_file is not None:
-        try:
-            with open(keys_file, encoding="utf-8") as f:
-                lines = f.read().splitlines()
-        except (OSError, UnicodeDecodeError) as e:
-            reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-            raise SettingsError(f"server.api_keys_file: cannot read {keys_file} ({reason})") from None
-        for number, line in enumerate(lines, 1):
+        for number, line in enumerate(read_lines(keys_file, "server.api_keys_file"), 1):
             entry = line.split("#", 1)[0].strip()
             if not entry:
                 continue

@@ -41,7 +41,7 @@ from inferd.fleet_settings import RouteTable
 log = logging.getLogger(__name__)
 
 TICK_SECONDS = 1.0  # how often the degradation triggers look at each model
-RETIRE_POLL_SECONDS = 0.05
+POLL_SECONDS = 0.05  # how often a retiring revision, or one waiting for its probe, looks again
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class Served:
         while not self.health.probed:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"its inference probe did not run within {within:.0f} s")
-            await asyncio.sleep(RETIRE_POLL_SECONDS)
+            await asyncio.sleep(POLL_SECONDS)
 
     async def stop(self) -> None:
         if self._probing is not None:
@@ -177,7 +177,7 @@ class ModelSlot:
 
     async def _retire(self, old: Served) -> None:
         while old.engine.open_requests:
-            await asyncio.sleep(RETIRE_POLL_SECONDS)
+            await asyncio.sleep(POLL_SECONDS)
         await old.stop()
         self.retiring.remove(old)
         log.info("model %s: revision %s retired", self.name, old.spec.revision)

@@ -29,7 +29,7 @@ from typing import Literal
 
 import ahocorasick
 
-from inferd.config import SettingsError
+from inferd.config import SettingsError, read_lines
 
 CONTENT_FILTER = "content_filter"  # the finish reason of a choice the filter stopped
 REGEX_WINDOW = 64  # characters held back for a regex without a bounded width
@@ -49,12 +49,7 @@ def read_blocklist(path: str, action: Action = "mask") -> Blocklist:
     """The blocklist file: one term per line, blank lines and lines starting with `#` skipped,
     `re:PATTERN` a regular expression. SettingsError names the file and the line."""
     where = "output_filter.blocklist_file"
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise SettingsError(f"{where}: cannot read {path} ({reason})") from None
+    lines = read_lines(path, where)
     terms: list[str] = []
     patterns: list[str] = []
     for number, line in enumerate(lines, 1):
