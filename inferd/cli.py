@@ -116,6 +116,7 @@ def serve(
     prefix_caching: Annotated[Optional[bool], typer.Option(help="reuse cached KV blocks of shared prefixes (settings: cache.prefix_caching)")] = None,
     threads: Annotated[Optional[int], typer.Option(help="torch CPU threads, 0 for automatic (settings: runtime.threads)")] = None,
     deterministic: Annotated[Optional[bool], typer.Option(help="CPU: batch-invariant results, at a throughput cost (settings: model.deterministic)")] = None,
+    weights: Annotated[Optional[str], typer.Option(help="CPU: auto, bf16, int8 or int4 (settings: model.weights)")] = None,
     api_key: Annotated[Optional[list[str]], typer.Option(help="an accepted API key (repeatable); also INFERD_API_KEYS and server.api_keys_file")] = None,
     config: ConfigOption = None,
 ) -> None:
@@ -131,7 +132,7 @@ def serve(
         "server": {"host": host, "port": port, "drain_seconds": drain_seconds, "probe_interval_seconds": probe_interval,
                    "log_format": log_format},
         "model": {"path": model, "name": served_model_name, "dtype": dtype, "device": device, "max_model_len": max_model_len,
-                  "deterministic": deterministic},
+                  "deterministic": deterministic, "weights": weights},
         "cache": {"kv_cache_memory": kv_cache_memory, "block_size": block_size, "prefix_caching": prefix_caching},
         "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
                       "preemption_mode": preemption_mode},
@@ -145,7 +146,6 @@ def serve(
     def reload_keys() -> Keyring:  # SIGHUP: the same files and flags, read again
         settings = load_settings(settings_file, overrides)
         return Keyring.build(settings, read_keys(settings))
-
     try:
         settings = load_settings(settings_file, overrides)
         api_keys = read_keys(settings)

@@ -8,6 +8,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from inferd.engine.config import EngineConfig
 from inferd.engine.cuda_graphs import DecodeGraphs
 from inferd.engine.kv_cache import KVCache, auto_kv_cache_memory, host_blocks_for, num_blocks_for
@@ -27,14 +29,16 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer]:
     path = Path(config.model) if config.model else default_model_path()
     device, dtype = config.resolved_device(), config.resolved_dtype()
     start = time.perf_counter()
-    checkpoint = load_checkpoint(path, dtype)
+    checkpoint = load_checkpoint(path, dtype, config.resolved_weights())
     tokenizer = load_tokenizer(path, gguf_metadata=checkpoint.gguf_metadata)
-    weights = {name: t.to(device) for name, t in checkpoint.tensors.items()}
+    # (packed weights are CPU-only: resolved_weights)
+    weights = {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in checkpoint.tensors.items()}
     try:
         model = LlamaModel(checkpoint.config, weights, dtype)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e}") from None
-    log.info("loaded %s (%s, %s) in %.2f s", path, dtype, device, time.perf_counter() - start)
+    log.info("loaded %s (%s, weights %s, %s) in %.2f s", path, dtype, config.resolved_weights(), device,
+             time.perf_counter() - start)
     return model, tokenizer
 
 

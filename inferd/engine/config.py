@@ -27,6 +27,7 @@ class EngineConfig:
     kv_cache_memory: float | None = _DEFAULTS.cache.kv_cache_memory  # bytes, a fraction (0, 1] of free memory, or None: auto
     cuda_graphs: bool = _DEFAULTS.model.cuda_graphs  # on CUDA, replay decode steps from captured graphs
     deterministic: bool = _DEFAULTS.model.deterministic  # batch-invariant results on the CPU (builder.py)
+    weights: str = _DEFAULTS.model.weights  # CPU: packed weights (inferd.model.quant)
     max_num_seqs: int = _DEFAULTS.scheduler.max_num_seqs
     max_num_batched_tokens: int = _DEFAULTS.scheduler.max_num_batched_tokens
     max_model_len: int | None = _DEFAULTS.model.max_model_len  # None: the model's context length
@@ -52,6 +53,7 @@ class EngineConfig:
             max_model_len=settings.model.max_model_len,
             cuda_graphs=settings.model.cuda_graphs,
             deterministic=settings.model.deterministic,
+            weights=settings.model.weights,
             policy=settings.policy(),
             enable_prefix_caching=settings.cache.prefix_caching,
             swap_space=settings.cache.swap_space,
@@ -66,6 +68,18 @@ class EngineConfig:
         if self.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device {self.device!r} was asked for, but torch sees no CUDA device")
         return torch.device(self.device)
+
+    def resolved_weights(self) -> str:
+        """What the loader packs: "auto" only where the packed kernels serve (the CPU, bfloat16)."""
+        if self.weights == "bf16":
+            return "bf16"
+        if self.resolved_device().type != "cpu":
+            if self.weights != "auto":
+                raise ValueError(f"weights {self.weights!r} is a CPU mode (torch's packed CPU kernels); use bf16")
+            return "bf16"
+        if self.weights == "auto" and self.resolved_dtype() != torch.bfloat16:
+            return "bf16"  # (the packed kernels' float32 path is a slow reference)
+        return self.weights
 
     def resolved_dtype(self) -> torch.dtype:
         if self.dtype == "auto":

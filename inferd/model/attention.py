@@ -4,6 +4,8 @@ backend with them.
 
 - `TorchAttention`: the pure-torch reference (`inferd.kernels.reference`); the CPU path, and the
   fallback for shapes the CUDA kernels do not cover.
+- `CpuAttention`: our CPU kernel (`inferd.kernels.cpu`) for decode: no gather of the context,
+  each row on its own in a fixed order (batch-invariant); prefill chunks as the reference.
 - `CudaAttention`: our CUDA kernels (`inferd.kernels.cuda`) for the cache writes and decode;
   prefill chunks gather their context and call torch's fused SDPA, as the reference does.
 """
@@ -14,7 +16,7 @@ import logging
 
 import torch
 
-from inferd.kernels import reference
+from inferd.kernels import cpu, reference
 from inferd.model.tensors import device_tensor
 
 log = logging.getLogger(__name__)
@@ -53,6 +55,19 @@ class TorchAttention:
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: object,
                scale: float) -> torch.Tensor:
         return reference.attention_planned(query, key_cache, value_cache, plan, scale)  # type: ignore[arg-type]
+
+
+class CpuAttention(TorchAttention):
+    name = "cpu"
+
+    def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,
+                    device: torch.device) -> object:
+        return device_tensor(block_tables, torch.int32, device), device_tensor(seq_lens, torch.int32, device)
+
+    def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: object,
+               scale: float) -> torch.Tensor:
+        block_tables, seq_lens = plan  # type: ignore[misc]
+        return cpu.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
 
 
 class CudaAttention(TorchAttention):
@@ -101,10 +116,14 @@ class CudaAttention(TorchAttention):
 def select_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                      block_size: int, max_num_seqs: int, max_model_len: int,
                      deterministic: bool = False) -> TorchAttention:
-    """Our CUDA kernels where the device, CuPy and the shapes allow; otherwise the reference
-    (`deterministic`: with its contexts padded to whole blocks; the CPU's batch-invariant mode)."""
+    """Our kernels where the device (CuPy on CUDA, a compiler on the CPU) and the shapes allow;
+    otherwise the reference. `deterministic`: prefill contexts padded to whole blocks (the CPU's
+    batch-invariant mode; decode on our CPU kernel is invariant as it is)."""
     if device.type != "cuda":
-        return TorchAttention(reference.KV_BLOCK if deterministic else None)
+        kv_block = reference.KV_BLOCK if deterministic else None
+        if cpu.supports(head_dim, num_heads, num_kv_heads) and cpu.available():
+            return CpuAttention(kv_block)
+        return TorchAttention(kv_block)
     if deterministic:
         log.warning("[model] deterministic is a CPU mode: on CUDA, results may still vary with the batch")
     from inferd.kernels import cuda

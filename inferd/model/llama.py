@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from inferd.model.attention import TorchAttention
 from inferd.model.config import ModelConfig
 from inferd.model.errors import ModelLoadError
+from inferd.model.quant import DenseLinear, Linear, fuse, make_linear
 
 
 @dataclass
@@ -46,17 +47,19 @@ class DecoderLayer:
         self.attention = attention
         self.attn_norm = RMSNorm(w[f"{prefix}.attn_norm"], cfg.rms_norm_eps)
         self.mlp_norm = RMSNorm(w[f"{prefix}.mlp_norm"], cfg.rms_norm_eps)
-        self.qkv = torch.cat([w[f"{prefix}.q"], w[f"{prefix}.k"], w[f"{prefix}.v"]])  # [q+2kv, hidden]
-        self.qkv_bias = (
+        bias = (
             torch.cat([w[f"{prefix}.q_bias"], w[f"{prefix}.k_bias"], w[f"{prefix}.v_bias"]])
             if cfg.attention_bias
             else None
         )  # [q+2kv] or None
-        self.o = w[f"{prefix}.o"]  # [hidden, q]
-        self.gate_up = torch.cat([w[f"{prefix}.gate"], w[f"{prefix}.up"]])  # [2 * intermediate, hidden]
-        self.down = w[f"{prefix}.down"]  # [hidden, intermediate]
+        dtype = w[f"{prefix}.attn_norm"].dtype
+        parts = [w[f"{prefix}.{name}"] for name in ("q", "k", "v")]
+        # packed weights: decode rows packed, prefill rows on a dense copy (quant.SplitLinear)
+        self.qkv = make_linear(fuse(parts), bias, dtype, split=True)  # [q+2kv, hidden]
+        self.o = make_linear(w[f"{prefix}.o"], None, dtype, split=True)  # [hidden, q]
+        self.gate_up = make_linear(fuse([w[f"{prefix}.gate"], w[f"{prefix}.up"]]), None, dtype, split=True)  # [2 * intermediate, hidden]
+        self.down = make_linear(w[f"{prefix}.down"], None, dtype, split=True)  # [hidden, intermediate]
         self.scale = cfg.head_dim**-0.5
-        self.min_rows = 1  # 2: batch-invariant products (`linear`)
 
     def __call__(
         self,
@@ -69,35 +72,24 @@ class DecoderLayer:
         cfg = self.cfg
         t = x.shape[0]
         # attention
-        qkv = linear(self.attn_norm(x), self.qkv, self.qkv_bias, self.min_rows)  # [T, q + 2 kv]
+        p = attn.num_prefill_tokens
+        qkv = self.qkv(self.attn_norm(x), p)  # [T, q + 2 kv]
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         qk = _rope(qk, cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         key_cache, value_cache = kv_cache
         self.attention.write_kv(k, v, key_cache, value_cache, attn.slot_mapping)
-        p = attn.num_prefill_tokens
         parts = []
         if attn.prefill is not None:
             parts.append(self.attention.prefill(q[:p], key_cache, value_cache, attn.prefill, self.scale))
         if attn.decode is not None:
             parts.append(self.attention.decode(q[p:], key_cache, value_cache, attn.decode, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        x = x + linear(out.reshape(t, cfg.q_size), self.o, None, self.min_rows)
+        x = x + self.o(out.reshape(t, cfg.q_size), p)
         # mlp
-        gate, up = linear(self.mlp_norm(x), self.gate_up, None, self.min_rows).chunk(2, dim=-1)
-        return x + linear(F.silu(gate) * up, self.down, None, self.min_rows)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> torch.Tensor:
-    """F.linear, with at least `min_rows` rows. NOTE: on the CPU, oneDNN's bf16 product takes
-    another path for one row than for two or more, and real activations then differ in the
-    last bits (random test data does not show it); rows 2..N are bit-identical to each other.
-    So the batch-invariant mode (min_rows 2) runs a lone row beside a zero row."""
-    if x.shape[0] < min_rows:
-        padded = torch.cat([x, x.new_zeros(min_rows - x.shape[0], x.shape[1])])
-        return F.linear(padded, weight, bias)[: x.shape[0]]
-    return F.linear(x, weight, bias)
+        gate, up = self.gate_up(self.mlp_norm(x), p).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up, p)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -116,7 +108,8 @@ class LlamaModel:
         self.attention = TorchAttention()
         self.min_rows = 1
         self.embed = weights["embed"]  # [vocab, hidden]
-        self.lm_head = self.embed if cfg.tie_word_embeddings else weights["lm_head"]  # [vocab, hidden]
+        # [vocab, hidden]; a tied head has its own entry only when packed (quant.pack_weights)
+        self.lm_head = make_linear(weights.get("lm_head", self.embed), None, dtype)
         self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
         self.layers = [DecoderLayer(cfg, weights, f"layers.{i}", self.attention) for i in range(cfg.num_layers)]
         # Rotary tables for every position, computed once like transformers does per forward.
@@ -140,8 +133,13 @@ class LlamaModel:
         """Every row's result the same bits whatever else is in the batch (`linear`; the
         attention backend pads its contexts, select_attention)."""
         self.min_rows = 2 if on else 1
-        for layer in self.layers:
-            layer.min_rows = self.min_rows
+        for op in self.linears():
+            for dense in (op, getattr(op, "dense", None)):  # (a SplitLinear's prefill copy)
+                if isinstance(dense, DenseLinear):
+                    dense.min_rows = self.min_rows
+
+    def linears(self) -> list[Linear]:
+        return [op for layer in self.layers for op in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
 
     @torch.inference_mode()
     def forward(
@@ -157,7 +155,7 @@ class LlamaModel:
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, kv_cache, attn)
         x = self.norm(x[logits_indices])  # [S, hidden]: the final norm and head only where sampled
-        return linear(x, self.lm_head, None, self.min_rows).float()
+        return self.lm_head(x).float()
 
 
 def check_shapes(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:

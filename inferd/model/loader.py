@@ -20,13 +20,14 @@ import importlib.util
 import json
 import os
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from inferd.model import quant
 from inferd.model.config import ModelConfig, config_from_gguf, config_from_hf
 from inferd.model.errors import ModelLoadError
 
@@ -74,6 +75,7 @@ class Checkpoint:
     tensors: dict[str, torch.Tensor]  # canonical names, already in the serving dtype
     source: Path
     gguf_metadata: dict[str, Any] | None = None  # for the tokenizer, when the source is a GGUF file
+    stored_types: dict[str, str] = field(default_factory=dict)  # canonical name -> GGUF type (Q4_1, ...)
 
 
 def default_model_path() -> Path:
@@ -88,13 +90,17 @@ def default_model_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype) -> Checkpoint:
+def load_checkpoint(path: str | Path, dtype: torch.dtype, weights: str = "bf16") -> Checkpoint:
+    """`weights` (inferd.model.quant): "bf16" every tensor dense in `dtype`; otherwise the linear
+    layers' weights (and the head) packed as that mode says."""
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
-    if path.is_dir():
-        return _load_hf_folder(path, dtype)
-    return _load_gguf(path, dtype)
+    checkpoint = _load_hf_folder(path, dtype) if path.is_dir() else _load_gguf(path, dtype, weights)
+    if weights != "bf16":
+        checkpoint.tensors = quant.pack_weights(checkpoint.tensors, weights, checkpoint.stored_types,
+                                                checkpoint.config.tie_word_embeddings)
+    return checkpoint
 
 
 # ---------------------------------------------------------------------------------------- GGUF
@@ -106,7 +112,7 @@ def _unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
+def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
     # NOTE: imported here, so that Hugging Face folders load where the gguf package is absent
     # (a bare GPU box running bench/gpu_check.sh)
     from gguf.quants import dequantize
@@ -138,9 +144,17 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         elif name in _GGUF_TOP_NAMES:
             wanted[name] = (_GGUF_TOP_NAMES[name], 0)
 
-    def convert(name: str) -> torch.Tensor:
-        array = load(name)
+    def convert(name: str) -> torch.Tensor | quant.Int4Codes:
         heads = wanted[name][1]
+        codes = None
+        if weights in ("auto", "int4") and quant.is_linear(wanted[name][0]):
+            codes = quant.int4_from_gguf(gguf.raw(name), gguf.tensors[name].ggml_type.name)
+        if codes is not None:  # kept as stored: 4-bit codes, not dequantized
+            if heads:
+                codes = quant.Int4Codes(*(torch.from_numpy(_unpermute_qk(t.numpy(), heads))
+                                          for t in (codes.codes, codes.scale, codes.minimum)))
+            return codes
+        array = load(name)
         return _to_torch(_unpermute_qk(array, heads) if heads else array, dtype)
 
     # NOTE: numpy releases the GIL inside dequantization, so threads use every core.
@@ -151,7 +165,8 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> Checkpoint:
         factors = load("rope_freqs.weight").astype(np.float32).tolist()
         config = replace(config, rope_scaling={"rope_type": "factors", "factors": factors})
     config = replace(config, tie_word_embeddings="lm_head" not in tensors)
-    return Checkpoint(config, tensors, path, gguf_metadata=gguf.metadata)
+    stored = {canonical: gguf.tensors[name].ggml_type.name for name, (canonical, _) in wanted.items()}
+    return Checkpoint(config, tensors, path, gguf_metadata=gguf.metadata, stored_types=stored)
 
 
 def _to_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:

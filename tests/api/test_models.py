@@ -150,7 +150,7 @@ async def test_a_model_failing_its_probe_sends_to_its_fallback_until_recovered(s
     fleet = fleet_of(server)
     slot = fleet.slots["big2"]
     first = slot.current.probe.expected[0]
-    lm_head = _model_of(fleet, "big2").lm_head  # (big2's own copy of the weights, see loader)
+    lm_head = _model_of(fleet, "big2").lm_head.weight  # (big2's own copy of the weights, see loader)
     saved = lm_head[first].clone()
     try:
         with torch.no_grad():

@@ -8,14 +8,16 @@ with its many-row path, with the model's own numbers it does not (see `linear`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
 from inferd.kernels import reference
-from inferd.model import llama
-from inferd.model.llama import linear
+from inferd.model.attention import CpuAttention
+from inferd.model.quant import Linear, SplitLinear
 from inferd.model.sampling_params import SamplingParams
 
 BATCHES = range(1, 65)
@@ -28,45 +30,55 @@ def engine() -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
-def activations(engine: LLMEngine) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """(weight, its input rows) for the products of the middle layer and the head, recorded while the
-    model prefills a real prompt (inputs with the model's own magnitudes and structure)."""
+def activations(engine: LLMEngine) -> dict[str, tuple[Linear, torch.Tensor]]:
+    """(product, its input rows) for the middle layer's products and the head, recorded while the
+    model prefills real prompts (inputs with the model's own magnitudes and structure)."""
     model = engine.model
     layer = model.layers[len(model.layers) // 2]
-    wanted = {id(layer.qkv): "qkv", id(layer.o): "o", id(layer.gate_up): "gate_up", id(layer.down): "down",
-              id(model.lm_head): "lm_head"}
-    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    real = llama.linear
+    seen: dict[str, tuple[Linear, torch.Tensor]] = {}
 
-    def record(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> torch.Tensor:
-        name = wanted.get(id(weight))
-        if name is not None and x.shape[0] > len(seen.get(name, (None, ()))[1]):
-            seen[name] = (weight, x.clone())
-        return real(x, weight, bias, min_rows)
+    def recorder(name: str, op: Linear) -> Callable[..., torch.Tensor]:
+        def record(x: torch.Tensor, num_prefill_rows: int = 0) -> torch.Tensor:
+            if x.shape[0] > len(seen.get(name, (None, ()))[1]):
+                seen[name] = (op, x.clone())
+            return op(x, num_prefill_rows)
+        return record
 
-    llama.linear = record  # (the layers look it up at each call)
+    names = ("qkv", "o", "gate_up", "down")
+    for name in names:
+        setattr(layer, name, recorder(name, getattr(layer, name)))
     try:
         text = "The quick brown fox jumps over the lazy dog. " * 10
         engine.generate([text, text[:-3]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     finally:
-        llama.linear = real
+        for name in names:
+            setattr(layer, name, seen[name][0])
     # the head sees only the rows it samples: give it the layer's normed hidden states instead
     seen["lm_head"] = (model.lm_head, seen["gate_up"][1])
     return seen
 
 
 @pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down", "lm_head"])
+@pytest.mark.parametrize("rows", ["prefill", "decode"])
 def test_each_product_gives_a_row_the_same_bits_at_batch_sizes_1_to_64(
-        activations: dict[str, tuple[torch.Tensor, torch.Tensor]], name: str) -> None:
-    weight, rows = activations[name]
-    assert rows.shape[0] > 64, rows.shape
-    for k in range(0, rows.shape[0], 7 if name != "lm_head" else 30):  # several fixed rows: whether a row's bits move depends on its values
-        fixed, others = rows[k:k + 1], torch.cat([rows[:k], rows[k + 1:]])
-        alone = linear(fixed, weight, None, 2)[0]
+        activations: dict[str, tuple[Linear, torch.Tensor]], name: str, rows: str) -> None:
+    """A layer's product on packed weights: decode rows through the packed kernel, prefill rows
+    through the dense copy (quant.SplitLinear); the head is dense for both."""
+    op, inputs = activations[name]
+    if name != "lm_head":
+        assert isinstance(op, SplitLinear), type(op)  # the default weights of the default model
+    assert inputs.shape[0] > 64, inputs.shape
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return op(x, x.shape[0] if rows == "prefill" else 0)
+
+    for k in range(0, inputs.shape[0], 7 if name != "lm_head" else 30):  # several fixed rows: whether a row's bits move depends on its values
+        fixed, others = inputs[k:k + 1], torch.cat([inputs[:k], inputs[k + 1:]])
+        alone = run(fixed)[0]
         for n in BATCHES:
             at = n // 2  # (the fixed row in the middle: neither first nor last)
             batch = torch.cat([others[:at], fixed, others[at:n - 1]])
-            assert torch.equal(linear(batch, weight, None, 2)[at], alone), (name, k, n)
+            assert torch.equal(run(batch)[at], alone), (name, k, n)
 
 
 def cache(num_blocks: int = 400, block_size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,9 +105,18 @@ def tables_for(lens: list[int], fixed: int, fixed_table: list[int]) -> list[list
 
 
 def test_decode_attention_gives_a_row_the_same_bits_beside_any_contexts(engine: LLMEngine) -> None:
+    """Our CPU kernel (the default decode attention): no padding needed."""
+    assert isinstance(engine.model.attention, CpuAttention)
     key_cache, value_cache = cache()
+    backend = CpuAttention()
+
+    def decode(queries: torch.Tensor, lens: list[int], tables: list[list[int]]) -> torch.Tensor:
+        width = max(map(len, tables))
+        plan = backend.plan_decode([t + [0] * (width - len(t)) for t in tables], lens, 16, torch.device("cpu"))
+        return backend.decode(queries, key_cache, value_cache, plan, 0.125)
+
     query, own = torch.randn(1, 9, 64, dtype=torch.bfloat16), [300 + b for b in range(3)]  # 37 keys
-    alone = attend(key_cache, value_cache, [37], [1], query, [own])[0]
+    alone = decode(query, [37], [own])[0]
     generator = torch.Generator().manual_seed(1)
     for n in BATCHES:
         lens = torch.randint(1, 700, (n,), generator=generator).tolist()
@@ -103,7 +124,7 @@ def test_decode_attention_gives_a_row_the_same_bits_beside_any_contexts(engine: 
         lens[at] = 37
         queries = torch.randn(n, 9, 64, dtype=torch.bfloat16)
         queries[at] = query[0]
-        out = attend(key_cache, value_cache, lens, [1] * n, queries, tables_for(lens, at, own))
+        out = decode(queries, lens, tables_for(lens, at, own))
         assert torch.equal(out[at], alone), n
 
 

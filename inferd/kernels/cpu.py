@@ -1,0 +1,124 @@
+"""Our CPU kernel (csrc/cpu_attention.cpp): paged decode attention, batch-invariant by construction.
+
+It is compiled once per machine with the system's g++ against the installed torch (`make`
+builds it: `python -m inferd.kernels.cpu`), into a cache folder keyed by the source, the torch
+version and the CPU's instruction sets (-march=native: the library fits only this kind of CPU).
+A server that finds no library builds it at start-up (~30 s); without g++ the model falls back
+to the torch reference, with a warning.
+
+    INFERD_KERNEL_DIR   where the libraries are kept (default ~/.cache/inferd/kernels)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+# -ffast-math: vectorized sums and exp; a fixed order all the same (one compiled loop).
+# -fopenmp: ATen's parallel_for is inlined OpenMP; it binds to the libgomp.so.1 that torch ships
+# and has loaded already (same soname), so the kernel runs on torch's threads.
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+HEAD_SIZE_MULTIPLE = 16  # the kernel's dot product runs 16 lanes
+_loaded: bool | None = None  # None: not tried yet
+
+
+class KernelBuildError(RuntimeError):
+    pass
+
+
+def library_path() -> Path:
+    """Where this machine's build of the current source lives."""
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(" ".join(FLAGS).encode())
+    key.update(torch.__version__.encode())
+    key.update(platform.machine().encode())
+    key.update(_cpu_flags().encode())
+    folder = Path(os.environ.get("INFERD_KERNEL_DIR") or Path.home() / ".cache" / "inferd" / "kernels")
+    return folder / f"inferd_cpu_{key.hexdigest()[:16]}.so"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def build(force: bool = False) -> Path:
+    """Compile the kernel for this machine (no-op when the library is already there)."""
+    target = library_path()
+    if target.exists() and not force:
+        return target
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        raise KernelBuildError("no C++ compiler (g++) on PATH: the CPU kernel cannot be built")
+    from torch.utils import cpp_extension
+
+    includes = [f"-I{p}" for p in cpp_extension.include_paths()]
+    libraries = [f"-L{p}" for p in cpp_extension.library_paths()]
+    rpaths = [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # built beside the target and renamed into place: a concurrent start never loads half a file
+    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
+        partial = Path(tmp.name)
+    command = [compiler, *FLAGS, abi, *includes, str(SOURCE),
+               *libraries, *rpaths, "-lc10", "-ltorch_cpu", "-o", str(partial)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise KernelBuildError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
+    partial.replace(target)
+    return target
+
+
+def available() -> bool:
+    """Load the kernel, building it first if this machine has none; False (and a warning) if not."""
+    global _loaded
+    if _loaded is None:
+        try:
+            path = library_path()
+            if not path.exists():
+                log.info("building the CPU attention kernel for this machine (once; make does it ahead)")
+            torch.ops.load_library(str(build()))
+            _loaded = True
+        except (KernelBuildError, OSError, RuntimeError) as e:
+            log.warning("CPU attention kernel unavailable, using the torch reference: %s", e)
+            _loaded = False
+    return _loaded
+
+
+def supports(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    return head_dim % HEAD_SIZE_MULTIPLE == 0 and num_heads % num_kv_heads == 0
+
+
+def decode_attention(query: torch.Tensor,  # [N, heads, head_dim]
+                     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+                     value_cache: torch.Tensor,
+                     block_tables: torch.Tensor,  # [N, width] int32
+                     seq_lens: torch.Tensor,  # [N] int32
+                     scale: float) -> torch.Tensor:  # [N, heads, head_dim]
+    return torch.ops.inferd_cpu.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+
+
+if __name__ == "__main__":
+    try:
+        print(build(force="--force" in sys.argv))
+    except KernelBuildError as e:
+        sys.exit(str(e))

