@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from inferd.engine.builder import in_passing_thread
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
 from inferd.model.config import ModelConfig
@@ -93,6 +94,9 @@ class SyntheticZeroCostModel:
 
     def set_attention(self, backend: Any) -> None:
         self.attention = backend
+
+    def set_batch_invariant(self, on: bool) -> None:
+        pass  # precomputed logits: the same for any batch
 
     def forward(
         self,
@@ -226,7 +230,7 @@ def serve(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     if args.switch_interval:
         sys.setswitchinterval(args.switch_interval)
-    llm = build_engine(args.concurrency, args.vocab_size)
+    llm = in_passing_thread(build_engine, args.concurrency, args.vocab_size)  # (as `inferd serve` does)
     timer = StepTimer(llm)
     engine = AsyncEngine(llm)
     settings = load_settings(None, {

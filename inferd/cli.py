@@ -163,6 +163,7 @@ def _model_loader(settings: Settings) -> Callable[[ModelSpec], AsyncEngine]:
     """How `inferd serve` loads one revision of one model: [model], [cache] and [scheduler], with
     its [models.NAME] table's path, dtype and KV memory (reloads call it in a worker thread)."""
     from inferd.engine.async_engine import AsyncEngine
+    from inferd.engine.builder import in_passing_thread
     from inferd.engine.config import EngineConfig
     from inferd.engine.llm_engine import LLMEngine
 
@@ -170,7 +171,7 @@ def _model_loader(settings: Settings) -> Callable[[ModelSpec], AsyncEngine]:
         config = EngineConfig.from_settings(settings)
         kv = config.kv_cache_memory if spec.kv_cache_memory is None else spec.kv_cache_memory
         config = dataclasses.replace(config, model=spec.path, dtype=spec.dtype or config.dtype, kv_cache_memory=kv)
-        return AsyncEngine(LLMEngine.from_config(config))
+        return AsyncEngine(in_passing_thread(LLMEngine.from_config, config))
 
     return load
 

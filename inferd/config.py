@@ -66,7 +66,7 @@ class ModelSettings(_Section):
     # CPU: the linear layers' weights packed (inferd/model/quant.py); auto: as the GGUF stores them
     weights: Literal["auto", "bf16", "int8", "int4"] = "auto"
     # CPU: every request's tokens the same whatever runs beside it (batch-invariant kernels)
-    deterministic: bool = True
+    deterministic: bool = True  # (bfloat16; float32 runs its plain path)
 
 
 class CacheSettings(_Section):

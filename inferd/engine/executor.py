@@ -66,5 +66,5 @@ class StepExecutor:
 
 
 def _by_kind(chunks: list[ScheduledChunk]) -> tuple[list[ScheduledChunk], list[ScheduledChunk]]:
-    """(prefills, decodes), split as the scheduler splits them: a decode is one token."""
-    return [c for c in chunks if c.num_tokens > 1], [c for c in chunks if c.num_tokens == 1]
+    """(prefills, decodes), split as the scheduler splits them (ScheduledChunk.is_decode)."""
+    return [c for c in chunks if not c.is_decode], [c for c in chunks if c.is_decode]

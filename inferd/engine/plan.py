@@ -24,11 +24,18 @@ class ScheduledChunk:
         """True when the chunk reaches the last known token, so a next token is sampled."""
         return self.start + self.num_tokens == self.request.num_tokens
 
+    @property
+    def is_decode(self) -> bool:
+        """One generated token. A prompt's tokens always take the prefill path, even one at a
+        time (the last one after a prefix-cache hit, a chunk's remainder): which arithmetic a
+        token meets must not depend on how its prompt was cut (batch invariance)."""
+        return self.num_tokens == 1 and self.start >= len(self.request.prompt_ids)
+
 
 @dataclass
 class SchedulerOutput:
-    prefills: list[ScheduledChunk] = field(default_factory=list)  # chunks of more than one token
-    decodes: list[ScheduledChunk] = field(default_factory=list)  # one token each
+    prefills: list[ScheduledChunk] = field(default_factory=list)  # prompt tokens (and recomputed output)
+    decodes: list[ScheduledChunk] = field(default_factory=list)  # one generated token each (is_decode)
     # KV copies the runner makes before the forward, in this order (a block that swap-out frees
     # may be reused by a swap-in or a copy-on-write of the same step)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)

@@ -246,7 +246,7 @@ class Scheduler:
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, copies: list[tuple[int, int]]) -> None:
         chunk = ScheduledChunk(req, req.num_computed_tokens, n, self.block_manager.block_table(req.seq_id))
-        (out.decodes if n == 1 else out.prefills).append(chunk)
+        (out.decodes if chunk.is_decode else out.prefills).append(chunk)
         self._scheduled[req.seq_id] = (chunk, copies)
         self._budget -= n
 
@@ -283,7 +283,7 @@ class Scheduler:
         scheduled = self._scheduled.pop(req.seq_id, None)
         if scheduled is not None:  # it was given a chunk earlier in this step: take it back
             chunk, copies = scheduled
-            (out.decodes if chunk.num_tokens == 1 else out.prefills).remove(chunk)
+            (out.decodes if chunk.is_decode else out.prefills).remove(chunk)
             for pair in copies:
                 out.block_copies.remove(pair)
             self._budget += chunk.num_tokens

@@ -26,10 +26,13 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
-# -ffast-math: vectorized sums and exp; a fixed order all the same (one compiled loop).
+# Reassociation (-fassociative-math and what it needs): vectorized sums, in a fixed order all the
+# same (one compiled loop). NOT -ffast-math: linking with it sets flush-to-zero for the whole
+# process (crtfastmath), which changes torch's arithmetic and breaks hypothesis (tests/kernels).
 # -fopenmp: ATen's parallel_for is inlined OpenMP; it binds to the libgomp.so.1 that torch ships
 # and has loaded already (same soname), so the kernel runs on torch's threads.
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
+         "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
 HEAD_SIZE_MULTIPLE = 16  # the kernel's dot product runs 16 lanes
 _loaded: bool | None = None  # None: not tried yet
 

@@ -33,7 +33,7 @@ async def test_a_corrupted_weight_makes_the_server_not_ready(llm: LLMEngine) -> 
         assert await server.get("/ready") == (200, {"status": "ready"})
         probe = server.test_server.app[PROBE]
         first = probe.expected[0]
-        weights = llm.model.lm_head  # [vocab, hidden]
+        weights = llm.model.lm_head.weight  # [vocab, hidden]
         saved = weights[first].clone()
         try:
             with torch.no_grad():

@@ -51,3 +51,9 @@ def test_unsupported_shapes_are_refused_by_name() -> None:
     with pytest.raises(RuntimeError, match="multiple of 16"):
         cpu.decode_attention(torch.randn(1, 2, 8), torch.randn(2, 16, 2, 8), torch.randn(2, 16, 2, 8),
                              torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
+
+
+def test_loading_the_kernel_leaves_subnormal_floats_alone() -> None:
+    """Built without -ffast-math, whose start-up code would set flush-to-zero for the whole process."""
+    tiny = torch.tensor([1e-40], dtype=torch.float32)
+    assert tiny.item() != 0.0 and (tiny * 0.5).item() != 0.0

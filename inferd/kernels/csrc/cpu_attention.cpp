@@ -14,7 +14,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <math.h>
+#include <cmath>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -22,12 +23,31 @@ namespace {
 
 constexpr int64_t kLanes = 16;
 
-// q · k. The compiler vectorizes it with its own fixed order of additions (-ffast-math lets it
-// reassociate); the order depends on the head size only, never on the batch.
+// q · k. The compiler vectorizes it with its own fixed order of additions (-fassociative-math
+// lets it reassociate); the order depends on the head size only, never on the batch.
 inline float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.0f;
   for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
   return sum;
+}
+
+// exp(x) for x <= 0 (scores less their maximum), Cephes' expf polynomial: x = n ln2 + r,
+// |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n put in the exponent bits. Written as plain
+// arithmetic so that the compiler vectorizes the loop around it (libm's expf stays scalar); the
+// relative error is ~1e-7, the same for every batch.
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.0f);
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
 }
 
 template <typename T>
@@ -45,8 +65,11 @@ template <typename T>
 void attend(const T* query, const T* key_cache, const T* value_cache, const int32_t* table, int64_t len,
             int64_t kv_head, const Shapes& s, T* out, std::vector<float>& scratch) {
   const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_dim;
-  scratch.resize(group * dim * 2 + dim + group * len);
-  float* q = scratch.data();            // [group, dim]
+  // NOTE: 64-byte aligned. The vectorized sums peel iterations until a pointer is aligned, so
+  // an address that moved with the batch (the heap) would move the order of additions too.
+  scratch.resize(group * dim * 2 + dim + group * len + kLanes);
+  const auto address = reinterpret_cast<uintptr_t>(scratch.data());
+  float* q = reinterpret_cast<float*>((address + 63) & ~uintptr_t{63});  // [group, dim]
   float* acc = q + group * dim;         // [group, dim]
   float* row = acc + group * dim;       // [dim]: one key or value row in float32
   float* weights = row + dim;           // [group, len]: scores, then exp(score - max)
@@ -65,7 +88,7 @@ void attend(const T* query, const T* key_cache, const T* value_cache, const int3
     float* w = weights + g * len;
     float top = -std::numeric_limits<float>::infinity();
     for (int64_t l = 0; l < len; ++l) top = std::max(top, w[l]);
-    for (int64_t l = 0; l < len; ++l) w[l] = expf(w[l] - top);  // (alone in its loop: vectorized)
+    for (int64_t l = 0; l < len; ++l) w[l] = exp_nonpositive(w[l] - top);
     for (int64_t l = 0; l < len; ++l) total[g] += w[l];
   }
   std::fill(acc, acc + group * dim, 0.0f);
