@@ -12,6 +12,7 @@ from inferd.engine.masks import MaskFiller
 from inferd.engine.request import Request
 from inferd.engine.plan import ScheduledChunk, SchedulerOutput
 from inferd.model.llama import LlamaModel, StepAttention
+from inferd.model.quant import DENSE_PREFILL_MIN_TOKENS
 from inferd.model.sampler import Sampler, SamplerOutput
 from inferd.model.tensors import device_tensor
 
@@ -63,6 +64,7 @@ class ModelRunner:
 
     def run(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> StepResult:
         """Forward these chunks and sample a token for each that ends its prompt or decodes."""
+        prefills = sorted(prefills, key=lambda c: not _dense_prefill(c))  # (dense rows first: StepAttention)
         chunks = prefills + decodes
         # one row per sampling request, plus one per fork (n > 1) that starts from the same logits
         rows: list[Request] = []
@@ -144,13 +146,22 @@ class ModelRunner:
         max_blocks = max(widths)
         rows = [c.block_table[:w] + [0] * (max_blocks - w) for c, w in zip(chunks, widths)]  # [N, max_blocks]
 
-        p = len(prefills)
         backend = self.model.attention
+        dense = sum(1 for c in prefills if _dense_prefill(c))  # (first: run sorted them)
+        # short prompts attend row by row through the decode kernel where the backend can (the
+        # CPU's): one row per token, its context up to itself, no padding of the context
+        p = dense if backend.row_prefill else len(prefills)
+        tables: list[list[int]] = []
+        lens: list[int] = []
+        for row, end, n in zip(rows[p:], seq_lens[p:], query_lens[p:]):
+            tables += [row] * n
+            lens += range(end - n + 1, end + 1)
         attn = StepAttention(
             slot_mapping=device_tensor(slot_mapping, torch.int64, device),
             num_prefill_tokens=sum(query_lens[:p]),
+            dense_rows=sum(query_lens[:dense]),
             prefill=backend.plan_prefill(rows[:p], seq_lens[:p], query_lens[:p], bs, device) if p else None,
-            decode=backend.plan_decode(rows[p:], seq_lens[p:], bs, device) if decodes else None,
+            decode=backend.plan_decode(tables, lens, bs, device) if tables else None,
         )
         return (
             device_tensor(ids, torch.int64, device),
@@ -158,3 +169,8 @@ class ModelRunner:
             attn,
             device_tensor(logits_indices, torch.int64, device),
         )
+
+
+def _dense_prefill(chunk: ScheduledChunk) -> bool:
+    """A long prompt's chunk: its rows multiply by packed layers' dense copies (quant.SplitLinear)."""
+    return len(chunk.request.prompt_ids) >= DENSE_PREFILL_MIN_TOKENS

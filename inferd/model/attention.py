@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 class TorchAttention:
     name = "torch"
+    row_prefill = False  # decode plans may hold prefill rows too, one per token (CpuAttention)
 
     def __init__(self, kv_block: int | None = None) -> None:
         # contexts padded to a multiple of this: batch-invariant rows ([model] deterministic)
@@ -59,6 +60,7 @@ class TorchAttention:
 
 class CpuAttention(TorchAttention):
     name = "cpu"
+    row_prefill = True
 
     def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,
                     device: torch.device) -> object:

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from inferd.model.llama import LlamaModel, StepAttention
+from inferd.model.quant import DENSE_PREFILL_MIN_TOKENS
 from inferd.model.tensors import device_tensor
 
 
@@ -31,6 +32,7 @@ def perplexity(model: LlamaModel, kv_layers: list[tuple[torch.Tensor, torch.Tens
             num_prefill_tokens=n,
             prefill=model.attention.plan_prefill([table], [n], [n], block_size, device),
             decode=None,
+            dense_rows=n if n >= DENSE_PREFILL_MIN_TOKENS else 0,  # as the runner would
         )
         logits = model.forward(device_tensor(inputs, torch.int64, device), positions, kv_layers, attn, positions)
         total_nll += F.cross_entropy(logits, device_tensor(targets, torch.int64, device), reduction="sum").item()

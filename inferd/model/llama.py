@@ -26,6 +26,9 @@ class StepAttention:
     num_prefill_tokens: int  # tokens [0, num_prefill_tokens) are prefill chunks, the rest decodes
     prefill: object | None  # the attention backend's plans (see inferd.model.attention)
     decode: object | None
+    # tokens [0, dense_rows) multiply by packed layers' dense copies (quant.SplitLinear): the
+    # prefill rows of long prompts, which the runner puts first
+    dense_rows: int = 0
 
 
 class RMSNorm:
@@ -54,7 +57,7 @@ class DecoderLayer:
         )  # [q+2kv] or None
         dtype = w[f"{prefix}.attn_norm"].dtype
         parts = [w[f"{prefix}.{name}"] for name in ("q", "k", "v")]
-        # packed weights: decode rows packed, prefill rows on a dense copy (quant.SplitLinear)
+        # packed weights: long prompts' prefill rows on a dense copy, the rest packed (quant.SplitLinear)
         self.qkv = make_linear(fuse(parts), bias, dtype, split=True)  # [q+2kv, hidden]
         self.o = make_linear(w[f"{prefix}.o"], None, dtype, split=True)  # [hidden, q]
         self.gate_up = make_linear(fuse([w[f"{prefix}.gate"], w[f"{prefix}.up"]]), None, dtype, split=True)  # [2 * intermediate, hidden]
@@ -72,8 +75,8 @@ class DecoderLayer:
         cfg = self.cfg
         t = x.shape[0]
         # attention
-        p = attn.num_prefill_tokens
-        qkv = self.qkv(self.attn_norm(x), p)  # [T, q + 2 kv]
+        p, d = attn.num_prefill_tokens, attn.dense_rows
+        qkv = self.qkv(self.attn_norm(x), d)  # [T, q + 2 kv]
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         qk = _rope(qk, cos, sin)  # q and k heads rotated in one go
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
@@ -86,10 +89,10 @@ class DecoderLayer:
         if attn.decode is not None:
             parts.append(self.attention.decode(q[p:], key_cache, value_cache, attn.decode, self.scale))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        x = x + self.o(out.reshape(t, cfg.q_size), p)
+        x = x + self.o(out.reshape(t, cfg.q_size), d)
         # mlp
-        gate, up = self.gate_up(self.mlp_norm(x), p).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up, p)
+        gate, up = self.gate_up(self.mlp_norm(x), d).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up, d)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -131,7 +131,7 @@ class DenseLinear:
         self.bias = bias
         self.min_rows = 1  # 2: batch-invariant (see `linear`)
 
-    def __call__(self, x: torch.Tensor, num_prefill_rows: int = 0) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
         return linear(x, self.weight, self.bias, self.min_rows)
 
 
@@ -144,7 +144,7 @@ class Int4Linear:
         self.scales_zeros = self.scales_zeros.to(dtype).contiguous()  # [K / 32, N, 2], in the activations' dtype
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor, num_prefill_rows: int = 0) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
         y = torch._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_zeros)
         return y if self.bias is None else y + self.bias
 
@@ -152,9 +152,10 @@ class Int4Linear:
         """The weights this layer multiplies by (its scales and zeros as rounded to the activations'
         dtype), in float32: the reference of the golden tests."""
         k, n = self.scales_zeros.shape[0] * GROUP, self.out_features
-        unit = torch.zeros_like(self.scales_zeros)
-        unit[..., 0], unit[..., 1] = 1, 8  # (code - 8) * 1 + 8: the codes themselves, exact in any dtype
-        codes = torch._weight_int4pack_mm_for_cpu(torch.eye(k, dtype=unit.dtype), self.packed, GROUP, unit)
+        # (code - 8) * 1 + 8: the codes themselves, exact in bf16 (whose product is the fast one)
+        unit = torch.zeros(self.scales_zeros.shape, dtype=torch.bfloat16)
+        unit[..., 0], unit[..., 1] = 1, 8
+        codes = torch._weight_int4pack_mm_for_cpu(torch.eye(k, dtype=torch.bfloat16), self.packed, GROUP, unit)
         codes = codes.float().t().reshape(n, k // GROUP, GROUP)
         scale, zero = (t.float().t()[..., None] for t in self.scales_zeros.unbind(-1))  # [N, K / 32, 1]
         return ((codes - 8) * scale + zero).reshape(n, k)
@@ -166,7 +167,7 @@ class Int8Linear:
         self.scale = weight.scale.to(dtype)  # [N]
         self.bias = bias
 
-    def __call__(self, x: torch.Tensor, num_prefill_rows: int = 0) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
         y = torch._weight_int8pack_mm(x, self.codes, self.scale)
         return y if self.bias is None else y + self.bias
 
@@ -174,18 +175,27 @@ class Int8Linear:
         return self.codes.float() * self.scale.float()[:, None]
 
 
+# Prompts of at least this many tokens prefill on a packed layer's dense copy; shorter ones, and
+# every decode row, on the packed product. A property of the request, never of the batch.
+# (torch's int4 product costs ~6.5 us a row on a 576 x 960 layer against ~4.7 for bf16 GEMM
+# rows, but bf16 reads all 270 MB of weights whatever the row count: a 7-token prompt beside 7
+# decodes took 56 ms dense against 23 ms for the decodes alone.)
+DENSE_PREFILL_MIN_TOKENS = 64
+
+
 class SplitLinear:
-    """A decoder layer's product on packed weights: decode rows through the packed kernel (one
-    to a few rows per sequence, where reading fewer bytes wins), prefill rows through a dense
-    copy of the same weights (many rows: bf16 GEMMs win, ~2x on a 1024-token prompt). Which
-    kernel a row meets depends on its kind, never on the batch: rows stay batch-invariant."""
+    """A decoder layer's product on packed weights. The first `dense_rows` rows (long prompts'
+    prefill rows, which the runner puts first) go through a dense copy of the same weights,
+    where GEMMs win (~2x on a 1,024-token window); the rest through the packed product, which
+    reads a quarter of the bytes. Which kernel a row meets depends on its request, never on
+    the batch: rows stay batch-invariant."""
 
     def __init__(self, packed: Int4Linear | Int8Linear, dense: DenseLinear) -> None:
         self.packed = packed
         self.dense = dense
 
-    def __call__(self, x: torch.Tensor, num_prefill_rows: int = 0) -> torch.Tensor:
-        p = num_prefill_rows
+    def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
+        p = dense_rows
         if p == 0:
             return self.packed(x)
         if p == x.shape[0]:
