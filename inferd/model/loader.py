@@ -72,7 +72,8 @@ _GGUF_DEQUANTIZABLE = {
 @dataclass
 class Checkpoint:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # canonical names, already in the serving dtype
+    # canonical names; dense ones in the serving dtype, packed ones as quant.Int4Codes / Int8Codes
+    tensors: dict[str, Any]
     source: Path
     gguf_metadata: dict[str, Any] | None = None  # for the tokenizer, when the source is a GGUF file
     stored_types: dict[str, str] = field(default_factory=dict)  # canonical name -> GGUF type (Q4_1, ...)

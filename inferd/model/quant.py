@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 GROUP = 32  # int4 group size along the input dimension (GGUF's Q4 block size too)
-MODES = ("auto", "bf16", "int8", "int4")
 _LINEAR = {"q", "k", "v", "o", "gate", "up", "down"}
 _AUTO = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # GGUF type -> what "auto" packs it as
 
