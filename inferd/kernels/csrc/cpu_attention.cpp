@@ -1,10 +1,13 @@
-// Paged decode attention for the CPU: one query token per sequence, read straight from the
-// block-table cache (no gather of the context), in float32.
+// Paged attention for the CPU, one query row at a time: row i attends to the first seq_lens[i]
+// positions of its block table, read straight from the cache (no gather), in float32. A decode
+// step passes one row per sequence; a short prompt's prefill one row per token, each with its
+// context up to itself (inferd/engine/runner.py).
 //
-// Each (sequence, KV head) pair is one task, run whole by one thread, and every sum in it has a
-// fixed order (compiled once: the same additions in the same order whatever the batch). So a row's result does not depend on what else is in the batch, or how
-// the tasks are shared among threads: batch-invariant by construction. Its specification is
-// `inferd.kernels.reference.decode_attention` (equal to within rounding; tests/kernels).
+// Each (row, KV head) pair is one task, run whole by one thread, and every sum in it has a fixed
+// order (compiled once, over a 64-byte aligned scratch buffer): a row's result does not depend
+// on what else is in the batch or how the tasks are shared among threads, so it is
+// batch-invariant by construction. Its specification is `inferd.kernels.reference` (equal to
+// within rounding; tests/kernels/test_cpu_attention.py).
 //
 // Built once per machine by inferd/kernels/cpu.py (g++ -O3 -march=native) and registered as
 // torch.ops.inferd_cpu.decode_attention, so it runs on torch's own thread pool.
