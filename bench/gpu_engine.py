@@ -31,13 +31,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inferd.engine.block_manager import BlockManager  # noqa: E402
-from inferd.engine.cuda_graphs import DecodeGraphs  # noqa: E402
-from inferd.engine.kv_cache import KVCache  # noqa: E402
-from inferd.engine.policy import SchedulingPolicy  # noqa: E402
-from inferd.engine.request import Request, RequestStatus  # noqa: E402
-from inferd.engine.runner import ModelRunner  # noqa: E402
-from inferd.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput  # noqa: E402
+from inferd.engine.kv.block_manager import BlockManager  # noqa: E402
+from inferd.engine.worker.cuda_graphs import DecodeGraphs  # noqa: E402
+from inferd.engine.worker.kv_cache import KVCache  # noqa: E402
+from inferd.settings.policy import SchedulingPolicy  # noqa: E402
+from inferd.engine.sched.request import Request, RequestStatus  # noqa: E402
+from inferd.engine.worker.runner import ModelRunner  # noqa: E402
+from inferd.engine.sched.scheduler import ScheduledChunk, Scheduler, SchedulerOutput  # noqa: E402
 from inferd.model.attention import select_attention  # noqa: E402
 from inferd.model.config import ModelConfig  # noqa: E402
 from inferd.model.llama import LlamaModel  # noqa: E402
@@ -92,7 +92,8 @@ class EngineLoop:
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
-        requests = [Request(i, p, params, self.max_model_len) for i, p in enumerate(prompts)]
+        cls = self.scheduler.policy.lookup(None)  # the default class
+        requests = [Request(i, p, params, self.max_model_len, priority_class=cls) for i, p in enumerate(prompts)]
         for r in requests:
             self.scheduler.add(r)
         while self.scheduler.has_work():

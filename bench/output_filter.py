@@ -34,10 +34,10 @@ from pathlib import Path
 
 from overload import TEXT, inferd_serve  # (bench/ is this script's folder)
 
-from inferd.engine.output_filter import Blocklist, OutputFilter
-from inferd.engine.output_processor import OutputHook, OutputProcessor
-from inferd.engine.request import Request
-from inferd.engine.segmenter import SentenceHook
+from inferd.engine.output.blocklist import Blocklist, OutputFilter
+from inferd.engine.output.processor import OutputHook, OutputProcessor
+from inferd.engine.sched.request import Request
+from inferd.engine.output.segmenter import SentenceHook
 from inferd.model.loader import default_model_path
 from inferd.model.sampler import SamplerOutput
 from inferd.model.sampling_params import SamplingParams

@@ -16,9 +16,9 @@ import random
 import statistics
 import time
 
-from inferd.engine.block_manager import BlockManager
-from inferd.engine.request import Request
-from inferd.engine.scheduler import Scheduler
+from inferd.engine.kv.block_manager import BlockManager
+from inferd.engine.sched.request import Request
+from inferd.engine.sched.scheduler import Scheduler
 from inferd.model.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
@@ -34,8 +34,9 @@ def make_scheduler(num_running: int, steps: int, seed: int = 0) -> Scheduler:
     # a budget big enough to prefill everything in one step; decode steps use N tokens of it
     scheduler = Scheduler(bm, max_num_seqs=num_running, max_num_batched_tokens=sum(lengths))
     params = SamplingParams(max_tokens=steps + 8, ignore_eos=True)
+    cls = scheduler.policy.lookup(None)  # the default class
     for i, n in enumerate(lengths):
-        scheduler.add(Request(i, [rng.randrange(1, 49152) for _ in range(n)], params, max_len))
+        scheduler.add(Request(i, [rng.randrange(1, 49152) for _ in range(n)], params, max_len, priority_class=cls))
     plan = scheduler.schedule()
     assert len(plan.prefills) == num_running and not scheduler.waiting
     scheduler.update(plan, {c.request.seq_id: 42 for c in plan.chunks})

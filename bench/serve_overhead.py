@@ -224,7 +224,7 @@ def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
     from inferd.api.app import create_app
-    from inferd.config import load_settings
+    from inferd.settings.config import load_settings
     from inferd.engine.async_engine import AsyncEngine
 
     torch.set_num_threads(args.threads)

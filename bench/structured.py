@@ -44,13 +44,13 @@ import llguidance
 import numpy as np
 import torch
 
-import inferd.engine.masks as masks_mod
+import inferd.engine.structured.masks as masks_mod
 import inferd.model.sampler as sampler_mod
 from inferd.engine.config import EngineConfig
-from inferd.engine.grammar import GrammarCompiler, GrammarConstraint, json_schema_grammar
+from inferd.engine.structured.grammar import GrammarCompiler, GrammarConstraint, json_schema_grammar
 from inferd.engine.llm_engine import LLMEngine
-from inferd.engine.masks import MaskFiller, fill_masks
-from inferd.engine.policy import SchedulingPolicy, ShedConfig
+from inferd.engine.structured.masks import MaskFiller, fill_masks
+from inferd.settings.policy import SchedulingPolicy, ShedConfig
 from inferd.engine.protocol import EngineRequest
 from inferd.model.sampling_params import SamplingParams
 

@@ -9,13 +9,14 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
 if TYPE_CHECKING:  # (imported where used: `inferd --help` stays quick)
-    from inferd.api.fleet import ModelSpec
-    from inferd.config import Settings
+    from inferd.api.gateway.tenants import Keyring
+    from inferd.api.routing.served import ModelSpec
+    from inferd.settings.config import Settings
     from inferd.engine.async_engine import AsyncEngine
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="inferd: an LLM inference serving daemon.")
@@ -33,6 +34,29 @@ def _root() -> None:
 def _fail(message: str) -> None:
     typer.echo(f"inferd: error: {message}", err=True)
     raise typer.Exit(1)
+
+
+def _serve_settings(settings_file: Path | None, overrides: dict[str, dict[str, Any]], cli_keys: list[str]
+                    ) -> tuple[Settings, frozenset[str], Callable[[], Keyring]]:
+    """The settings, the plain keys' digests, and how SIGHUP reads the keys and tenants again
+    (the same files and flags); a bad setting or keys file ends the command."""
+    from inferd.api.gateway.keys import load_api_keys
+    from inferd.api.gateway.tenants import Keyring
+    from inferd.settings.config import load_settings
+    from inferd.settings.values import SettingsError
+
+    def read_keys(settings: Settings) -> frozenset[str]:
+        return load_api_keys(cli_keys, os.environ.get("INFERD_API_KEYS"), settings.server.api_keys_file)
+
+    def reload_keys() -> Keyring:
+        settings = load_settings(settings_file, overrides)
+        return Keyring.build(settings, read_keys(settings))
+
+    try:
+        settings = load_settings(settings_file, overrides)
+        return settings, read_keys(settings), reload_keys
+    except SettingsError as e:
+        _fail(str(e))
 
 
 def _settings_file(config: Path | None) -> Path | None:
@@ -55,7 +79,8 @@ def generate(
     config: ConfigOption = None,
 ) -> None:
     """Generate a completion offline and print it as it is produced."""
-    from inferd.config import SettingsError, load_settings
+    from inferd.settings.config import load_settings
+    from inferd.settings.values import SettingsError
     from inferd.engine.config import EngineConfig
     from inferd.engine.llm_engine import LLMEngine
     from inferd.model.errors import ModelLoadError
@@ -121,12 +146,10 @@ def serve(
     config: ConfigOption = None,
 ) -> None:
     """Serve the OpenAI-compatible API (completions, chat completions, models) over HTTP."""
-    from inferd.api.auth import load_api_keys
-    from inferd.api.tenants import Keyring
-    from inferd.config import Settings, SettingsError, load_settings
-    from inferd.api.fleet import load_fleet, model_specs
+    from inferd.api.routing.registry import load_models, model_specs
     from inferd.api.server import run_server
     from inferd.model.errors import ModelLoadError
+    from inferd.settings.config import load_settings
 
     overrides = {
         "server": {"host": host, "port": port, "drain_seconds": drain_seconds, "probe_interval_seconds": probe_interval,
@@ -139,21 +162,10 @@ def serve(
         "runtime": {"threads": threads},
     }
     settings_file = _settings_file(config)
-
-    def read_keys(settings: Settings) -> frozenset[str]:
-        return load_api_keys(api_key or [], os.environ.get("INFERD_API_KEYS"), settings.server.api_keys_file)
-
-    def reload_keys() -> Keyring:  # SIGHUP: the same files and flags, read again
-        settings = load_settings(settings_file, overrides)
-        return Keyring.build(settings, read_keys(settings))
-    try:
-        settings = load_settings(settings_file, overrides)
-        api_keys = read_keys(settings)
-    except SettingsError as e:
-        _fail(str(e))
+    settings, api_keys, reload_keys = _serve_settings(settings_file, overrides, api_key or [])
     _configure_runtime(settings.runtime.threads, serving=True, log_format=settings.server.log_format)
     try:  # (the last argument: SIGHUP reads the [models] tables again)
-        run_server(settings, api_keys, lambda: load_fleet(settings, _model_loader(settings)), reload_keys,
+        run_server(settings, api_keys, lambda: load_models(settings, _model_loader(settings)), reload_keys,
                    lambda: model_specs(load_settings(settings_file, overrides)))
     except (ModelLoadError, ValueError, OSError) as e:
         _fail(str(e))
@@ -292,7 +304,7 @@ def bench_compare(
 def _configure_runtime(threads: int, serving: bool = False, log_format: str = "text") -> None:
     import torch
 
-    from inferd.api.logs import configure_logging
+    from inferd.api.telemetry.access_log import configure_logging
 
     configure_logging(logging.INFO if serving else logging.WARNING, log_format)
     # NOTE: all cores even when serving: measured on 2 cores with a busy event-loop thread in

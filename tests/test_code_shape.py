@@ -18,8 +18,8 @@ PACKAGE = REPO / "inferd"
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 60
 
-# A module's repo-relative path ("inferd/engine/scheduler.py") or a function's qualified name
-# ("inferd.engine.scheduler.Scheduler.schedule") -> why it may be longer than the limit.
+# A module's repo-relative path ("inferd/engine/sched/scheduler.py") or a function's qualified name
+# ("inferd.engine.sched.scheduler.Scheduler.schedule") -> why it may be longer than the limit.
 EXCEPTIONS: dict[str, str] = {}
 
 

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from inferd.config import Settings, SettingsError, TenantSettings, load_settings, parse_memory
+from inferd.settings.config import Settings, TenantSettings, load_settings
+
+from inferd.settings.values import SettingsError, parse_memory
 from inferd.engine.config import EngineConfig
-from inferd.fleet_settings import ModelTable, RouteTable
+from inferd.settings.models import ModelTable, RouteTable
 
 REPO_TOML = Path(__file__).resolve().parents[1] / "inferd.toml"
 

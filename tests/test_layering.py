@@ -1,8 +1,11 @@
 """The layering contracts in pyproject.toml's [tool.importlinter], checked by a real lint-imports.
 
-cli > api > engine > model > kernels; the client talks HTTP only; the API's whole import closure is
-torch-free; the settings are pure data. `make test` runs lint-imports too; these tests keep the check
-inside pytest and prove that it bites: a planted `import torch` in a copy of inferd/api breaks it.
+cli > api > engine > model > kernels > settings; the client talks HTTP only; the API's whole import
+closure is torch-free; the settings are a leaf; the API's stages and the engine's parts in order; the
+API reaches the engine through its face; no tensor in the scheduler or the block manager; pure policy
+modules; no import circle anywhere. `make test` runs lint-imports too; these tests keep the check
+inside pytest and prove that each contract bites: one planted import per contract, in a copy of the
+tree, breaks it (and the planted chain shows the copy was the tree analysed).
 """
 
 from __future__ import annotations
@@ -18,9 +21,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PYPROJECT = REPO / "pyproject.toml"
-# NOTE: the planted import goes into the api package's __init__.py: it exists whatever the rewrite
-# does to the modules inside, and it is empty, so the planted line is l.1 and nothing else is.
-PLANTED_CHAIN = "inferd.api -> torch (l.1)"
+# contract id -> (file, the line planted at its top, what the report shows of it)
+PLANTED = {
+    "api-no-torch": ("inferd/api/__init__.py", "import torch", "inferd.api -> torch (l.1)"),
+    "api-stages": ("inferd/api/gateway/ratelimit.py", "import inferd.api.routing.routes",
+                   "inferd.api.gateway.ratelimit -> inferd.api.routing.routes (l.1)"),
+    "api-engine-face": ("inferd/api/body.py", "import inferd.engine.health",
+                        "inferd.api.body -> inferd.engine.health (l.1)"),
+    "engine-order": ("inferd/engine/kv/prefix_cache.py", "import inferd.engine.structured",
+                     "inferd.engine.kv.prefix_cache -> inferd.engine.structured (l.1)"),
+    "no-tensors": ("inferd/engine/sched/plan.py", "import torch", "inferd.engine.sched.plan -> torch (l.1)"),
+    "pure-policy": ("inferd/api/admission/queues.py", "import asyncio",
+                    "inferd.api.admission.queues -> asyncio (l.1)"),
+    "config-is-data": ("inferd/settings/values.py", "import inferd.model.sampling_params",
+                       "inferd.settings.values -> inferd.model.sampling_params (l.1)"),
+    # attention.py is imported by llama.py: planted, the two form a circle
+    "no-circles": ("inferd/model/attention.py", "import inferd.model.llama", "- .llama -> .attention (1 import)"),
+}
 
 
 def _lint_imports() -> str:
@@ -65,19 +82,22 @@ def test_the_real_tree_keeps_every_contract(real_tree_run: subprocess.CompletedP
         pytest.fail(f"lint-imports found broken contracts:\n{output}", pytrace=False)
 
 
-def test_an_api_module_importing_torch_breaks_the_api_contract(
+def test_each_contract_breaks_on_a_planted_import(
     tmp_path: Path, real_tree_run: subprocess.CompletedProcess[str]
 ) -> None:
     shutil.copytree(REPO / "inferd", tmp_path / "inferd", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(PYPROJECT, tmp_path / "pyproject.toml")
-    init = tmp_path / "inferd" / "api" / "__init__.py"
-    init.write_text("import torch\n" + init.read_text())
+    for relpath, line, _ in PLANTED.values():
+        planted = tmp_path / relpath
+        planted.write_text(f"{line}\n" + planted.read_text())
 
     result = _run_lint_imports(tmp_path)
     output = result.stdout + result.stderr
 
-    assert result.returncode != 0, f"lint-imports passed with torch planted in inferd/api:\n{output}"
-    assert f"{_contract_name('api-no-torch')} BROKEN" in output, output
-    # The planted chain proves the copy was analysed, not the editable install's checkout.
-    assert PLANTED_CHAIN in output, output
-    assert PLANTED_CHAIN not in real_tree_run.stdout + real_tree_run.stderr
+    assert result.returncode != 0, f"lint-imports passed with every planted import:\n{output}"
+    real = real_tree_run.stdout + real_tree_run.stderr
+    for contract_id, (relpath, _, shown) in PLANTED.items():
+        assert f"{_contract_name(contract_id)} BROKEN" in output, (contract_id, output)
+        assert shown in output, (contract_id, output)
+        # the planted chain proves the copy was analysed, not the editable install's checkout
+        assert shown not in real, contract_id

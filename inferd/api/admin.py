@@ -1,61 +1,41 @@
-"""The tenants' side of the status page, and the admin endpoints (admin key only: auth.py).
+"""The admin endpoints (admin key only: gateway/keys.py).
 
-    GET  /admin/tenants   every tenant's configuration (limits, classes, models; never keys)
-                          and its status
-    POST /admin/reload    re-read the keys and tenants, as SIGHUP does; a bad file is a 400
-                          and the old ones keep serving
-
-A tenant's key sees in /v1/status its own row and its own requests only; an admin key (or any
-caller of a server with no keys) sees them all.
+    GET  /admin/tenants                 every tenant's configuration (limits, classes, models;
+                                        never keys) and its status
+    POST /admin/reload                  re-read the keys and tenants, as SIGHUP does; a bad file
+                                        is a 400 and the old ones keep serving
+    POST /admin/models/NAME/reload      a new revision beside the old one (routing/reload.py):
+    POST /admin/models/NAME/rollback    it takes over once proved; or back to the previous one
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict
 
-from inferd.api import status_protocol as s
-from inferd.api.auth import principal_of
-from inferd.api.errors import bad_request
-from inferd.api.gateway import Gateway
-from inferd.api.protocol import dump
-from inferd.api.fleet import FLEET
-from inferd.api.state import GATEWAY
-from inferd.api.tenants import Principal
-from inferd.config import SettingsError
-from inferd.engine.protocol import EngineSnapshot
+from inferd.api.body import read_json
+from inferd.api.errors import APIError, bad_request
+from inferd.api.gateway.gate import GATEWAY, Gateway
+from inferd.api.gateway.keys import principal_of
+from inferd.api.routing.registry import REGISTRY, ModelSlot
+from inferd.api.routing.reload import RevisionRejected, reload_model
+from inferd.api.routing.served import ModelSpec, Served
+from inferd.api.state import STATE
+from inferd.api.telemetry.status import engine_snapshots, tenant_statuses
+from inferd.api.wire import dump
+from inferd.settings.values import SettingsError
 
 log = logging.getLogger(__name__)
 
 
-def visible_tenant(principal: Principal) -> str | None:
-    """The one tenant a caller may see (its own); None: it may see every tenant."""
-    return None if principal.admin or principal.tenant is None else principal.tenant.name
+# ------------------------------------------------------------------------------- tenants
 
 
-def tenant_statuses(gateway: Gateway, snapshot: EngineSnapshot, only: str | None) -> list[s.TenantStatus]:
-    engine_side = {t.name: t for t in snapshot.tenants}
-    rows = []
-    for name, tenant in gateway.keyring.tenants.items():
-        if only is not None and name != only:
-            continue
-        account, limiter, fair = gateway.accounts[name], gateway.limiters[name], engine_side.get(name)
-        rows.append(s.TenantStatus(
-            name=name, tier=tenant.tier, weight=tenant.weight, requests=account.requests,
-            prompt_tokens=account.prompt_tokens, completion_tokens=account.completion_tokens,
-            rejections=dict(account.rejections), waiting=fair.waiting if fair else 0,
-            running=fair.running if fair else 0, virtual_tokens=fair.virtual_tokens if fair else 0.0,
-            ttft_p50_seconds=account.ttft.percentile(50), ttft_p95_seconds=account.ttft.percentile(95),
-            tpot_p50_seconds=account.tpot.percentile(50), remaining_requests=limiter.remaining_requests,
-            remaining_tokens=limiter.remaining_tokens,
-        ))
-    return rows
-
-
-def _tenant_table(gateway: Gateway, snapshot: EngineSnapshot) -> list[dict[str, Any]]:
-    statuses = {t.name: dump(t) for t in tenant_statuses(gateway, snapshot, None)}
+def _tenant_table(gateway: Gateway, statuses: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
     table = []
     for name, tenant in gateway.keyring.tenants.items():
         limits = tenant.limits
@@ -72,8 +52,9 @@ def _tenant_table(gateway: Gateway, snapshot: EngineSnapshot) -> list[dict[str, 
 
 
 async def list_tenants(request: web.Request) -> web.Response:
-    gateway, engine = request.app[GATEWAY], request.app[FLEET].primary.current.engine
-    return web.json_response({"object": "list", "data": _tenant_table(gateway, engine.snapshot)})
+    gateway = request.app[GATEWAY]
+    rows = tenant_statuses(gateway, engine_snapshots(request.app[REGISTRY]), None)
+    return web.json_response({"object": "list", "data": _tenant_table(gateway, {t.name: dump(t) for t in rows})})
 
 
 async def reload_keys(request: web.Request) -> web.Response:
@@ -89,6 +70,61 @@ async def reload_keys(request: web.Request) -> web.Response:
     return web.json_response({"keys": keyring.num_keys, "tenants": sorted(keyring.tenants)})
 
 
+# ------------------------------------------------------------------------------- models
+
+
+class ReloadBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = None  # a new file or folder; None: the current one, read again
+    revision: str | None = None  # None: the current revision's name
+
+
+def _slot(request: web.Request) -> ModelSlot:
+    name = request.match_info["name"]
+    registry = request.app[REGISTRY]
+    slot = registry.slots.get(name)
+    if slot is None:
+        raise APIError(404, f"no model {name!r} to reload; the models are {list(registry.slots)}", param="name",
+                       code="model_not_found")
+    return slot
+
+
+def _revision(served: Served, reloaded: bool) -> dict[str, Any]:
+    spec = served.spec
+    return {"model": spec.name, "revision": spec.revision, "path": served.engine.limits.model_path,
+            "reloaded": reloaded}
+
+
+async def reload_endpoint(request: web.Request) -> web.Response:
+    slot = _slot(request)
+    raw = await read_json(request) if request.can_read_body else {}
+    try:
+        body = ReloadBody.model_validate(raw)
+    except ValueError as e:
+        raise bad_request(f"invalid reload body: {e}") from None
+    current = slot.current.spec
+    spec = dataclasses.replace(current, path=body.path or current.path, revision=body.revision or current.revision)
+    return await _swap(request, slot, spec)
+
+
+async def rollback_endpoint(request: web.Request) -> web.Response:
+    slot = _slot(request)
+    if slot.previous is None:
+        raise APIError(409, f"model {slot.name} has no previous revision to return to", code="no_previous_revision")
+    return await _swap(request, slot, slot.previous)
+
+
+async def _swap(request: web.Request, slot: ModelSlot, spec: ModelSpec) -> web.Response:
+    try:
+        served = await reload_model(request.app[REGISTRY], request.app[STATE], slot, spec)
+    except RevisionRejected as e:
+        raise APIError(422, str(e), code="revision_rejected") from None
+    return web.json_response(_revision(served, True))
+
+
 def add_admin_routes(app: web.Application) -> None:
     app.router.add_get("/admin/tenants", list_tenants)
     app.router.add_post("/admin/reload", reload_keys)
+    app.router.add_post("/admin/models/{name}/reload", reload_endpoint)
+    app.router.add_post("/admin/models/{name}/rollback", rollback_endpoint)

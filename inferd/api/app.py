@@ -1,11 +1,11 @@
 """The aiohttp application: keys, middlewares, routes and the models' lifecycle.
 
-    startup   cleanup_ctx: fleet.start(): each model's  (its engine thread runs; /ready turns 200
+    startup   cleanup_ctx: models.start(): each model's (its engine thread runs; /ready turns 200
               engine, its inference probe in a task;    once every model's probe has run)
               the degradation triggers' clock
-    shutdown  on_shutdown: fleet.stop(), then wait      (every open stream ends with an abort:
+    shutdown  on_shutdown: models.stop(), then wait     (every open stream ends with an abort:
               for the open SSE responses to end          handlers write an error event and [DONE])
-    cleanup   cleanup_ctx: fleet.stop()                 (a no-op by then; the same path on a
+    cleanup   cleanup_ctx: models.stop()                (a no-op by then; the same path on a
                                                          failed startup)
 
 aiohttp runs on_shutdown before it waits for handlers, so streams end at once instead of
@@ -22,58 +22,55 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
-from inferd.api.auth import auth_middleware, principal_of
+from inferd.api.endpoints import add_routes
 from inferd.api.errors import error_middleware
-from inferd.api.logs import request_log_middleware
-from inferd.api.metrics import setup_metrics
-from inferd.api.probe import InferenceProbe
-from inferd.api.request_log import setup_request_log
-from inferd.api.gateway import Gateway
-from inferd.api.routes import add_routes
-from inferd.api.resume import StreamRegistry
-from inferd.api.fleet import ANSWERED_BY, FALLBACK_FROM, FLEET, Fleet, single_fleet
-from inferd.api.state import DOOR, ENGINE, GATEWAY, RESUMABLE, SETTINGS, SSE_RESPONSES, STATE
-from inferd.api.tenants import Keyring
-from inferd.config import Settings
+from inferd.api.gateway.gate import GATEWAY, Gateway
+from inferd.api.gateway.keys import auth_middleware, principal_of
+from inferd.api.gateway.tenants import Keyring
+from inferd.api.pipeline.generate import ANSWERED_BY, FALLBACK_FROM
+from inferd.api.routing.registry import REGISTRY, ModelRegistry, single_model
+from inferd.api.state import SETTINGS, STATE
+from inferd.api.streaming.backpressure import SLOW_CLIENTS, SlowClientCounts
+from inferd.api.streaming.resume import RESUMABLE, StreamRegistry
+from inferd.api.streaming.sse import SSE_RESPONSES
+from inferd.api.telemetry.access_log import request_log_middleware
+from inferd.api.telemetry.metrics import setup_metrics
+from inferd.api.telemetry.request_file import setup_request_log
 from inferd.engine.async_engine import AsyncEngine
+from inferd.settings.config import Settings
 
 log = logging.getLogger(__name__)
-
-PROBE = web.AppKey("probe", InferenceProbe)
 
 MAX_BODY_BYTES = 32 * 2**20  # a batch of long token-id prompts is large JSON
 STREAMS_END_SECONDS = 5.0  # how long shutdown waits for open streams to write their last event
 
 
-def create_app(engine: AsyncEngine | Fleet, settings: Settings, api_keys: frozenset[str] = frozenset(),
+def create_app(engine: AsyncEngine | ModelRegistry, settings: Settings, api_keys: frozenset[str] = frozenset(),
                reload_keys: Callable[[], Keyring] | None = None) -> web.Application:
-    """The app over `engine` (one model) or a fleet (several, fleet.py): tenants and admin keys
-    from `settings`, plain keys as `api_keys` (hex digests); `reload_keys` re-reads them all
-    (SIGHUP, POST /admin/reload)."""
-    fleet = engine if isinstance(engine, Fleet) else single_fleet(engine, settings)
-    primary = fleet.primary.current
-    gateway = Gateway(Keyring.build(settings, api_keys), primary.engine.limits.policy, reload_keys)
+    """The app over `engine` (one model) or a registry of several (routing/registry.py):
+    tenants and admin keys from `settings`, plain keys as `api_keys` (hex digests);
+    `reload_keys` re-reads them all (SIGHUP, POST /admin/reload)."""
+    registry = engine if isinstance(engine, ModelRegistry) else single_model(engine, settings)
+    gateway = Gateway(Keyring.build(settings, api_keys), registry.primary.current.engine.limits.policy, reload_keys)
     server = settings.server
     # outermost first: the request log sees the final status, which the error middleware renders
     middlewares = [request_log_middleware, error_middleware,
                    auth_middleware(lambda: gateway.keyring, server.open_paths, server.status_admin_only)]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
-    app[FLEET] = fleet
-    # the first model's revision at start-up, for tests (the server itself goes through the fleet,
-    # as a reload replaces it)
-    app[ENGINE], app[DOOR], app[PROBE] = primary.engine, primary.door, primary.probe
+    app[REGISTRY] = registry
     app[GATEWAY] = gateway
     app[SETTINGS] = settings
+    app[STATE] = registry.server
     app[SSE_RESPONSES] = set()
+    app[SLOW_CLIENTS] = SlowClientCounts()
     app[RESUMABLE] = StreamRegistry(server.resume_grace_seconds, server.resume_max_streams, server.keepalive_seconds,
                                     app[SSE_RESPONSES])
-    app[STATE] = fleet.server
     add_routes(app)
     setup_request_log(app, settings.request_log, app[STATE].model_name)  # before the metrics, which read it
     setup_metrics(app)
     app.on_response_prepare.append(_rate_limit_headers)
     app.on_response_prepare.append(_model_headers)
-    app.cleanup_ctx.append(_fleet_lifecycle)
+    app.cleanup_ctx.append(_models_lifecycle)
     app.on_shutdown.append(_end_streams)
     return app
 
@@ -97,31 +94,28 @@ async def _model_headers(request: web.Request, response: web.StreamResponse) -> 
         response.headers["x-inferd-fallback-from"] = fallback_from
 
 
-async def _fleet_lifecycle(app: web.Application) -> AsyncIterator[None]:
-    fleet = app[FLEET]
-    await fleet.start()  # (each model's engine thread and probe)
-    tasks = [asyncio.ensure_future(_ready_when_probed(fleet)), asyncio.ensure_future(fleet.watch())]
+async def _models_lifecycle(app: web.Application) -> AsyncIterator[None]:
+    registry = app[REGISTRY]
+    await registry.start()  # (each model's engine thread and probe)
+    tasks = [asyncio.ensure_future(_ready_when_probed(registry)), asyncio.ensure_future(registry.watch())]
     yield
     for task in tasks:
         task.cancel()
-    await fleet.stop()
+    await registry.stop()
 
 
-async def _ready_when_probed(fleet: Fleet) -> None:
-    while not fleet.probed:
+async def _ready_when_probed(registry: ModelRegistry) -> None:
+    while not registry.probed:
         await asyncio.sleep(0.02)
-    fleet.server.probed = True
+    registry.server.probed = True
 
 
 async def _end_streams(app: web.Application) -> None:
     open_streams = app[SSE_RESPONSES]
     if open_streams:
         log.info("shutting down: ending %d open streams", len(open_streams))
-    app[STATE].draining = True
-    fleet = app[FLEET]
-    for served in fleet.served():
-        served.door.start_draining()  # new requests: 503 with a Retry-After
-    await fleet.stop()  # every unfinished request gets an abort output
+    app[STATE].draining = True  # every door: new requests get 503 with a Retry-After
+    await app[REGISTRY].stop()  # every unfinished request gets an abort output
     deadline = time.monotonic() + STREAMS_END_SECONDS
     while open_streams and time.monotonic() < deadline:
         await asyncio.sleep(0.02)

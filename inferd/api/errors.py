@@ -3,8 +3,8 @@
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
 
 Handlers raise `APIError` (or let a domain error through: pydantic's ValidationError, a JSON
-decode error, the engine's EngineDeadError); `error_middleware` renders them. The door's
-refusals, the engine's aborts and timeouts become errors here too.
+decode error, the engine's EngineDeadError); `error_middleware` renders them. The engine's
+aborts, failures and timeouts become errors here too.
 Anything else is a bug: a 500 in the same shape, logged with its traceback.
 """
 
@@ -19,7 +19,6 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from pydantic import ValidationError
 
-from inferd.api.admission import AdmissionError
 from inferd.engine.protocol import ERROR_CODES, EngineDeadError, EngineOutput
 
 log = logging.getLogger(__name__)
@@ -57,15 +56,6 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
     return APIError(400, message, param=param, code=code)
-
-
-def admission_error(e: AdmissionError) -> APIError:
-    """A refusal at the door: 429 (queue full, shed, predicted deadline miss) or 503 (draining),
-    with when to come back; 400 for a request too large for its class's queue ever to hold."""
-    if e.oversized:
-        return bad_request(e.message, param="prompt", code="queue_too_small")
-    return APIError(e.status, e.message, type="rate_limit_error" if e.status == 429 else None,
-                    code=e.reason, headers={"Retry-After": str(e.retry_after)})
 
 
 def engine_abort_error(out: EngineOutput) -> APIError:

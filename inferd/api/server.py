@@ -18,28 +18,31 @@ import uvloop
 from aiohttp import web
 
 from inferd.api.app import create_app
-from inferd.api.fleet import FLEET, Fleet, ModelSpec
-from inferd.api.reload import reload_changed
-from inferd.api.state import GATEWAY, STATE
+from inferd.api.gateway.gate import GATEWAY
+from inferd.api.gateway.tenants import Keyring
+from inferd.api.routing.registry import REGISTRY, ModelRegistry
+from inferd.api.routing.reload import reload_changed
+from inferd.api.routing.served import ModelSpec
+from inferd.api.state import STATE
 from inferd.api.systemd import Notifier
-from inferd.api.tenants import Keyring
-from inferd.config import Settings, SettingsError
+from inferd.settings.config import Settings
+from inferd.settings.values import SettingsError
 from inferd.engine.async_engine import AsyncEngine
 
 log = logging.getLogger("inferd")
 
 
-async def serve(settings: Settings, api_keys: frozenset[str], load: Callable[[], AsyncEngine | Fleet],
+async def serve(settings: Settings, api_keys: frozenset[str], load: Callable[[], AsyncEngine | ModelRegistry],
                 reload_keys: Callable[[], Keyring] | None = None,
                 read_specs: Callable[[], list[ModelSpec]] | None = None) -> None:
-    """Serve the engine or the fleet of engines `load` builds (the caller knows how: the API
+    """Serve the engine or the registry of engines `load` builds (the caller knows how: the API
     never imports torch); SIGHUP reads the keys and tenants again through `reload_keys`, and
     reloads every model whose table `read_specs` finds changed."""
     notifier = Notifier.from_environ()
     notifier.status("loading the models")
     app = create_app(load(), settings, api_keys, reload_keys)
-    state, fleet = app[STATE], app[FLEET]
-    engine = fleet.primary.current.engine
+    state, models = app[STATE], app[REGISTRY]
+    engine = models.primary.current.engine
     # handler_cancellation: a non-streaming request whose client left is aborted at once
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()  # (starts the engine thread)
@@ -50,12 +53,12 @@ async def serve(settings: Settings, api_keys: frozenset[str], load: Callable[[],
         await runner.cleanup()
         raise
     host, port = runner.addresses[0][:2]
-    for slot in fleet.slots.values():
+    for slot in models.slots.values():
         limits = slot.current.engine.limits
         log.info(
             "inferd serving %s (%s, %d layers) dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
             "api_keys=%d on http://%s:%d",
-            slot.current.spec.label if len(fleet.slots) > 1 else slot.name, limits.architecture, limits.num_layers,
+            slot.current.spec.label if len(models.slots) > 1 else slot.name, limits.architecture, limits.num_layers,
             limits.dtype, limits.device, limits.num_kv_blocks, limits.block_size, limits.max_model_len,
             len(api_keys), host, port,
         )
@@ -75,7 +78,7 @@ async def serve(settings: Settings, api_keys: frozenset[str], load: Callable[[],
     while not state.probed and not waiting_for_signal.done():  # READY=1 once the probe has run
         await asyncio.wait([waiting_for_signal], timeout=0.05)
     if state.probed:
-        notifier.ready(f"ready: serving {', '.join(fleet.slots)} on http://{host}:{port}")
+        notifier.ready(f"ready: serving {', '.join(models.slots)} on http://{host}:{port}")
         if notifier.watchdog_interval is not None:  # (systemd's watchdog counts from READY=1)
             engine.heartbeat = _Pacer(notifier.watchdog, notifier.watchdog_interval)
     try:
@@ -91,23 +94,21 @@ async def _drain(app: web.Application, notifier: Notifier, signals: asyncio.Queu
                  signal_name: str) -> None:
     """Stop admitting (/ready and new requests: 503), let what runs finish for up to `grace`
     seconds, or until a second signal; what still runs then ends with an error event."""
-    app[STATE].draining = True
-    fleet = app[FLEET]  # (open requests: every model's, summed)
-    for served in fleet.served():
-        served.door.start_draining()
-    notifier.stopping(f"draining: {fleet.open_requests} requests in flight")
+    app[STATE].draining = True  # every door: new requests get 503 with a Retry-After
+    models = app[REGISTRY]  # (open requests: every model's, summed)
+    notifier.stopping(f"draining: {models.open_requests} requests in flight")
     log.info("%s: draining %d requests in flight (up to %.0f s; a second signal stops at once)",
-             signal_name, fleet.open_requests, grace)
+             signal_name, models.open_requests, grace)
     deadline = time.monotonic() + grace
     second = asyncio.ensure_future(signals.get())
     try:
-        while fleet.open_requests and time.monotonic() < deadline and not second.done():
+        while models.open_requests and time.monotonic() < deadline and not second.done():
             await asyncio.wait([second], timeout=0.05)
     finally:
         second.cancel()
-    if fleet.open_requests:
-        app[STATE].drain_cut = fleet.open_requests
-        log.warning("drain: %d requests did not finish in time; ending them", fleet.open_requests)
+    if models.open_requests:
+        app[STATE].drain_cut = models.open_requests
+        log.warning("drain: %d requests did not finish in time; ending them", models.open_requests)
     else:
         log.info("drain: every request finished")
 
@@ -120,7 +121,7 @@ async def _reload(app: web.Application, read_specs: Callable[[], list[ModelSpec]
         log.info("SIGHUP: keys reloaded: %d keys, %d tenants", keyring.num_keys, len(keyring.tenants))
         if read_specs is not None:
             specs = await asyncio.get_running_loop().run_in_executor(None, read_specs)
-            for line in await reload_changed(app[FLEET], app[STATE], specs):
+            for line in await reload_changed(app[REGISTRY], app[STATE], specs):
                 log.info("SIGHUP: %s", line)
     except (SettingsError, ValueError) as e:
         log.error("SIGHUP: reload refused, the old keys, tenants and models stay: %s", e)
@@ -141,7 +142,7 @@ class _Pacer:
             self.action()
 
 
-def run_server(settings: Settings, api_keys: frozenset[str], load: Callable[[], AsyncEngine | Fleet],
+def run_server(settings: Settings, api_keys: frozenset[str], load: Callable[[], AsyncEngine | ModelRegistry],
                reload_keys: Callable[[], Keyring] | None = None,
                read_specs: Callable[[], list[ModelSpec]] | None = None) -> None:
     uvloop.run(serve(settings, api_keys, load, reload_keys, read_specs))

@@ -1,4 +1,8 @@
-"""The application's typed keys and the server's own state (the engine's lives in its snapshot)."""
+"""The server's own state, and the application keys every stage reads: its settings and life.
+
+Each stage keeps its own application key beside its state (the gateway's in gateway/gate.py,
+the models' in routing/registry.py, the streams' in streaming/); these two are everyone's.
+"""
 
 from __future__ import annotations
 
@@ -7,38 +11,20 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
-from inferd.api.backpressure import SlowClientCounts
-from inferd.api.door import FrontDoor
-from inferd.api.gateway import Gateway
-from inferd.api.resume import StreamRegistry
-from inferd.config import Settings
-from inferd.engine.async_engine import AsyncEngine
-
-
-@dataclass
-class ModelHealth:
-    """One loaded revision's inference probe verdict (probe.py writes it; event loop only)."""
-
-    probed: bool = False  # the start-up inference probe has run
-    probe_error: str | None = None  # the last probe's failure, if it failed
+from inferd.settings.config import Settings
 
 
 @dataclass
 class ServerState:
-    """The server's life, for /ready and /v1/status; written on the event loop only."""
+    """The server's life, for /ready, /v1/status and every model's door; written on the event
+    loop only. `draining` is the one switch: once set, every door refuses new requests (503)."""
 
     model_name: str  # the first model's name (the one of a single-model server)
     started: float = field(default_factory=time.monotonic)
     probed: bool = False  # every model's start-up inference probe has run
     draining: bool = False
     drain_cut: int = 0  # requests still running when the drain's grace period ended
-    slow_clients: SlowClientCounts = field(default_factory=SlowClientCounts)
 
 
-ENGINE = web.AppKey("engine", AsyncEngine)
-DOOR = web.AppKey("door", FrontDoor)
-GATEWAY = web.AppKey("gateway", Gateway)
 STATE = web.AppKey("state", ServerState)
 SETTINGS = web.AppKey("settings", Settings)
-SSE_RESPONSES = web.AppKey("sse_responses", set[web.StreamResponse])  # open streams, for shutdown
-RESUMABLE = web.AppKey("resumable", StreamRegistry)  # resumable streams by response id (resume.py)

@@ -89,10 +89,10 @@ def tenants(s: dict[str, Any]) -> RenderableType | None:
 def models(s: dict[str, Any]) -> RenderableType | None:
     """One row per served model, then one line per route; None (no region) for a server with one
     model and no routes (or one too old to send them), whose header already says it all."""
-    fleet = _fleet(s)
-    if fleet is None:
+    served = _served_models(s)
+    if served is None:
         return None
-    rows, routes = fleet
+    rows, routes = served
     parts: list[RenderableType] = []
     if rows:
         t = table()
@@ -125,14 +125,14 @@ def models(s: dict[str, Any]) -> RenderableType | None:
 
 def models_lines(s: dict[str, Any]) -> int:
     """The height of the models region: 0 when there is none."""
-    fleet = _fleet(s)
-    if fleet is None:
+    served = _served_models(s)
+    if served is None:
         return 0
-    rows, routes = fleet
+    rows, routes = served
     return 2 + (2 + len(rows) if rows else 0) + len(routes)  # frame, header and its rule, rows, routes
 
 
-def _fleet(s: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+def _served_models(s: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
     """The models and routes to show; None for one model and no routes, which the header covers."""
     rows, routes = dicts(s.get("models")), dicts(s.get("routes"))
     return None if len(rows) < 2 and not routes else (rows, routes)

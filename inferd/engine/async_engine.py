@@ -16,6 +16,7 @@ imports no torch: the API holds the engine through this face only.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import itertools
 import logging
 import threading
@@ -23,21 +24,18 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from inferd.engine.accounting import TOKEN_BUCKETS, Histogram, Throughput
 from inferd.engine.protocol import (
+    TOKEN_BUCKETS,
+    EngineCore,
     EngineDeadError,
     EngineLimits,
     EngineOutput,
     EngineRequest,
     EngineSnapshot,
+    Histogram,
     StepOutputs,
 )
-
-if TYPE_CHECKING:
-    from inferd.engine.llm_engine import LLMEngine
-    from inferd.model.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +153,9 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 class AsyncEngine:
     """The engine's public face: submit, abort (through the stream), outputs, the snapshot."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: EngineCore) -> None:
         self._engine = engine
-        self.tokenizer: Tokenizer = engine.tokenizer
+        self.tokenizer = engine.tokenizer
         self.limits: EngineLimits = engine.limits
         self._inbox: deque[EngineRequest | Abort | Pause] = deque()
         self._wakeup = threading.Event()
@@ -293,7 +291,7 @@ class AsyncEngine:
                 continue
             try:
                 engine.add_request(item)
-            except ValueError as e:  # the door let through what it must not: fail it, keep going
+            except (AssertionError, ValueError) as e:  # the door let through what it must not: fail it alone
                 log.error("request %d refused by the engine: %s", item.group_id, e)
                 self._loop.call_soon_threadsafe(self._fail, str(e), [item.group_id])  # type: ignore[union-attr]
 
@@ -324,3 +322,44 @@ class AsyncEngine:
         self.throughput.sample(time.monotonic(), sum(c.generation_tokens for c in classes),
                                sum(c.prompt_tokens for c in classes))
         return snapshot
+
+
+class Throughput:
+    """Tokens per second, recent and per second over the last minute, from cumulative counts
+    that the engine thread samples as it publishes its stats; read from any thread."""
+
+    HISTORY_SECONDS = 60
+    RESOLUTION = 0.25  # seconds between kept samples
+
+    def __init__(self) -> None:
+        # (time, generation tokens, prompt tokens) so far; at most one per RESOLUTION
+        self._samples: deque[tuple[float, int, int]] = deque(
+            maxlen=int((self.HISTORY_SECONDS + 2) / self.RESOLUTION))
+
+    def sample(self, now: float, generation_tokens: int, prompt_tokens: int) -> None:
+        if self._samples and now - self._samples[-1][0] < self.RESOLUTION:
+            self._samples[-1] = (self._samples[-1][0], generation_tokens, prompt_tokens)
+        else:
+            self._samples.append((now, generation_tokens, prompt_tokens))
+
+    def _at(self, samples: list[tuple[float, int, int]], t: float) -> tuple[int, int]:
+        """The counts as of time t: the newest sample at or before it (0 before any)."""
+        i = bisect.bisect_right(samples, t, key=lambda s: s[0])
+        return (samples[i - 1][1], samples[i - 1][2]) if i else (0, 0)
+
+    def rates(self, now: float, window: float = 10.0) -> tuple[float, float]:
+        """(generation, prompt) tokens per second over the last `window` seconds."""
+        samples = list(self._samples)  # (a copy: the engine thread appends meanwhile)
+        if not samples:
+            return 0.0, 0.0
+        start = max(now - window, samples[0][0])
+        if now <= start:
+            return 0.0, 0.0
+        (g0, p0), (g1, p1) = self._at(samples, start), self._at(samples, now)
+        return (g1 - g0) / (now - start), (p1 - p0) / (now - start)
+
+    def history(self, now: float) -> list[float]:
+        """Generation tokens in each of the last 60 whole seconds, oldest first."""
+        samples = list(self._samples)
+        counts = [self._at(samples, now - k)[0] for k in range(self.HISTORY_SECONDS, -1, -1)]
+        return [float(b - a) for a, b in zip(counts, counts[1:])]

@@ -14,9 +14,9 @@ from typing import TypeVar
 import torch
 
 from inferd.engine.config import EngineConfig
-from inferd.engine.cuda_graphs import DecodeGraphs
-from inferd.engine.kv_cache import KVCache, auto_kv_cache_memory, host_blocks_for, num_blocks_for
-from inferd.engine.runner import ModelRunner
+from inferd.engine.worker.cuda_graphs import DecodeGraphs
+from inferd.engine.worker.kv_cache import KVCache, auto_kv_cache_memory, host_blocks_for, num_blocks_for
+from inferd.engine.worker.runner import ModelRunner
 from inferd.model.attention import CudaAttention, select_attention
 from inferd.model.errors import ModelLoadError
 from inferd.model.llama import LlamaModel

@@ -1,4 +1,4 @@
-"""The engine's configuration, derived from the settings (inferd/config.py holds the one copy of
+"""The engine's configuration, derived from the settings (inferd/settings/config.py holds the one copy of
 every default; nothing here repeats a number)."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from inferd.config import Settings
-from inferd.engine.output_filter import Blocklist, read_blocklist
-from inferd.engine.policy import SchedulingPolicy
+from inferd.settings.config import Settings
+from inferd.engine.output.blocklist import Blocklist, read_blocklist
+from inferd.settings.policy import SchedulingPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -14,7 +14,8 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
-FAILURE_KINDS = ("forward", "request", "oom")
+from inferd.engine.protocol import FAILURE_KINDS
+
 UNHEALTHY_AFTER = 2  # failed steps in a row
 
 

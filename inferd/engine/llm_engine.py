@@ -18,15 +18,15 @@ from dataclasses import dataclass
 
 import torch
 
-from inferd.engine.accounting import Histogram
-from inferd.engine.block_manager import BlockManager
+from inferd.engine.protocol import Histogram
+from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.builder import build_execution, load_model
 from inferd.engine.config import EngineConfig
-from inferd.engine.executor import StepExecutor, StepFailed
-from inferd.engine.faults import FaultInjector
+from inferd.engine.worker.executor import StepExecutor, StepFailed
+from inferd.engine.worker.faults import FaultInjector
 from inferd.engine.health import EngineHealth
-from inferd.engine.output_filter import CONTENT_FILTER, output_filter
-from inferd.engine.output_processor import OutputProcessor
+from inferd.engine.output.blocklist import CONTENT_FILTER, output_filter
+from inferd.engine.output.processor import OutputProcessor
 from inferd.engine.protocol import (
     DeviceMemory,
     EngineLimits,
@@ -37,9 +37,9 @@ from inferd.engine.protocol import (
     StepOutputs,
     TokenLogprob,
 )
-from inferd.engine.policy import Timeouts
-from inferd.engine.request import Request, RequestStatus
-from inferd.engine.scheduler import Scheduler, SchedulerOutput
+from inferd.settings.policy import Timeouts
+from inferd.engine.sched.request import Request, RequestStatus
+from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
 from inferd.model.llama import LlamaModel
 from inferd.model.loader import default_model_path
 from inferd.model.sampling_params import SamplingParams
@@ -112,7 +112,7 @@ class LLMEngine:
 
     @property
     def faults(self) -> FaultInjector | None:
-        """Fault injection, for tests only (None: off; see engine/faults.py)."""
+        """Fault injection, for tests only (None: off; see engine/worker/faults.py)."""
         return self.executor.faults
 
     @faults.setter
@@ -141,10 +141,9 @@ class LLMEngine:
     def add_request(self, request: EngineRequest) -> None:
         """Queue a group of n choices sharing one prompt (checked at the door already)."""
         prompt_ids, n = request.prompt_ids, request.n
-        if request.group_id in self._groups:
-            raise ValueError(f"group id {request.group_id} is in use")
-        if not 0 < len(prompt_ids) < self.max_model_len or not 1 <= n <= self.config.max_num_seqs:
-            raise ValueError(f"a request the door should have refused: {len(prompt_ids)} prompt tokens, n={n}")
+        assert request.group_id not in self._groups, f"group id {request.group_id} is in use"
+        assert 0 < len(prompt_ids) < self.max_model_len and 1 <= n <= self.config.max_num_seqs, \
+            f"a request the door refuses: {len(prompt_ids)} prompt tokens, n={n}"
         cls = self.policy.lookup(request.priority_class)
         arrival = request.arrival_time if request.arrival_time is not None else self.scheduler.clock()
         group = request.group_id
@@ -167,11 +166,13 @@ class LLMEngine:
 
     def add(self, prompt: str | Sequence[int], params: SamplingParams, n: int = 1, *,
             priority: str | int | None = None, timeouts: Timeouts | None = None) -> int:
-        """Offline use: queue a prompt (text or ids) in the class `priority` names; its group id."""
+        """Offline use: queue a prompt (text or ids) in the class `priority` names, its timeouts
+        tightened by `timeouts` (what the door does for a served request); its group id."""
         prompt_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         group = next(self._group_ids)
-        self.add_request(EngineRequest(group, prompt_ids, params, self.policy.lookup(priority).name, n,
-                                       timeouts or Timeouts()))
+        cls = self.policy.lookup(priority)
+        self.add_request(EngineRequest(group, prompt_ids, params, cls.name, n,
+                                       cls.timeouts.tightened(timeouts or Timeouts())))
         return group
 
     def abort(self, group_id: int) -> None:

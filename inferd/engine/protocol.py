@@ -15,13 +15,126 @@ choice. Everything here is plain data: no torch, no asyncio, no aiohttp.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import bisect
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from inferd.engine.accounting import ClassSnapshot, Histogram, RequestSnapshot, TenantSnapshot
-from inferd.engine.policy import PriorityClass, SchedulingPolicy, Timeouts
+from inferd.settings.policy import PriorityClass, SchedulingPolicy, Timeouts
 from inferd.model.sampling_params import SamplingParams
+from inferd.model.tokenizer import Tokenizer
+
+
+# ------------------------------------------------------------------- the snapshot's parts
+
+SAMPLE_WINDOW = 1024  # recent samples kept per series (for percentiles on the status page)
+
+
+# histogram bucket upper bounds (the last bucket, +Inf, is implicit)
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                   7.5, 10.0, 15.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+@dataclass
+class Histogram:
+    """Counts per bucket (Prometheus' model, kept here without it: the engine has no control
+    plane imports). `counts[i]` counts values <= bounds[i] and > bounds[i - 1]; the last, the rest."""
+
+    bounds: tuple[float, ...] = LATENCY_BUCKETS
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    def copy(self) -> Histogram:
+        return Histogram(self.bounds, list(self.counts), self.total)
+
+
+@dataclass
+class Samples:
+    """A latency series: a histogram since start, plus the most recent values."""
+
+    histogram: Histogram = field(default_factory=Histogram)
+    recent: deque[float] = field(default_factory=lambda: deque(maxlen=SAMPLE_WINDOW))
+
+    def add(self, value: float) -> None:
+        self.histogram.observe(value)
+        self.recent.append(value)
+
+    def percentile(self, q: float) -> float | None:
+        """The q-th percentile (0..100) of the recent values; None when empty."""
+        return percentile(self.recent, q) if self.recent else None
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """Nearest rank: the smallest value with at least q% of the values <= it (q in 0..100)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+@dataclass(frozen=True)
+class ClassSnapshot:
+    """One class's state and counters at the end of a step, for other threads."""
+
+    name: str
+    priority: int
+    waiting: int
+    queued_tokens: int  # prompt tokens still to compute for the waiting requests
+    oldest_wait: float  # seconds the longest-waiting request has waited (0 when none)
+    running: int
+    kv_blocks_used: int  # blocks in the running requests' tables (shared ones once per table)
+    queued_token_seconds: float
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    generation_tokens: int
+    ttft_p50: float | None
+    ttft_p95: float | None
+    tpot_p50: float | None
+    queue_time_p95: float | None
+    finished: dict[str, int]
+    preemptions: dict[str, int]
+    timeouts: dict[str, int]
+    deadline_misses: dict[str, int]
+    histograms: dict[str, Histogram]  # copies: ttft, itl, tpot, e2e, queue_time
+
+
+@dataclass(frozen=True)
+class RequestSnapshot:
+    """One unfinished request (one choice of it) for the status page."""
+
+    group_id: int  # the id the engine's caller knows; all choices of a request share it
+    index: int  # the choice
+    class_name: str
+    state: str  # "running", "waiting" or "swapped"
+    age: float  # seconds since it arrived
+    prompt_tokens: int
+    output_tokens: int
+    ttft: float | None  # None until its first token
+    tenant: str | None = None  # whose request it is (the API shows a tenant only its own)
+
+
+@dataclass(frozen=True)
+class TenantSnapshot:
+    """One tenant's fair share (engine/sched/fairness.py) at the end of a step, for other threads."""
+
+    name: str | None  # None: the requests that name no tenant, as one
+    weight: float
+    virtual_tokens: float  # its counter: tokens served / weight, lifted on return from idle
+    served_tokens: int  # tokens computed for it (prompt and output; recomputation included)
+    waiting: int
+    running: int
+
+
+# ------------------------------------------------------------------------------ the seam
 
 
 class LogitsConstraint(Protocol):
@@ -31,7 +144,7 @@ class LogitsConstraint(Protocol):
     model runs; the sampler masks the rest, for greedy and sampled rows alike. `accept` advances
     it with the token sampled (raising fails that choice alone). `fork` gives an independent copy
     (made before any token) for each further choice of an n > 1 group. A preemption keeps the
-    sampled tokens, so it keeps the state too. inferd/engine/grammar.py has the grammar one."""
+    sampled tokens, so it keeps the state too. inferd/engine/structured/grammar.py has the grammar one."""
 
     def fill_mask(self, mask: Any) -> None: ...
 
@@ -78,6 +191,8 @@ class RequestMetrics:
     e2e: float
     preemptions: int
 
+
+FAILURE_KINDS = ("forward", "request", "oom")  # EngineSnapshot.step_failures' keys (engine/health.py)
 
 # finish_reason "error": what failed, and whether the same request may succeed if sent again
 ERROR_CODES = {
@@ -176,6 +291,30 @@ class EngineSnapshot:
     def kv_usage_ratio(self) -> float:
         """KV blocks held by requests / all KV blocks (cached-but-free blocks count as free)."""
         return self.kv_blocks_used / self.kv_blocks_total
+
+
+class EngineCore(Protocol):
+    """What `AsyncEngine` drives on its thread: `LLMEngine` is the one implementation. The face
+    holds the engine through this, so the API's imports stop at this module."""
+
+    tokenizer: Tokenizer
+    limits: EngineLimits
+    last_step_tokens: int  # tokens the last step computed (0: nothing could run)
+
+    def add_request(self, request: EngineRequest) -> None: ...
+
+    def abort(self, group_id: int) -> None: ...
+
+    def pause(self, group_id: int, paused: bool) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> StepOutputs: ...
+
+    def group_ids(self) -> list[int]: ...
+
+    def snapshot(self, steps: int, step_seconds: float, step_hist: Histogram,
+                 batch_hist: Histogram) -> EngineSnapshot: ...
 
 
 class EngineDeadError(RuntimeError):

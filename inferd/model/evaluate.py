@@ -1,7 +1,7 @@
 """Perplexity of a model on a text: how packed weights (inferd.model.quant) compare with dense ones.
 
 Non-overlapping windows, each prefilled from position 0 into the first blocks of a paged cache
-(`kv_layers`, per layer (keys, values) as inferd.engine.kv_cache.KVCache holds them); the
+(`kv_layers`, per layer (keys, values) as inferd.engine.worker.kv_cache.KVCache holds them); the
 perplexity is exp of the mean negative log-likelihood of every token after a window's first.
 """
 

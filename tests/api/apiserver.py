@@ -14,15 +14,18 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 
 from inferd.api.app import create_app
-from inferd.api.door import FrontDoor
-from inferd.api.fleet import FLEET, Fleet
-from inferd.api.state import DOOR, ENGINE, STATE, ServerState
-from inferd.api.tenants import Keyring
-from inferd.config import Settings
+from inferd.api.admission.door import FrontDoor
+from inferd.api.routing.registry import REGISTRY, ModelRegistry
+from inferd.api.state import STATE, ServerState
+from inferd.api.gateway.tenants import Keyring
+from inferd.settings.config import Settings
 from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.llm_engine import LLMEngine
 
 MODEL = "smollm2"
+# (the weights' id, deterministic mode) -> the start-up probe's tokens, recorded by the first server
+# over those weights: later servers over them start probed, as the tokens are the same
+_PROBE_TOKENS: dict[tuple[int, bool], list[int]] = {}
 
 
 @dataclass
@@ -58,21 +61,26 @@ def data_events(events: list[str]) -> list[Any]:
 
 
 @asynccontextmanager
-async def serve(llm: LLMEngine | Fleet, settings: Settings | None = None, api_keys: frozenset[str] = frozenset(),
+async def serve(llm: LLMEngine | ModelRegistry, settings: Settings | None = None, api_keys: frozenset[str] = frozenset(),
                 reload_keys: Callable[[], Keyring] | None = None) -> AsyncIterator[Server]:
-    """A server over one model, or over a fleet (several; Server.engine is then the first's)."""
+    """A server over one model, or over a registry of several (Server.engine is then the first's)."""
     settings = settings or Settings()
     if settings.model.name is None:
         settings = settings.model_copy(update={"model": settings.model.model_copy(update={"name": MODEL})})
-    app = create_app(llm if isinstance(llm, Fleet) else AsyncEngine(llm), settings, api_keys, reload_keys)
-    engine = app[ENGINE]
+    app = create_app(llm if isinstance(llm, ModelRegistry) else AsyncEngine(llm), settings, api_keys, reload_keys)
+    primary = app[REGISTRY].primary.current  # (the first model's revision at start-up)
+    probe_key = (id(llm.model), llm.config.deterministic) if isinstance(llm, LLMEngine) else None
+    if probe_key in _PROBE_TOKENS:
+        primary.probe.expected = _PROBE_TOKENS[probe_key]  # (the periodic probes still compare against it)
     test_server = TestServer(app)
     await test_server.start_server()
     try:
         async with aiohttp.ClientSession(base_url=test_server.make_url("")) as session:
             await wait_ready(app[STATE])
-            yield Server(engine, app[DOOR], session, test_server)
-        for served in app[FLEET].served():
+            if probe_key is not None and primary.probe.expected is not None:
+                _PROBE_TOKENS.setdefault(probe_key, primary.probe.expected)
+            yield Server(primary.engine, primary.door, session, test_server)
+        for served in app[REGISTRY].served():
             if served.engine.alive:  # (a test may have stopped it)
                 await assert_pool_whole(served.engine, served.door)
     finally:
@@ -101,7 +109,7 @@ async def assert_pool_whole(engine: AsyncEngine, door: FrontDoor, within: float 
         assert time.monotonic() < deadline, busy()
         await asyncio.sleep(0.02)
     for cls in engine.limits.policy.classes:
-        assert door.admission.queued(cls.name) == (0, 0), cls.name
+        assert door.queues.queued(cls.name) == (0, 0), cls.name
 
 
 def assert_error(status: int, body: Any, expected_status: int, param: str | None = None, code: str | None = None,

@@ -14,8 +14,8 @@ from inferd.engine.llm_engine import LLMEngine
 
 
 @pytest.fixture(scope="session")
-def llm() -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(dtype="float32", kv_cache_memory=256 * 2**20))
+def llm(float32_weights: tuple) -> LLMEngine:
+    return LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=256 * 2**20))
 
 
 @pytest_asyncio.fixture

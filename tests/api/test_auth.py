@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 from apiserver import assert_error, serve
 
-from inferd.api.auth import load_api_keys
-from inferd.config import Settings, SettingsError
+from inferd.api.gateway.keys import load_api_keys
+from inferd.settings.config import Settings
+from inferd.settings.values import SettingsError
 from inferd.engine.llm_engine import LLMEngine
 
 KEY = "sk-test-0123456789"

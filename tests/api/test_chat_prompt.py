@@ -1,6 +1,6 @@
 """How chat messages, tools, earlier calls and tool results become a prompt: through the chat
 template when it takes `tools` (transformers' convention), else as the Hermes-format text that
-inferd/api/tools.py documents."""
+inferd/api/openai/tools.py documents."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import copy
 
 import pytest
 
-from inferd.api.chat import chat_prompt
-from inferd.api.chat_protocol import ChatMessage, Tool
+from inferd.api.openai.chat import chat_prompt
+from inferd.api.openai.chat_wire import ChatMessage, Tool
 from inferd.model.loader import default_model_path
 from inferd.model.tokenizer import Tokenizer
 from inferd.model.tokenizer_loader import load_tokenizer

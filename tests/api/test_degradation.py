@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from inferd.api.degradation import (
+from inferd.api.routing.degradation import (
     LEVELS,
     FunctionalDegradation,
     ModelDegradation,
@@ -170,7 +170,7 @@ def test_triggers_set_to_none_never_fire() -> None:
 
 def test_switches_count_and_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     m = ModelDegradation(Triggers(queue_p95_seconds=1.0, hold_seconds=2, recover_seconds=3))
-    with caplog.at_level(logging.WARNING, logger="inferd.api.degradation"):
+    with caplog.at_level(logging.WARNING, logger="inferd.api.routing.degradation"):
         m.update(0, ok(healthy=False))
         for t in ticks(1, 5):
             m.update(t, ok())
@@ -255,7 +255,7 @@ def test_ladder_oscillating_overload_does_not_flap() -> None:
 
 def test_ladder_changes_are_logged(caplog: pytest.LogCaptureFixture) -> None:
     f = FunctionalDegradation(hold_seconds=1, recover_seconds=1)
-    with caplog.at_level(logging.WARNING, logger="inferd.api.degradation"):
+    with caplog.at_level(logging.WARNING, logger="inferd.api.routing.degradation"):
         f.update(0, True)
         f.update(1, True)
         f.update(2, False)

@@ -11,8 +11,8 @@ import pytest
 from apiserver import MODEL, Server, serve
 from prometheus_client.parser import text_string_to_metric_families
 
-from inferd.api.drift import EPSILON, DriftMonitor, Observation, RefusalMatcher, length_bin, psi, script_shares
-from inferd.config import Settings
+from inferd.api.telemetry.drift import EPSILON, DriftMonitor, Observation, RefusalMatcher, length_bin, psi, script_shares
+from inferd.settings.config import Settings
 from inferd.engine.llm_engine import LLMEngine
 
 

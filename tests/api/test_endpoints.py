@@ -9,10 +9,11 @@ import time
 from typing import Any
 
 import aiohttp
+import openai
 import pytest
 from apiserver import MODEL, Server, assert_error, data_events, serve
 
-from inferd.config import Settings
+from inferd.settings.config import Settings
 
 pytestmark = pytest.mark.asyncio
 
@@ -311,8 +312,16 @@ async def test_keepalive_while_nothing_arrives(llm: Any, monkeypatch: pytest.Mon
     monkeypatch.setattr(llm, "step", slow_step)
     settings = Settings.model_validate({"server": {"keepalive_seconds": 0.05}})
     async with serve(llm, settings) as server:
-        body = {**GREEDY, "prompt": "Hi", "max_tokens": 2}
+        body = {**GREEDY, "prompt": "Hi", "max_tokens": 3}
         response, events = await server.stream("/v1/completions", body)
-    assert ": keep-alive" in events
-    chunks = check_sse(response, [e for e in events if e != ": keep-alive"])
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        # the official client reads past keep-alives that come after an event with an id
+        client = openai.AsyncOpenAI(base_url=str(server.test_server.make_url("/v1")), api_key="unused", max_retries=0)
+        chunks = [c async for c in await client.completions.create(model=MODEL, prompt="Hi", max_tokens=3,
+                                                                   temperature=0, stream=True)]
+        await client.close()
+    comments = [line for e in events for line in e.split("\n") if line.startswith(":")]
+    assert comments and set(comments) == {": keep-alive"}  # some between the tokens
+    events = ["\n".join(line for line in e.split("\n") if not line.startswith(":")) for e in events]
+    check = check_sse(response, [e for e in events if e])
+    assert check[-1]["choices"][0]["finish_reason"] == "length"
+    assert [c.choices[0].finish_reason for c in chunks][-1] == "length" and len(chunks) == 3

@@ -5,13 +5,13 @@ Every operation runs twice, with the API key and without one, on valid and inval
 have a documented status code and content type, and match its documented schema (SSE streams
 event by event). A request that takes longer than REQUEST_TIMEOUT fails as a hang, and the
 server must log no traceback. The server keeps each generation tiny (8 tokens at most, a short
-context, a small KV cache) and the examples are few and derandomized, so the whole module runs in
-under a minute on 2 CPU cores and sends the same requests every time.
+context, a small KV cache) and the examples are few and derandomized, so each run sends the same
+requests; the default tier sends a fifth as many as the soak tier (~20 s against ~100 s on 2 cores).
 
 NOTE: each operation's cases come from `operation.as_strategy()` under a plain `@given`, not from
 `schemathesis.pytest.from_fixture(...).parametrize()`: that loader reads `request.node._nodeid`,
 which pytest 9.2 no longer has. A response the server really gives that the document lacks is
-fixed in the document (inferd/api/routes.py), not in the checks.
+fixed in the document (inferd/api/endpoints.py), not in the checks.
 """
 
 from __future__ import annotations
@@ -36,15 +36,17 @@ from schemathesis.checks import (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from serveproc import Server, start_server, stop_server  # noqa: E402  (tests/e2e's real-subprocess helpers)
 
-from inferd.api.routes import openapi_document  # noqa: E402
+from inferd.api.openapi import openapi_document  # noqa: E402
 
 MODEL = "smollm2"
 KEY = "sk-fuzz-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 REQUEST_TIMEOUT = 30.0  # seconds; longer is a hang
 # examples per operation and run: a generation costs up to 8 decode steps, a 401 or a tokenizer
-# call next to nothing (but without the key the body is never read: a few say all there is)
+# call next to nothing (but without the key the body is never read: a few say all there is).
+# The soak tier sends them all, the default tier a fifth as many (each derandomized).
 GENERATE_EXAMPLES, CHEAP_EXAMPLES, NO_KEY_EXAMPLES = 60, 300, 30
+TIERS = [pytest.param(1, marks=pytest.mark.soak, id="all"), pytest.param(5, id="a-fifth")]
 
 # tiny generations: 8 tokens at most (default 8), 256 tokens of context, 2 choices, 2 prompts
 CONFIG = """
@@ -130,12 +132,14 @@ def served_model(case: schemathesis.Case) -> schemathesis.Case:
     return case
 
 
+@pytest.mark.parametrize("divisor", TIERS)
 @pytest.mark.parametrize("key", [True, False], ids=["key", "no-key"])
 @pytest.mark.parametrize(("method", "path", "mode"), CASES, ids=[f"{m} {p} {g}" for m, p, g in CASES])
 def test_operation(api_schema: schemathesis.BaseSchema, server: Server, method: str, path: str,
-                   mode: GenerationMode, key: bool) -> None:
+                   mode: GenerationMode, key: bool, divisor: int) -> None:
     headers = AUTH if key else None
     examples = NO_KEY_EXAMPLES if not key else GENERATE_EXAMPLES if path.startswith("/v1/c") else CHEAP_EXAMPLES
+    examples = max(1, examples // divisor)
 
     @hypothesis.given(case=api_schema[path][method].as_strategy(generation_mode=mode).map(served_model))
     @hypothesis.settings(SETTINGS, max_examples=examples)

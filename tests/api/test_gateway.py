@@ -13,8 +13,9 @@ from typing import Any
 import pytest
 from apiserver import Server, assert_error, serve
 
-from inferd.api.tenants import Keyring
-from inferd.config import Settings, SettingsError, load_settings
+from inferd.api.gateway.tenants import Keyring
+from inferd.settings.config import Settings, load_settings
+from inferd.settings.values import SettingsError
 from inferd.engine.llm_engine import LLMEngine
 
 ACME, BETA, ADMIN, PLAIN = "sk-acme-0001", "sk-beta-0002", "sk-admin-0003", "sk-plain-0004"

@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 from apiserver import MODEL, Server, assert_error, data_events, serve
 
-from inferd.api.chat import chat_prompt
-from inferd.api.chat_protocol import ChatMessage
-from inferd.config import Settings
+from inferd.api.openai.chat import chat_prompt
+from inferd.api.openai.chat_wire import ChatMessage
+from inferd.settings.config import Settings
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
 from inferd.model.sampling_params import SamplingParams

@@ -10,8 +10,8 @@ import pytest
 import torch
 from apiserver import serve
 
-from inferd.api.app import PROBE
-from inferd.config import Settings
+from inferd.api.routing.registry import REGISTRY
+from inferd.settings.config import Settings
 from inferd.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.asyncio
@@ -31,7 +31,7 @@ async def test_a_corrupted_weight_makes_the_server_not_ready(llm: LLMEngine) -> 
     settings = Settings.model_validate({"server": {"probe_interval_seconds": 0.2}})
     async with serve(llm, settings) as server:
         assert await server.get("/ready") == (200, {"status": "ready"})
-        probe = server.test_server.app[PROBE]
+        probe = server.test_server.app[REGISTRY].primary.current.probe
         first = probe.expected[0]
         weights = llm.model.lm_head.weight  # [vocab, hidden]
         saved = weights[first].clone()

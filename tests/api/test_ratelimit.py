@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from inferd.api.ratelimit import (NeverFits, RateLimited, RateLimits, TenantLimiter, TokenBucket,
+from inferd.api.gateway.ratelimit import (NeverFits, RateLimited, RateLimits, TenantLimiter, TokenBucket,
                                   duration, retry_after_header)
 
 
@@ -26,7 +26,7 @@ def make(**limits: float | int | None) -> tuple[TenantLimiter, FakeClock]:
 
 def limited(limiter: TenantLimiter, tokens: int) -> RateLimited:
     with pytest.raises(RateLimited) as info:
-        limiter.admit(tokens)
+        limiter.take(tokens)
     return info.value
 
 
@@ -101,14 +101,14 @@ def test_limits_default_burst_and_validation() -> None:
 def test_burst_then_refusal_then_refill() -> None:
     limiter, clock = make(requests_per_second=2, requests_burst=3)
     for _ in range(3):
-        charge = limiter.admit(0)
+        charge = limiter.take(0)
         assert (charge.requests, charge.tokens, charge.refunded) == (1, 0, False)
     err = limited(limiter, 0)
     assert (err.kind, err.limit) == ("requests", 3)
     assert err.retry_after == pytest.approx(0.5)
     assert str(err) == err.message and "Rate limit reached for requests" in err.message and "500ms" in err.message
     clock.now += 0.5
-    limiter.admit(0)
+    limiter.take(0)
     assert limited(limiter, 0).retry_after == pytest.approx(0.5)
     clock.now += 10
     assert limiter.remaining_requests == 3
@@ -117,7 +117,7 @@ def test_burst_then_refusal_then_refill() -> None:
 def test_unlimited_admits_everything() -> None:
     limiter, _ = make()
     for _ in range(1000):
-        charge = limiter.admit(10**6)
+        charge = limiter.take(10**6)
         assert (charge.requests, charge.tokens) == (0, 0)
     assert limiter.headers() == {}
     assert limiter.remaining_requests is None and limiter.remaining_tokens is None
@@ -125,12 +125,12 @@ def test_unlimited_admits_everything() -> None:
 
 def test_all_or_nothing() -> None:
     limiter, _ = make(requests_per_second=1, requests_burst=5, tokens_per_second=10, tokens_burst=100)
-    limiter.admit(90)
+    limiter.take(90)
     err = limited(limiter, 20)  # 10 tokens left: a token refusal takes no request
     assert (err.kind, err.limit) == ("tokens", 100) and err.retry_after == pytest.approx(1.0)
     assert (limiter.remaining_requests, limiter.remaining_tokens) == (4, 10)
     for _ in range(4):
-        limiter.admit(0)
+        limiter.take(0)
     err = limited(limiter, 5)  # tokens there, no request left: no tokens taken
     assert err.kind == "requests" and err.retry_after == pytest.approx(1.0)
     assert (limiter.remaining_requests, limiter.remaining_tokens) == (0, 10)
@@ -138,16 +138,16 @@ def test_all_or_nothing() -> None:
 
 def test_retry_after_is_when_both_fit() -> None:
     limiter, clock = make(requests_per_second=1, requests_burst=1, tokens_per_second=10, tokens_burst=100)
-    limiter.admit(100)
+    limiter.take(100)
     err = limited(limiter, 40)  # a request in 1 s, 40 tokens in 4 s: the tokens bind
     assert err.kind == "tokens" and err.retry_after == pytest.approx(4.0)
     clock.now += err.retry_after
-    assert limiter.admit(40).tokens == 40
+    assert limiter.take(40).tokens == 40
 
 
 def test_retry_after_exact_and_header() -> None:
     limiter, clock = make(tokens_per_second=4, tokens_burst=20)
-    limiter.admit(18)
+    limiter.take(18)
     err = limited(limiter, 9)  # 2 there, 7 short at 4/s
     assert err.retry_after == pytest.approx(1.75)
     assert retry_after_header(err.retry_after) == "2"
@@ -161,31 +161,31 @@ def test_retry_after_exact_and_header() -> None:
 def test_never_fits() -> None:
     limiter, _ = make(requests_per_second=1, tokens_per_second=10, tokens_burst=100)
     with pytest.raises(NeverFits) as info:
-        limiter.admit(101)
+        limiter.take(101)
     assert (info.value.tokens, info.value.capacity) == (101, 100) and isinstance(info.value.capacity, int)
     assert str(info.value) == "the request needs 101 tokens; the tenant's tokens_burst is 100"
     assert (limiter.remaining_requests, limiter.remaining_tokens) == (1, 100)  # nothing taken
-    limiter.admit(100)
+    limiter.take(100)
     with pytest.raises(NeverFits):  # over capacity wins over an empty bucket: waiting will not help
-        limiter.admit(101)
+        limiter.take(101)
 
 
 def test_refund_once() -> None:
     limiter, _ = make(tokens_per_second=1, tokens_burst=1000)
-    charge = limiter.admit(600)  # prompt + max_tokens
+    charge = limiter.take(600)  # prompt + max_tokens
     assert limiter.remaining_tokens == 400
     assert limiter.refund(charge, used_tokens=250) == 350
     assert limiter.remaining_tokens == 750 and charge.refunded
     assert limiter.refund(charge, used_tokens=0) == 0  # a second call is a no-op
     assert limiter.remaining_tokens == 750
-    over = limiter.admit(100)
+    over = limiter.take(100)
     assert limiter.refund(over, used_tokens=120) == 0 and limiter.remaining_tokens == 650
     assert limiter.headers()["x-ratelimit-remaining-tokens"] == "650"
 
 
 def test_refund_never_above_capacity() -> None:
     limiter, clock = make(tokens_per_second=10, tokens_burst=100)
-    charge = limiter.admit(80)
+    charge = limiter.take(80)
     clock.now += 60  # full again before the request ends
     assert limiter.refund(charge, used_tokens=0) == 80
     assert limiter.remaining_tokens == 100
@@ -196,13 +196,13 @@ def test_headers_only_for_limits_on() -> None:
     assert limiter.headers() == {
         "x-ratelimit-limit-requests": "3", "x-ratelimit-remaining-requests": "3", "x-ratelimit-reset-requests": "0s",
     }
-    limiter.admit(10**9)  # no token limit: any size fits
+    limiter.take(10**9)  # no token limit: any size fits
     headers = limiter.headers()
     assert headers["x-ratelimit-remaining-requests"] == "2" and headers["x-ratelimit-reset-requests"] == "2s"
     assert not any(k.endswith("-tokens") for k in headers)
 
     limiter, clock = make(tokens_per_second=1000, tokens_burst=360_000)
-    limiter.admit(360_000)
+    limiter.take(360_000)
     headers = limiter.headers()
     assert set(headers) == {"x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"}
     assert headers == {"x-ratelimit-limit-tokens": "360000", "x-ratelimit-remaining-tokens": "0",
@@ -214,8 +214,8 @@ def test_headers_only_for_limits_on() -> None:
 
 def test_headers_both_limits_consistent() -> None:
     limiter, clock = make(requests_per_second=2, requests_burst=10, tokens_per_second=100, tokens_burst=1000)
-    limiter.admit(850)
-    limiter.admit(0)
+    limiter.take(850)
+    limiter.take(0)
     clock.now += 0.5
     h = limiter.headers()
     assert (h["x-ratelimit-limit-requests"], h["x-ratelimit-remaining-requests"]) == ("10", "9")
@@ -236,7 +236,7 @@ def test_duration(seconds: float, text: str) -> None:
 def test_update_keeps_levels() -> None:
     limiter, clock = make(requests_per_second=1, requests_burst=10, tokens_per_second=10, tokens_burst=1000)
     for _ in range(4):
-        limiter.admit(100)
+        limiter.take(100)
     assert (limiter.remaining_requests, limiter.remaining_tokens) == (6, 600)
     limiter.update(RateLimits(requests_per_second=2, requests_burst=20, tokens_per_second=10, tokens_burst=500))
     assert (limiter.remaining_requests, limiter.remaining_tokens) == (6, 500)  # kept; clipped to 500
@@ -244,7 +244,7 @@ def test_update_keeps_levels() -> None:
     clock.now += 1  # the new rates refill
     assert (limiter.remaining_requests, limiter.remaining_tokens) == (8, 500)
     with pytest.raises(NeverFits):
-        limiter.admit(501)
+        limiter.take(501)
     limiter.update(RateLimits(tokens_per_second=10, tokens_burst=500))  # requests off
     assert limiter.remaining_requests is None and "x-ratelimit-limit-requests" not in limiter.headers()
     limiter.update(RateLimits(requests_per_second=1, requests_burst=4, tokens_per_second=10, tokens_burst=500))
@@ -254,7 +254,7 @@ def test_update_keeps_levels() -> None:
 
 def test_update_refills_at_the_old_rate_up_to_now() -> None:
     limiter, clock = make(tokens_per_second=10, tokens_burst=100)
-    limiter.admit(100)
+    limiter.take(100)
     clock.now += 5  # 50 refilled at 10/s before the reload
     limiter.update(RateLimits(tokens_per_second=1, tokens_burst=100))
     assert limiter.remaining_tokens == 50

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 from apiserver import MODEL, data_events, serve
 
-from inferd.api.request_log import REQUEST_JOURNAL, Redactor
-from inferd.config import Settings
+from inferd.api.telemetry.request_file import REQUEST_JOURNAL, Redactor
+from inferd.settings.config import Settings
 from inferd.engine.llm_engine import LLMEngine
 
 EMAIL, PHONE, KEY, IP = "alice.smith@example.com", "+1 (555) 123-4567", "sk-abcdEFGH1234567890xyz", "192.168.10.20"

@@ -9,8 +9,8 @@ import logging
 import pytest
 from apiserver import MODEL, Server, serve
 
-from inferd.api.logs import JsonFormatter
-from inferd.config import Settings
+from inferd.api.telemetry.access_log import JsonFormatter
+from inferd.settings.config import Settings
 from inferd.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.asyncio

@@ -16,8 +16,8 @@ import aiohttp
 import pytest
 from apiserver import MODEL, Server, assert_error, serve
 
-from inferd.api.auth import load_api_keys
-from inferd.config import Settings
+from inferd.api.gateway.keys import load_api_keys
+from inferd.settings.config import Settings
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
 
@@ -98,29 +98,31 @@ async def resume(session: aiohttp.ClientSession, response_id: str, after: int, u
 # ---------------------------------------------------------------------------- correctness
 
 
-@pytest.mark.slow
-async def test_resume_at_random_points_equals_an_uninterrupted_run(llm: LLMEngine) -> None:
-    """10 seeded disconnect points, shared by two runs (5 disconnects + resumes each, so each
-    stream is resumed again after a second, third, ... disconnect): the same text, contiguous
-    sequence numbers, as the same seeded request streamed without a break. The three run at
-    once (a seeded choice's tokens do not depend on its batch, as for greedy ones)."""
+@pytest.mark.parametrize(("length", "cuts"), [pytest.param(200, 10, marks=pytest.mark.soak), (48, 6)])
+async def test_resume_at_random_points_equals_an_uninterrupted_run(llm: LLMEngine, length: int, cuts: int) -> None:
+    """Seeded disconnect points (10 over 200 tokens in the soak tier, 6 over 48 in the default
+    one), shared by two runs (each stream is resumed again after a second, third, ...
+    disconnect): the same text, contiguous sequence numbers, as the same seeded request streamed
+    without a break. The three run at once (a seeded choice's tokens do not depend on its batch,
+    as for greedy ones)."""
+    sampled, resumable = {**SAMPLED, "max_tokens": length}, {**RESUMABLE, "max_tokens": length}
     async with serve(llm, grace(30)) as server:
 
         async def uninterrupted() -> list[Event]:
-            async with server.session.post(COMPLETIONS, json=SAMPLED) as r:
+            async with server.session.post(COMPLETIONS, json=sampled) as r:
                 whole, done = await read_events(r)
-            assert done and len(whole) == 200 and [n for n, _ in whole] == list(range(200))
+            assert done and len(whole) == length and [n for n, _ in whole] == list(range(length))
             return whole
 
         async def interrupted(cuts: list[int], query_at: int | None) -> list[Event]:
-            response_id, events = await start(server.session, RESUMABLE, cuts[0])
+            response_id, events = await start(server.session, resumable, cuts[0])
             for i, upto in enumerate([*cuts[1:], None]):
                 more, done = await resume(server.session, response_id, events[-1][0], upto, query=i == query_at)
                 assert done == (upto is None)
                 events += more
             return events
 
-        points = sorted(random.Random(7).sample(range(0, 198), 10))
+        points = sorted(random.Random(7).sample(range(0, length - 2), cuts))
         whole, *runs = await asyncio.gather(uninterrupted(), interrupted(points[0::2], None),
                                             interrupted(points[1::2], 2))
         for events in runs:
@@ -263,9 +265,10 @@ async def test_a_plain_stream_disconnect_still_frees_at_once(llm: LLMEngine) -> 
         await wait_idle(server, within=0.5)
 
 
-@pytest.mark.slow
-async def test_a_storm_of_resumable_streams_leaks_nothing(llm: LLMEngine) -> None:
-    """200 resumable streams disconnect; half resume to the end, half are left to the grace."""
+@pytest.mark.parametrize("streams", [pytest.param(200, marks=pytest.mark.soak), 24])
+async def test_a_storm_of_resumable_streams_leaks_nothing(llm: LLMEngine, streams: int) -> None:
+    """Resumable streams disconnect (200 in the soak tier, 24 in the default one); half resume to
+    the end, half are left to the grace."""
     engine = LLMEngine(llm.model, llm.tokenizer,
                        EngineConfig(dtype="float32", kv_cache_memory=512 * 2**20, max_num_seqs=256))
     async with serve(engine, grace(1.0)) as server:
@@ -280,7 +283,7 @@ async def test_a_storm_of_resumable_streams_leaks_nothing(llm: LLMEngine) -> Non
                 more, done = await resume(session, response_id, events[-1][0])
                 assert done and [n for n, _ in events + more] == list(range(16))
 
-            await asyncio.gather(*(one(i) for i in range(200)))
+            await asyncio.gather(*(one(i) for i in range(streams)))
         await asyncio.sleep(1.0)  # the grace of the abandoned half
         status = await wait_idle(server, within=10.0)
         assert status["resumable_streams_detached"] == 0

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from inferd.api.routing import Caller, Cascade, Route, RouteRule, check_routes
+from inferd.api.routing.routes import Caller, Cascade, Route, RouteRule, check_routes
 
 
 def canary(name: str = "chat") -> Route:

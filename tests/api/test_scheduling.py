@@ -15,7 +15,7 @@ from apiserver import MODEL, Server, assert_error, data_events, serve
 
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
-from inferd.engine.policy import DEFAULT_CLASSES, SchedulingPolicy
+from inferd.settings.policy import DEFAULT_CLASSES, SchedulingPolicy, ShedConfig
 
 pytestmark = pytest.mark.asyncio
 
@@ -79,6 +79,38 @@ async def test_the_class_ceiling_on_max_tokens(one_seat: Server) -> None:
         assert_error(*await one_seat.post(COMPLETIONS, {**GREEDY, "prompt": "Hi", field: 0}), 400, param=field)
 
 
+async def first_token_at(server: Server, body: dict[str, Any]) -> float:
+    """The loop's clock when the stream's first token arrived (read to its end: leaving early
+    would abort the request and free its seat)."""
+    first = None
+    async with server.session.post(COMPLETIONS, json={**body, "stream": True}) as r:
+        assert r.status == 200, await r.text()
+        async for line in r.content:
+            if first is None and line.startswith(b"data: {") and b'"text":"' in line:
+                first = asyncio.get_running_loop().time()
+    assert first is not None, "no token"
+    return first
+
+
+async def test_an_interactive_request_takes_a_seat_from_the_batch_backlog(llm: LLMEngine) -> None:
+    """tests/e2e/test_priority.py's order, without its timing: two seats run batch streams, two
+    more wait; an interactive request arriving takes a seat at once (a batch stream is preempted)
+    and gets its first token before either waiting batch request gets one."""
+    policy = SchedulingPolicy(classes=DEFAULT_CLASSES, aging_seconds=0.0, shedding=ShedConfig(enabled=False))
+    engine = LLMEngine(llm.model, llm.tokenizer, EngineConfig(dtype="float32", kv_cache_memory=32 * 2**20,
+                                                              max_num_seqs=2, policy=policy))
+    async with serve(engine) as server:
+        long = {**LONG, "max_tokens": 24, "priority": "batch"}
+        batch = [asyncio.ensure_future(first_token_at(server, {**long, "prompt": f"Story {i}:"})) for i in range(4)]
+        while (body := (await server.get("/v1/status"))[1])["running"] < 2 or body["waiting"] < 2:
+            await asyncio.sleep(0.01)
+        interactive = await first_token_at(server, {**GREEDY, "prompt": "Hi", "priority": "interactive"})
+        firsts = sorted(await asyncio.gather(*batch))
+        _, status = await server.get("/v1/status")
+    assert firsts[1] < interactive < firsts[2], (firsts, interactive)  # after the two running, before the two waiting
+    assert status["preemptions"].get("recompute", 0) >= 1, status["preemptions"]
+
+
 # -------------------------------------------------------------------------------- the door
 
 
@@ -121,10 +153,12 @@ async def test_a_predicted_deadline_miss_is_refused_at_the_door(server: Server) 
 
 
 async def test_draining_answers_503_with_retry_after(server: Server) -> None:
-    server.door.start_draining()
+    server.door.server.draining = True  # the server's one switch (ServerState), read by every door
     async with server.session.post(COMPLETIONS, json={**GREEDY, "prompt": "Hi"}) as r:
         assert_error(r.status, await r.json(), 503, code="draining")
         assert r.headers["Retry-After"] == "5"
+    _, ready = await server.get("/ready")
+    assert ready == {"status": "draining"}
 
 
 # -------------------------------------------------------------------------------- timeouts

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 from apiserver import MODEL, Server, data_events
 
-from inferd.api.chat_protocol import ChatCompletionChunk, ChatCompletionResponse
+from inferd.api.openai.chat_wire import ChatCompletionChunk, ChatCompletionResponse
 
 pytestmark = pytest.mark.asyncio
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import hashlib
 
-from inferd.api.ratelimit import RateLimits
-from inferd.api.tenants import ANONYMOUS, Keyring, Principal, Tenant
-from inferd.config import Settings
+from inferd.api.gateway.ratelimit import RateLimits
+from inferd.api.gateway.tenants import ANONYMOUS, Keyring, Principal, Tenant
+from inferd.settings.config import Settings
 
 
 def sha(key: str) -> str:

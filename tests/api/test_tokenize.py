@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from apiserver import MODEL, Server, assert_error, serve
 
-from inferd.api.auth import load_api_keys
+from inferd.api.gateway.keys import load_api_keys
 from inferd.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.asyncio

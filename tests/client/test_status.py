@@ -219,7 +219,7 @@ def _model(name: str, revision: str, **over: Any) -> dict[str, Any]:
     return m
 
 
-FLEET = {
+SEVERAL_MODELS = {
     "models": [
         _model("llama", "r2", aliases=["chat"], reloads=2, reloads_refused=1),
         _model("small", "r1", fallback="llama", degraded=True, degraded_reason="kv full", functional_level="capped",
@@ -231,7 +231,7 @@ FLEET = {
 
 
 def test_render_models_and_routes() -> None:
-    text = text_of({**FULL, **FLEET})
+    text = text_of({**FULL, **SEVERAL_MODELS})
     assert "models (2)" in text
     assert row(text, "llama@r2").split() == ["llama@r2", "(chat)", "ok", "normal", "2/0", "12/5461", "12.3k", "0",
                                              "2/1", "0/0"]
@@ -252,12 +252,12 @@ def test_render_models_health() -> None:
     assert row(text, "mute@r1").split()[1] == "unhealthy" and row(text, "old@r0").split()[1] == "-"
 
 
-@pytest.mark.parametrize("fleet", [
+@pytest.mark.parametrize("several", [
     {}, {"models": [], "routes": []}, {"models": None, "routes": None},
     {"models": [_model("smollm2", "main")]}, {"models": [_model("smollm2", "main")], "routes": []},
 ])
-def test_no_models_panel_for_one_model_and_no_routes(fleet: dict[str, Any]) -> None:
-    text = text_of({**FULL, **fleet})
+def test_no_models_panel_for_one_model_and_no_routes(several: dict[str, Any]) -> None:
+    text = text_of({**FULL, **several})
     assert "models (" not in text and "route " not in text and row(text, "interactive")
 
 
@@ -270,8 +270,8 @@ def test_render_routes_without_models() -> None:
 def test_request_table_leaves_room_for_models() -> None:
     snap = copy.deepcopy(FULL)
     snap["requests"] = [{"id": i, "class": "batch", "state": "running", "age_seconds": 1.0} for i in range(100)]
-    for fleet in (FLEET, {"models": FLEET["models"] * 3}, {"routes": FLEET["routes"] * 2}):
-        with_models = {**snap, **fleet}
+    for several in (SEVERAL_MODELS, {"models": SEVERAL_MODELS["models"] * 3}, {"routes": SEVERAL_MODELS["routes"] * 2}):
+        with_models = {**snap, **several}
         console = Console(record=True, width=120, height=50, color_system=None, file=io.StringIO())
         console.print(render(with_models, now=NOW, max_requests=_request_rows(console, with_models)))
         assert len(console.export_text().splitlines()) == len(_screen(0))  # the request table makes room

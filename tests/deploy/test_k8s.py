@@ -29,11 +29,14 @@ import yaml
 from aiohttp import web
 from kubernetes_validate.utils import all_versions, major_minor
 
-from inferd.api.metrics import setup_metrics
-from inferd.api.routes import add_routes
-from inferd.api.fleet import FLEET
-from inferd.api.state import GATEWAY, RESUMABLE, STATE
-from inferd.config import Settings, load_settings
+from inferd.api.telemetry.metrics import setup_metrics
+from inferd.api.endpoints import add_routes
+from inferd.api.gateway.gate import GATEWAY
+from inferd.api.routing.registry import REGISTRY
+from inferd.api.state import STATE
+from inferd.api.streaming.backpressure import SLOW_CLIENTS
+from inferd.api.streaming.resume import RESUMABLE
+from inferd.settings.config import Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
@@ -179,10 +182,10 @@ def test_a_planted_error_fails_validation(version: str) -> None:
 
 def served_paths() -> set[str]:
     """GET routes of the real app's route table (/metrics comes from setup_metrics, which only
-    stores the fleet, gateway, resumable streams and state it is given: nothing is scraped here)."""
+    stores the models, gateway, streams and state it is given: nothing is scraped here)."""
     app = web.Application()
-    app[FLEET], app[STATE] = sentinel.fleet, sentinel.state
-    app[GATEWAY], app[RESUMABLE] = sentinel.gateway, sentinel.resumable
+    app[REGISTRY], app[STATE] = sentinel.models, sentinel.state
+    app[GATEWAY], app[RESUMABLE], app[SLOW_CLIENTS] = sentinel.gateway, sentinel.resumable, sentinel.slow
     add_routes(app)
     setup_metrics(app)
     return {r.resource.canonical for r in app.router.routes() if r.method == "GET" and r.resource}
@@ -257,7 +260,7 @@ def check_references(docs: list[dict[str, Any]]) -> None:
         scaled = one(docs, "ScaledObject")["spec"]
         assert scaled["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
         assert 1 <= scaled["minReplicaCount"] <= scaled["maxReplicaCount"]
-        metrics_source = (REPO / "inferd/api/metrics.py").read_text()
+        metrics_source = (REPO / "inferd/api/telemetry/metrics.py").read_text()
         for trigger in scaled["triggers"]:
             assert trigger["type"] == "prometheus"
             assert all(isinstance(v, str) for v in trigger["metadata"].values())  # KEDA: strings only

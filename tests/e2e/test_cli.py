@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
@@ -16,11 +17,11 @@ def run_inferd(*args: str, cwd: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_generate_prints_the_greedy_completion(tmp_path) -> None:
+def test_generate_prints_the_greedy_completion(tmp_path, float32_weights: tuple) -> None:
     prompt = "The three primary colors are"
     proc = run_inferd("generate", prompt, "--temperature", "0", "--max-tokens", "12", "--dtype", "float32", cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    engine = LLMEngine.from_config(EngineConfig(dtype="float32", kv_cache_memory=32 * 2**20))
+    engine = LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=32 * 2**20))
     [expected] = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0))
     assert proc.stdout == expected.text + "\n"
     assert "tokens in" in proc.stderr and "model loaded in" in proc.stderr
@@ -28,8 +29,8 @@ def test_generate_prints_the_greedy_completion(tmp_path) -> None:
 
 def test_generate_chat_with_seed_is_reproducible(tmp_path) -> None:
     args = ("generate", "Name a fruit.", "--chat", "--seed", "5", "--max-tokens", "10", "--temperature", "1.0")
-    first = run_inferd(*args, cwd=str(tmp_path))
-    second = run_inferd(*args, cwd=str(tmp_path))
+    with ThreadPoolExecutor(2) as pool:  # two processes at once: the same seed, whatever else runs
+        first, second = pool.map(lambda _: run_inferd(*args, cwd=str(tmp_path)), range(2))
     assert first.returncode == 0, first.stderr
     assert first.stdout == second.stdout and first.stdout.strip()
 

@@ -6,6 +6,9 @@ SIGKILL and another drained with SIGTERM.
                                                      leastconn ├─▶ r2  SIGTERM after the 100th
                                                      /ready    └─▶ r3  serves to the end
 
+(the soak tier's run; the default tier's twin is the same at 60 streams, 6/s, killing after the
+18th and draining after the 30th)
+
 What a SIGKILL can and cannot save: inferd sends a stream's headers at once, so HAProxy can retry
 only what never reached the dead replica (a refused connection); a stream the dead replica held
 before its first event is resent by `inferd bench --retries`, and so is a stream that had tokens
@@ -49,8 +52,19 @@ SERVE_ARGS = ("--host", "127.0.0.1", "--served-model-name", MODEL, "--dtype", "b
 # NOTE: r1, the one killed, runs 2 sequences at a time, so that it holds streams of both kinds
 # when it dies: running ones (with tokens: cut) and queued ones (no event yet: resent).
 MAX_NUM_SEQS = {"r1": 2, "r2": 8, "r3": 8}
-REQUESTS, RATE, OUTPUT_TOKENS = 200, 5, 16
-KILL_AT, DRAIN_AT = 60, 100  # requests the balancer has received before r1 is killed, r2 drained
+OUTPUT_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class Load:
+    requests: int
+    rate: float  # requests a second
+    kill_at: int  # requests the balancer has received before r1 is killed
+    drain_at: int  # ... and r2 drained
+
+
+LOADS = [pytest.param(Load(200, 5, 60, 100), marks=pytest.mark.soak, id="200-requests"),
+         pytest.param(Load(60, 6, 18, 30), id="60-requests")]
 INTER, FALL = 1.0, 2  # deploy/haproxy.cfg's check timing
 PINNED_TOKENS = 64  # a long stream, pinned to r2, that it finishes while draining (seconds)
 PIN_HEADER = "X-Fleet-Test-Pin"  # the test's copy of the config sends a request naming a replica there
@@ -265,13 +279,13 @@ def fleet(haproxy_bin: str, tmp_path: Path) -> Iterator[Fleet]:
 # ------------------------------------------------------------------------------------- test
 
 
-def start_bench(url: str, folder: Path) -> subprocess.Popen:
-    """The real `inferd bench` CLI: 200 short streams at a steady rate, resending what is safe to
-    send again (exponential backoff with full jitter from 1 s, honouring Retry-After)."""
+def start_bench(url: str, folder: Path, load: Load) -> subprocess.Popen:
+    """The real `inferd bench` CLI: short streams at a steady rate, resending what is safe to send
+    again (exponential backoff with full jitter from 1 s, honouring Retry-After)."""
     with open(folder / "bench.out", "w") as out:
         return subprocess.Popen(
-            [sys.executable, "-m", "inferd.cli", "bench", "run", url, "--model", MODEL, "--rate", str(RATE),
-             "--num-requests", str(REQUESTS), "--input-len", "16", "--output-len", str(OUTPUT_TOKENS), "--ignore-eos",
+            [sys.executable, "-m", "inferd.cli", "bench", "run", url, "--model", MODEL, "--rate", str(load.rate),
+             "--num-requests", str(load.requests), "--input-len", "16", "--output-len", str(OUTPUT_TOKENS), "--ignore-eos",
              "--retries", "3", "--seed", "0", "--json", str(folder / "bench.json")],
             stdout=out, stderr=subprocess.STDOUT, cwd=folder)
 
@@ -333,16 +347,16 @@ class Incidents:
     pinned: PinnedStream
 
 
-def kill_and_drain(fleet: Fleet) -> Incidents:
-    """SIGKILL r1 once the balancer has received KILL_AT requests and r1 holds more streams than
-    it runs (some queued); SIGTERM r2 after DRAIN_AT, while it has streams from the balancer in
+def kill_and_drain(fleet: Fleet, load: Load) -> Incidents:
+    """SIGKILL r1 once the balancer has received `kill_at` requests and r1 holds more streams than
+    it runs (some queued); SIGTERM r2 after `drain_at`, while it has streams from the balancer in
     flight, one of them long."""
     r1, r2, _ = fleet.replicas
-    fleet.stats.wait_for(lambda rows: received(rows) >= KILL_AT, timeout=90)
+    fleet.stats.wait_for(lambda rows: received(rows) >= load.kill_at, timeout=90)
     wait_for_streams(fleet.balancer, "r1", MAX_NUM_SEQS["r1"] + 1, timeout=30)
     os.kill(r1.proc.pid, signal.SIGKILL)
     killed_at = time.monotonic()
-    fleet.stats.wait_for(lambda rows: received(rows) >= DRAIN_AT, timeout=90)
+    fleet.stats.wait_for(lambda rows: received(rows) >= load.drain_at, timeout=90)
     pinned = PinnedStream(fleet.balancer.url, "r2", PINNED_TOKENS)
     assert pinned.producing.wait(timeout=30) and pinned.tokens, "the long stream to r2 never started"
     wait_for_streams(fleet.balancer, "r2", 3, timeout=30)  # the long one and two of bench's
@@ -373,13 +387,13 @@ def drained_requests(log: str) -> tuple[int, list[dict[str, str]]]:
                                  if "request path=/v1/completions" in line]
 
 
-@pytest.mark.slow
+@pytest.mark.parametrize("load", LOADS)
 def test_a_fleet_behind_haproxy_loses_no_request_to_a_kill_and_drains_cleanly(
-        fleet: Fleet, tmp_path: Path) -> None:
+        fleet: Fleet, tmp_path: Path, load: Load) -> None:
     began = time.monotonic()
-    bench = start_bench(fleet.balancer.url, tmp_path)
+    bench = start_bench(fleet.balancer.url, tmp_path, load)
     try:
-        incidents = kill_and_drain(fleet)
+        incidents = kill_and_drain(fleet, load)
         assert bench.wait(timeout=150) == 0, (tmp_path / "bench.out").read_text()
     finally:
         if bench.poll() is None:
@@ -420,7 +434,7 @@ def test_a_fleet_behind_haproxy_loses_no_request_to_a_kill_and_drains_cleanly(
     print("fleet measured:", json.dumps(measured))
 
     # Every request completed, 0 lost: the ones the kill hit were resent (cut ones from the start).
-    assert summary["requests"] == summary["completed"] == REQUESTS and not failed, measured
+    assert summary["requests"] == summary["completed"] == load.requests and not failed, measured
     assert summary["errors"]["by_type"] == {}, measured
     assert len(cut) <= MAX_NUM_SEQS["r1"], measured
     assert len(severed) == len(cut) + len(resent), measured

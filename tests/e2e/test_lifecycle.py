@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 from serveproc import Server, start_server
 
 MODEL = "smollm2"
@@ -35,21 +36,22 @@ async def stream(session: aiohttp.ClientSession, url: str, started: asyncio.Even
     return sum(1 for e in events if "choices" in e and e["choices"]), events
 
 
-def test_sigterm_drains_every_stream_then_exits_0(tmp_path: Path) -> None:
+@pytest.mark.parametrize("streams", [pytest.param(16, marks=pytest.mark.soak), 4])
+def test_sigterm_drains_every_stream_then_exits_0(tmp_path: Path, streams: int) -> None:
     server = serve(tmp_path, "--drain-seconds", "60", "--log-format", "json")
 
     async def scenario() -> tuple[list, int, dict, str]:
         async with aiohttp.ClientSession() as session:
-            firsts = [asyncio.Event() for _ in range(16)]
-            streams = [asyncio.ensure_future(stream(session, server.url, e)) for e in firsts]
-            await asyncio.gather(*(e.wait() for e in firsts))  # all 16 are producing tokens
+            firsts = [asyncio.Event() for _ in range(streams)]
+            running = [asyncio.ensure_future(stream(session, server.url, e)) for e in firsts]
+            await asyncio.gather(*(e.wait() for e in firsts))  # all of them are producing tokens
             server.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
             async with session.get(f"{server.url}/ready") as r:
                 ready_status = r.status
             async with session.post(f"{server.url}/v1/completions", json={**BODY, "stream": False}) as r:
                 refused = (r.status, r.headers.get("Retry-After"), await r.json())
-            results = await asyncio.gather(*streams)
+            results = await asyncio.gather(*running)
         return results, ready_status, refused[2], refused[1]
 
     start = time.monotonic()
@@ -64,7 +66,7 @@ def test_sigterm_drains_every_stream_then_exits_0(tmp_path: Path) -> None:
     records = [json.loads(line) for line in server.log.read_text().splitlines() if line.startswith("{")]
     assert any("drain: every request finished" in r.get("message", "") for r in records)
     requests = [r for r in records if r["logger"] == "inferd.requests" and r["path"] == "/v1/completions"]
-    assert sorted(r["status"] for r in requests) == [200] * 16 + [503]  # the streams, and the refused one
+    assert sorted(r["status"] for r in requests) == [200] * streams + [503]  # the streams, and the refused one
     assert all(r["completion_tokens"] == 64 and r["finish"] == "length" for r in requests if r["status"] == 200)
     assert not any("Tell me about the sea" in json.dumps(r) for r in records)  # no prompt text
 

@@ -7,6 +7,7 @@ request takes a seat from a batch request at once (preemption at max_num_seqs), 
 its unloaded TTFT plus about two loaded steps. With a single class, the same request queues
 behind the batch backlog (first come, first served), as in servers without priorities.
 Load shedding is off here: this is the scheduler's own doing (shedding has unit tests).
+The measure tier's (timing under load); tests/api/test_scheduling.py has its order in the default one.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 from serveproc import Server, start_server, stop_server
 
 MODEL = "smollm2"
@@ -144,6 +146,7 @@ def serve(tmp_path: Path, classes: bool) -> Server:
                         "--served-model-name", MODEL, "--kv-cache-memory", "256MiB")
 
 
+@pytest.mark.measure
 def test_interactive_ttft_holds_under_a_saturating_batch_load(tmp_path: Path) -> None:
     server = serve(tmp_path, classes=True)
     try:

@@ -119,10 +119,11 @@ def test_sse_framing_ids_and_done(server: Server) -> None:
         assert lines[0] == f"id: {chunk['id']}:{number}"  # <response id>:<sequence number>
 
 
-def test_64_concurrent_streams_equal_each_request_alone(client: openai.OpenAI, server: Server) -> None:
+@pytest.mark.parametrize("streams", [pytest.param(64, marks=pytest.mark.soak), 12])
+def test_concurrent_streams_equal_each_request_alone(client: openai.OpenAI, server: Server, streams: int) -> None:
     topics = ["cats", "the moon", "bread", "rain", "chess", "music", "trains", "glaciers"]
     requests = [
-        (f"Write a sentence about {topics[i % 8]}." + " Please." * (i % 5), 3 + (i * 7) % 14) for i in range(64)
+        (f"Write a sentence about {topics[i % 8]}." + " Please." * (i % 5), 3 + (i * 7) % 14) for i in range(streams)
     ]
 
     async def run_all() -> list[str]:
@@ -146,7 +147,8 @@ def test_64_concurrent_streams_equal_each_request_alone(client: openai.OpenAI, s
     assert wait_for_empty_cache(server) == 0
 
 
-def test_closed_streams_return_every_kv_block(server: Server) -> None:
+@pytest.mark.parametrize("streams", [pytest.param(100, marks=pytest.mark.soak), 20])
+def test_closed_streams_return_every_kv_block(server: Server, streams: int) -> None:
     async def run() -> list[int]:
         async with aiohttp.ClientSession() as session:
 
@@ -162,16 +164,19 @@ def test_closed_streams_return_every_kv_block(server: Server) -> None:
                                 return events  # leaves the block: the connection is closed mid-stream
                 return events
 
-            return await asyncio.gather(*(one(i) for i in range(100)))
+            return await asyncio.gather(*(one(i) for i in range(streams)))
 
     counts = asyncio.run(run())
-    assert all(counts[i] == 2 for i in range(1, 100, 2))
-    assert all(counts[i] >= 24 for i in range(0, 100, 2))  # 24 tokens (+ a final chunk)
+    assert all(counts[i] == 2 for i in range(1, streams, 2))
+    assert all(counts[i] >= 24 for i in range(0, streams, 2))  # 24 tokens (+ a final chunk)
     assert wait_for_empty_cache(server) == 0
 
 
-def test_long_prompt_prefill_does_not_stall_running_streams(server: Server) -> None:
-    long_prompt = " ".join(f"word{i}" for i in range(1000))  # ~2,000 tokens
+def prefill_beside_streams(server: Server, words: int, stream_tokens: int) -> tuple[list[list[float]], float, float]:
+    """8 streams running (`stream_tokens` each), then one prompt of ~2 tokens a word prefilled
+    beside them: each stream's token arrival times, and when the long request was sent and got its
+    first token."""
+    long_prompt = " ".join(f"word{i}" for i in range(words))
 
     async def run() -> tuple[list[list[float]], float, float]:
         async with aiohttp.ClientSession() as session:
@@ -179,7 +184,7 @@ def test_long_prompt_prefill_does_not_stall_running_streams(server: Server) -> N
             started = asyncio.Event()
 
             async def stream(i: int) -> None:
-                body = {"model": MODEL, "prompt": f"Count slowly, step {i}:", "max_tokens": 120, "stream": True,
+                body = {"model": MODEL, "prompt": f"Count slowly, step {i}:", "max_tokens": stream_tokens, "stream": True,
                         "temperature": 0, "ignore_eos": True}
                 async with session.post(f"{server.base_url}/completions", json=body) as response:
                     async for line in response.content:
@@ -201,7 +206,20 @@ def test_long_prompt_prefill_does_not_stall_running_streams(server: Server) -> N
             *_, (t0, t1) = await asyncio.gather(*(stream(i) for i in range(8)), long_request())
             return arrivals, t0, t1
 
-    arrivals, t0, t1 = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_streams_tokens(server: Server) -> None:
+    """Order, not timing: a ~600-token prompt takes ~12 steps of 48 tokens, and every running
+    stream gets tokens in between (chunked prefill never holds the decodes back)."""
+    arrivals, t0, t1 = prefill_beside_streams(server, 300, 40)
+    for times in arrivals:
+        assert sum(t0 <= t <= t1 for t in times) >= 5, "the stream should keep flowing while the long prompt is prefilled"
+
+
+@pytest.mark.measure
+def test_long_prompt_prefill_does_not_stall_running_streams(server: Server) -> None:
+    arrivals, t0, t1 = prefill_beside_streams(server, 1000, 120)  # ~2,000 tokens
     assert t1 - t0 > 1.0  # the prefill really took many steps
     for times in arrivals:
         gaps = [b - a for a, b in zip(times, times[1:])]

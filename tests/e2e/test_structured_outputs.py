@@ -1,6 +1,7 @@
 """Structured outputs and tool calls as the official `openai` client asks for them, from a real
-`inferd serve` subprocess: 20 seeds at temperature 1.0 for each kind, every answer checked
-(json.loads, jsonschema), streamed and not; the client's `parse()` with a pydantic model."""
+`inferd serve` subprocess: seeds at temperature 1.0 for each kind (20 in the soak tier, 2 in the
+default one), every answer checked (json.loads, jsonschema), streamed and not; the client's
+`parse()` with a pydantic model."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from serveproc import Server, start_server, stop_server
 
 MODEL = "smollm2"
-SEEDS = range(20)
+SEEDS = [pytest.param(range(20), marks=pytest.mark.soak, id="20-seeds"), pytest.param(range(2), id="2-seeds")]
 RECIPE = {
     "type": "object",
     "properties": {
@@ -58,14 +59,19 @@ def user(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
 
-async def for_each_seed(call: Any) -> list[Any]:
-    return await asyncio.gather(*(call(seed) for seed in SEEDS))
+@pytest.fixture(params=SEEDS)
+def seeds(request: pytest.FixtureRequest) -> range:
+    return request.param
 
 
-def test_every_json_schema_answer_validates(server: Server) -> None:
+async def for_each_seed(seeds: range, call: Any) -> list[Any]:
+    return await asyncio.gather(*(call(seed) for seed in seeds))
+
+
+def test_every_json_schema_answer_validates(server: Server, seeds: range) -> None:
     async def main() -> list[Any]:
         async with client(server) as c:
-            return await for_each_seed(lambda seed: c.chat.completions.create(
+            return await for_each_seed(seeds, lambda seed: c.chat.completions.create(
                 model=MODEL, messages=user("Give me a recipe as JSON."), temperature=1.0, seed=seed, max_tokens=300,
                 response_format={"type": "json_schema",
                                  "json_schema": {"name": "recipe", "schema": RECIPE, "strict": True}}))
@@ -76,10 +82,10 @@ def test_every_json_schema_answer_validates(server: Server) -> None:
         jsonschema.validate(json.loads(choice.message.content), RECIPE)
 
 
-def test_every_json_object_answer_parses(server: Server) -> None:
+def test_every_json_object_answer_parses(server: Server, seeds: range) -> None:
     async def main() -> list[Any]:
         async with client(server) as c:
-            return await for_each_seed(lambda seed: c.chat.completions.create(
+            return await for_each_seed(seeds, lambda seed: c.chat.completions.create(
                 model=MODEL, messages=user("Describe your favourite animal in JSON."), temperature=1.0, seed=seed,
                 max_tokens=1000, response_format={"type": "json_object"}))
 
@@ -94,9 +100,9 @@ def check_call(call: Any) -> None:
     jsonschema.validate(json.loads(call.function.arguments), PARAMETERS[call.function.name])
 
 
-@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-def test_a_required_tool_call_has_arguments_that_validate(server: Server, stream: bool) -> None:
-    async def one(c: openai.AsyncOpenAI, seed: int) -> tuple[str | None, list[Any]]:
+def test_a_required_tool_call_has_arguments_that_validate(server: Server, seeds: range) -> None:
+    """Each seed whole and streamed, the two at once (one batch on the server)."""
+    async def one(c: openai.AsyncOpenAI, seed: int, stream: bool) -> tuple[str | None, list[Any]]:
         request = dict(model=MODEL, messages=user("Is it raining in Lisbon? Or find me a flight LIS to OSL."),
                        tools=[WEATHER, FLIGHTS], tool_choice="required", temperature=1.0, seed=seed, max_tokens=400)
         if not stream:
@@ -116,7 +122,7 @@ def test_a_required_tool_call_has_arguments_that_validate(server: Server, stream
 
     async def main() -> list[tuple[str | None, list[Any]]]:
         async with client(server) as c:
-            return await for_each_seed(lambda seed: one(c, seed))
+            return await asyncio.gather(*(one(c, seed, stream) for seed in seeds for stream in (False, True)))
 
     for finish, calls in asyncio.run(main()):
         assert finish == "tool_calls" and calls

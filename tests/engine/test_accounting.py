@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from inferd.engine.accounting import SchedulerAccounting, requests_snapshot
-from inferd.engine.block_manager import BlockManager
-from inferd.engine.policy import PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
-from inferd.engine.request import Request, RequestStatus
-from inferd.engine.scheduler import Scheduler
+from inferd.engine.sched.accounting import SchedulerAccounting, requests_snapshot
+from inferd.engine.kv.block_manager import BlockManager
+from inferd.settings.policy import PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
+from inferd.engine.sched.request import Request, RequestStatus
+from inferd.engine.sched.scheduler import Scheduler
 from inferd.model.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 1024

@@ -3,12 +3,15 @@ in bfloat16 (the default dtype), kernel by kernel and end to end.
 
 The kernels are checked with one row fixed among batches of 1..64 rows. The products use the real
 model's weights and activations it computes: with random test data oneDNN's one-row path agrees
-with its many-row path, with the model's own numbers it does not (see `linear`).
+with its many-row path, with the model's own numbers it does not (see `linear`). The full sweeps
+(every batch size, a dozen fixed rows; 24 prompts end to end) are the soak tier's; the default
+tier runs the same checks at the sizes where products change paths (1 row, 2, odd, a vector's
+width and more, 64) and on 8 prompts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -21,6 +24,9 @@ from inferd.model.quant import Linear, SplitLinear
 from inferd.model.sampling_params import SamplingParams
 
 BATCHES = range(1, 65)
+SOME_BATCHES = (1, 2, 3, 8, 17, 31, 64)  # one row, two, odd sizes, across vector widths, the most
+SWEEPS = [pytest.param((BATCHES, 7), marks=pytest.mark.soak, id="every-batch"),
+          pytest.param((SOME_BATCHES, 21), id="some-batches")]  # (batch sizes, every how many rows one is fixed)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +64,12 @@ def activations(engine: LLMEngine) -> dict[str, tuple[Linear, torch.Tensor]]:
     return seen
 
 
+@pytest.mark.parametrize("sweep", SWEEPS)
 @pytest.mark.parametrize("name", ["qkv", "o", "gate_up", "down", "lm_head"])
 @pytest.mark.parametrize("rows", ["prefill", "decode"])
 def test_each_product_gives_a_row_the_same_bits_at_batch_sizes_1_to_64(
-        activations: dict[str, tuple[Linear, torch.Tensor]], name: str, rows: str) -> None:
+        activations: dict[str, tuple[Linear, torch.Tensor]], name: str, rows: str,
+        sweep: tuple[Sequence[int], int]) -> None:
     """A layer's product on packed weights: decode rows through the packed kernel, prefill rows
     through the dense copy (quant.SplitLinear); the head is dense for both."""
     op, inputs = activations[name]
@@ -72,10 +80,12 @@ def test_each_product_gives_a_row_the_same_bits_at_batch_sizes_1_to_64(
     def run(x: torch.Tensor) -> torch.Tensor:
         return op(x, x.shape[0] if rows == "prefill" else 0)
 
-    for k in range(0, inputs.shape[0], 7 if name != "lm_head" else 30):  # several fixed rows: whether a row's bits move depends on its values
+    batches, every = sweep
+    # several fixed rows: whether a row's bits move depends on its values
+    for k in range(0, inputs.shape[0], every if name != "lm_head" else 30):
         fixed, others = inputs[k:k + 1], torch.cat([inputs[:k], inputs[k + 1:]])
         alone = run(fixed)[0]
-        for n in BATCHES:
+        for n in batches:
             at = n // 2  # (the fixed row in the middle: neither first nor last)
             batch = torch.cat([others[:at], fixed, others[at:n - 1]])
             assert torch.equal(run(batch)[at], alone), (name, k, n)
@@ -143,10 +153,11 @@ def test_prefill_attention_gives_the_same_bits_beside_other_prompts_and_in_chunk
     assert torch.equal(torch.cat([first, second]), alone)
 
 
-def test_greedy_tokens_alone_equal_those_among_23_others(engine: LLMEngine) -> None:
+@pytest.mark.parametrize("count", [pytest.param(24, marks=pytest.mark.soak), 4])
+def test_greedy_tokens_alone_equal_those_among_others(engine: LLMEngine, count: int) -> None:
     words = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly vexing brains".split()
     prompts = [f"Story {i}: " + " ".join(words[(i + j) % len(words)] for j in range(5 + (i * 37) % 120))
-               for i in range(24)]
+               for i in range(count)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     together = [c.token_ids for c in engine.generate(prompts, params)]
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from inferd.engine.block_manager import BlockError, BlockManager
-from inferd.engine.block_pool import BlockPool
-from inferd.engine.prefix_cache import block_key
+from inferd.engine.kv.block_manager import BlockError, BlockManager
+from inferd.engine.kv.block_pool import BlockPool
+from inferd.engine.kv.prefix_cache import block_key
 
 
 def snapshot(bm: BlockManager) -> tuple:

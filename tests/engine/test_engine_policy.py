@@ -10,7 +10,7 @@ import pytest
 
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
-from inferd.engine.policy import SchedulingPolicy, Timeouts
+from inferd.settings.policy import SchedulingPolicy, Timeouts
 from inferd.engine.protocol import EngineRequest
 from inferd.model.sampling_params import SamplingParams
 
@@ -20,8 +20,8 @@ PROMPTS = ["Dogs are", "The ocean is deep and", "In 1969, the first", "Python is
 
 
 @pytest.fixture(scope="module")
-def roomy() -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, block_size=4))
+def roomy(float32_weights: tuple) -> LLMEngine:
+    return LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, block_size=4))
 
 
 def sibling(engine: LLMEngine, **config: object) -> LLMEngine:

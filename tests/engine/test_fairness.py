@@ -11,15 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferd.engine.accounting import Histogram, TenantSnapshot
-from inferd.engine.block_manager import BlockManager
+from inferd.engine.protocol import Histogram, TenantSnapshot
+from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.config import EngineConfig
-from inferd.engine.fairness import FairShare
+from inferd.engine.sched.fairness import FairShare
 from inferd.engine.llm_engine import LLMEngine
-from inferd.engine.policy import PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
+from inferd.settings.policy import PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
 from inferd.engine.protocol import EngineRequest
-from inferd.engine.request import Request, RequestStatus
-from inferd.engine.scheduler import Scheduler, SchedulerOutput
+from inferd.engine.sched.request import Request, RequestStatus
+from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
 from inferd.model.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 1024
@@ -357,8 +357,8 @@ def test_policy_rejects_an_unknown_fairness() -> None:
 # -------------------------------------------------------------------------------- engine
 
 
-def test_the_engine_passes_the_tenant_to_every_choice_and_publishes_the_shares() -> None:
-    engine = LLMEngine.from_config(EngineConfig(dtype="float32", kv_cache_memory=32 * 2**20))
+def test_the_engine_passes_the_tenant_to_every_choice_and_publishes_the_shares(float32_weights: tuple) -> None:
+    engine = LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=32 * 2**20))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompt = engine.tokenizer.encode("The sky is")
     engine.add_request(EngineRequest(1, prompt, params, "interactive", n=2, tenant="acme", tenant_weight=2.0))

@@ -12,7 +12,7 @@ import jsonschema
 import pytest
 
 from inferd.engine.config import EngineConfig
-from inferd.engine.grammar import (
+from inferd.engine.structured.grammar import (
     GrammarCompiler,
     GrammarError,
     choice_grammar,
@@ -22,7 +22,7 @@ from inferd.engine.grammar import (
     regex_grammar,
 )
 from inferd.engine.llm_engine import LLMEngine
-from inferd.engine.policy import SchedulingPolicy
+from inferd.settings.policy import SchedulingPolicy
 from inferd.engine.protocol import EngineRequest
 from inferd.model.sampling_params import SamplingParams
 
@@ -36,8 +36,8 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def engine() -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, block_size=4))
+def engine(float32_weights: tuple) -> LLMEngine:
+    return LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, block_size=4))
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inferd.engine.kv_cache import KVCache, available_memory, bytes_per_block, host_blocks_for, num_blocks_for
+from inferd.engine.worker.kv_cache import KVCache, available_memory, bytes_per_block, host_blocks_for, num_blocks_for
 from inferd.model.config import ModelConfig
 
 CFG = ModelConfig(

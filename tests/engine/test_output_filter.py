@@ -1,4 +1,4 @@
-"""The streaming output filter (engine/output_filter.py) as a hook, piece by piece: no character of
+"""The streaming output filter (engine/output/blocklist.py) as a hook, piece by piece: no character of
 a blocked term is ever released unmasked, however the text is split; and through the output
 processor on the real tokenizer, where "stop" ends a choice with "content_filter"."""
 
@@ -11,11 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from inferd.config import SettingsError, load_settings
+from inferd.settings.config import load_settings
+
+from inferd.settings.values import SettingsError
 from inferd.engine.config import EngineConfig
-from inferd.engine.output_filter import Blocklist, OutputFilter, output_filter, read_blocklist
-from inferd.engine.output_processor import OutputProcessor
-from inferd.engine.request import Request, RequestStatus
+from inferd.engine.output.blocklist import Blocklist, OutputFilter, output_filter, read_blocklist
+from inferd.engine.output.processor import OutputProcessor
+from inferd.engine.sched.request import Request, RequestStatus
 from inferd.model.loader import default_model_path
 from inferd.model.sampler import SamplerOutput
 from inferd.model.sampling_params import SamplingParams

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from inferd.engine.output_processor import OutputProcessor
-from inferd.engine.request import Request
+from inferd.engine.output.processor import OutputProcessor
+from inferd.engine.sched.request import Request
 from inferd.model.loader import default_model_path
 from inferd.model.sampler import SamplerOutput
 from inferd.model.sampling_params import SamplingParams

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from test_scheduler_policy import make, req, scheduled, step
 
-from inferd.engine.request import RequestStatus
+from inferd.engine.sched.request import RequestStatus
 
 
 def test_a_paused_request_is_skipped_and_keeps_its_blocks() -> None:

@@ -11,12 +11,14 @@ import random
 
 import pytest
 
-from inferd.engine.block_manager import BlockManager
-from inferd.engine.request import Request, RequestStatus
-from inferd.engine.scheduler import Scheduler, SchedulerOutput
+from inferd.engine.kv.block_manager import BlockManager
+from inferd.engine.sched.request import Request, RequestStatus
+from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
 from inferd.model.sampling_params import SamplingParams
+from inferd.settings.policy import SchedulingPolicy
 
 MAX_MODEL_LEN = 1024
+DEFAULT_CLASS = SchedulingPolicy().lookup(None)  # the class of every request here
 
 
 def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8,
@@ -27,7 +29,7 @@ def make_scheduler(num_blocks: int = 64, block_size: int = 4, max_num_seqs: int 
 def make_request(seq_id: int, prompt_len: int, max_tokens: int = 16, n: int = 1) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     prompt = [seq_id * 100 + i for i in range(prompt_len)]
-    req = Request(seq_id, prompt, params, MAX_MODEL_LEN)
+    req = Request(seq_id, prompt, params, MAX_MODEL_LEN, priority_class=DEFAULT_CLASS)
     # choices 1..n-1 take the ids right after the root's, as LLMEngine.add_request does
     req.forks = [Request(seq_id + i, prompt, params, MAX_MODEL_LEN, index=i, group_id=seq_id)
                  for i in range(1, n)]

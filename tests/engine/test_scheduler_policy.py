@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferd.engine.block_manager import BlockManager
-from inferd.engine.policy import PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
-from inferd.engine.request import Request, RequestStatus
-from inferd.engine.scheduler import Scheduler, SchedulerOutput
+from inferd.engine.kv.block_manager import BlockManager
+from inferd.settings.policy import PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
+from inferd.engine.sched.request import Request, RequestStatus
+from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
 
 from inferd.model.sampling_params import SamplingParams
 
@@ -246,13 +246,18 @@ def test_total_timeout() -> None:
     finish_all(s)
 
 
-def test_a_request_tightens_its_class_limits_but_cannot_loosen_them() -> None:
+def test_the_scheduler_enforces_the_timeouts_the_door_settled() -> None:
+    """A request's own limits tighten its class's once, at the door (tests/api/test_door.py); the
+    scheduler enforces what it is given, and does not tighten again."""
     strict = PriorityClass("interactive", 0, timeouts=Timeouts(queue=5.0, token=1.0))
-    s, clock = make(classes=(strict, LO))
-    tighter = req(s, clock, 0, 4, strict, timeouts=Timeouts(queue=2.0))
-    looser = req(s, clock, 1, 4, strict, timeouts=Timeouts(queue=50.0, token=9.0, total=30.0))
-    assert tighter.timeouts == Timeouts(queue=2.0, token=1.0)
-    assert looser.timeouts == Timeouts(queue=5.0, token=1.0, total=30.0)
+    s, clock = make(classes=(strict, LO), max_num_seqs=1)
+    given = Timeouts(queue=2.0, token=1.0)  # what the door made of Timeouts(queue=2.0)
+    first = req(s, clock, 0, 4, strict)
+    queued = req(s, clock, 1, 4, strict, timeouts=given)
+    assert queued.timeouts is given and first.timeouts == Timeouts()  # nothing added to what it was given
+    s.update(s.schedule(), {})
+    clock.now += 2.5  # past the queue limit it was given, short of the class's 5 s
+    assert s.schedule().timed_out == [queued] and queued.timeout_kind == "queue"
     finish_all(s)
 
 

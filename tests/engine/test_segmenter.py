@@ -1,11 +1,11 @@
-"""Segmented streaming (engine/segmenter.py): whole sentences or lines, however the text comes
+"""Segmented streaming (engine/output/segmenter.py): whole sentences or lines, however the text comes
 (a leading space included: pysbd drops it from its segments)."""
 
 from __future__ import annotations
 
 import random
 
-from inferd.engine.segmenter import LineHook, SentenceHook, segment_hook
+from inferd.engine.output.segmenter import LineHook, SentenceHook, segment_hook
 
 TEXT = (' Hello world. This is Mr. Smith, who paid 3.5 dollars! Really? Yes.\nA new line here. '
         '你好。我很好！He said "Stop." Then... more. e.g. this one. End')

@@ -7,9 +7,9 @@ import logging
 
 import pytest
 
-from inferd.engine import shedding
-from inferd.engine.policy import DEFAULT_CLASSES, PriorityClass, ShedConfig
-from inferd.engine.shedding import LoadShedder, percentile95
+from inferd.engine.sched import shedding
+from inferd.settings.policy import DEFAULT_CLASSES, PriorityClass, ShedConfig
+from inferd.engine.sched.shedding import LoadShedder, percentile95
 
 HOT, CLEAR = 5.0, 0.1  # TTFT seconds: far over / under interactive's 0.8 * 2.0 s threshold
 
@@ -190,7 +190,7 @@ def test_stays_at_zero_when_inactive(classes, enabled):
 
 def test_level_changes_are_logged(caplog):
     s = make(window_seconds=0.5)
-    with caplog.at_level(logging.WARNING, logger="inferd.engine.shedding"):
+    with caplog.at_level(logging.WARNING, logger="inferd.engine.sched.shedding"):
         drive(s, "#" + "." * 10)
     assert [r.levelno for r in caplog.records] == [logging.WARNING] * 2
     up, down = (r.getMessage() for r in caplog.records)

@@ -1,5 +1,5 @@
 """The fault suite: a real server (aiohttp's TestServer on a real socket, the real default model
-in float32) with faults injected through `LLMEngine.faults` (engine/faults.py)."""
+in float32) with faults injected through `LLMEngine.faults` (engine/worker/faults.py)."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ CONFIG = EngineConfig(dtype="float32", kv_cache_memory=128 * 2**20)
 
 
 @pytest.fixture(scope="session")
-def loaded() -> LLMEngine:
-    return LLMEngine.from_config(CONFIG)
+def loaded(float32_weights: tuple) -> LLMEngine:
+    return LLMEngine(*float32_weights, CONFIG)
 
 
 @pytest.fixture

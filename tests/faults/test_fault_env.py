@@ -13,7 +13,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from serveproc import start_server, stop_server  # noqa: E402  (tests/e2e's real-subprocess helpers)
 
-from inferd.engine.faults import FaultInjector  # noqa: E402
+from inferd.engine.worker.faults import FaultInjector  # noqa: E402
 
 SERVE_ARGS = ("--served-model-name", "smollm2", "--dtype", "float32", "--kv-cache-memory", "64MiB",
               "--probe-interval", "0")

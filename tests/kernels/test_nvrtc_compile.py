@@ -6,6 +6,7 @@ wheels bring the compiler and the fp16/bf16 headers, no GPU needed. NVRTC is str
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib.util
 
 import pytest
@@ -25,27 +26,38 @@ def nvrtc_or_skip():
     return nvrtc
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+ARCHS = ("sm_80", "sm_90")
+
+
 @pytest.mark.parametrize("file", cuda.SOURCES)
-def test_every_kernel_compiles_with_nvrtc(arch: str, file: str) -> None:
+def test_every_kernel_compiles_with_nvrtc(file: str) -> None:
+    """For each architecture at once (NVRTC runs without the GIL: the two compiles share the cores)."""
     nvrtc = nvrtc_or_skip()
     names = cuda.covering_specializations()[file]
-    program = nvrtc.createProgram(cuda.source(file), file, [], [])
-    try:
-        for name in names:
-            nvrtc.addNameExpression(program, name)
+
+    def compile_for(arch: str) -> str | None:
+        """None, or why the file does not build for `arch`."""
+        program = nvrtc.createProgram(cuda.source(file), file, [], [])
         try:
-            nvrtc.compileProgram(program, [*cuda.compile_options(), f"--gpu-architecture={arch}"])
-        except nvrtc.NVRTCError:
-            pytest.fail(f"{file} does not compile for {arch}:\n{nvrtc.getProgramLog(program)}")
-        log = nvrtc.getProgramLog(program).strip()
-        assert "warning" not in log.lower(), log
-        assert len(nvrtc.getCUBIN(program)) > 0
-        for name in names:  # each specialization was instantiated, under its own mangled name
-            assert nvrtc.getLoweredName(program, name).startswith("_Z")
-    finally:
-        nvrtc.destroyProgram(program)
+            for name in names:
+                nvrtc.addNameExpression(program, name)
+            try:
+                nvrtc.compileProgram(program, [*cuda.compile_options(), f"--gpu-architecture={arch}"])
+            except nvrtc.NVRTCError:
+                return f"{file} does not compile for {arch}:\n{nvrtc.getProgramLog(program)}"
+            log = nvrtc.getProgramLog(program).strip()
+            assert "warning" not in log.lower(), (arch, log)
+            assert len(nvrtc.getCUBIN(program)) > 0, arch
+            for name in names:  # each specialization was instantiated, under its own mangled name
+                assert nvrtc.getLoweredName(program, name).startswith("_Z"), (arch, name)
+            return None
+        finally:
+            nvrtc.destroyProgram(program)
+
+    with concurrent.futures.ThreadPoolExecutor(len(ARCHS)) as pool:
+        failures = [f for f in pool.map(compile_for, ARCHS) if f is not None]
+    if failures:
+        pytest.fail("\n".join(failures))
 
 
 def test_a_broken_kernel_fails_to_compile() -> None:

@@ -1,0 +1,90 @@
+"""What a protocol front-end asks of the shared path, and what the door's checks make of it.
+
+    front-end (wire format)  ->  Ask (the caller's wishes, in the engine's terms, unchecked)
+    the model's door         ->  Prepared (every limit checked once: what the engine runs)
+
+An `Ask` names nothing of any wire format: OpenAI's chat and completions, and later protocols,
+each build one from their own request body. Everything the engine needs to know comes out of
+`FrontDoor.prepare` as a `Prepared`; admission, the charge and the engine take it as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from inferd.engine.protocol import LogitsConstraint
+from inferd.model.sampling_params import SamplingParams
+from inferd.settings.policy import PriorityClass, Timeouts
+
+# where a request's grammar came from (/metrics counts them; "invalid": it was refused)
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools", "invalid")
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A structured output's grammar (llguidance's text), where it came from and the field it is named by."""
+
+    text: str
+    kind: str  # one of GRAMMAR_KINDS
+    param: str  # the request field an error about it names: "response_format", "tools"
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """The sampling fields every protocol shares (max_tokens and logprobs are the door's to settle)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias): ids are checked at the door
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """One generation request as its front-end states it, before any limit is checked."""
+
+    model: str  # a model, an alias or a route
+    n: int = 1  # choices per prompt
+    stream: bool = False
+    priority: str | int | None = None  # a class name or number; None: the tenant's or the default
+    user: str | None = None  # sticky routes, and the request's log line
+    max_tokens: int | None = None  # None: limits.max_tokens_default
+    fit_default: bool = False  # a default max_tokens is clipped to the context the prompt leaves
+    logprobs: int | None = None  # top alternatives per token (0: the chosen token's only); None: none
+    sampling: Sampling = Sampling()
+    timeouts: Timeouts = Timeouts()  # the request's own; they may tighten its class's, never loosen
+    segment: str = "token"  # text released per "token", or in whole "sentence"s or "line"s
+    resumable: bool = False  # a stream that outlives a disconnect
+    prompt_param: str = "prompt"  # the field an error about the prompt names ("messages" in chat)
+    # the structured output's grammar, built on demand (it may raise the front-end's 400; the
+    # door counts it as invalid); None: free text
+    grammar: Callable[[], Grammar | None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request every check has passed: what the door admits and the engine runs, unchanged."""
+
+    prompts: Sequence[list[int]]  # one engine request each, with n choices
+    params: SamplingParams
+    n: int
+    cls: PriorityClass
+    timeouts: Timeouts  # the class's, tightened by the request's own
+    segment: str
+    constraints: Sequence[LogitsConstraint] | None  # one per prompt, for a structured output
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def cost(self) -> int:
+        """The most tokens it can take: its prompts, and max_tokens for every choice (the charge)."""
+        return sum(len(p) + self.params.max_tokens * self.n for p in self.prompts)

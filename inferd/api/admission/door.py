@@ -1,0 +1,212 @@
+"""A model's door: every limit of a request checked once, then its admission and submission, on
+the event loop.
+
+    Ask + prompt ids --prepare--> Prepared --admit--> class queue (bounded) --submit--> engine
+                       (400s)                 (429 / 503)    ^                           |
+                             leave  <-- the engine reports it scheduled, or it ended ----'
+
+`prepare` checks, in order: each prompt (empty, past the context, outside the vocabulary); `n`;
+max_tokens (the server's limit, the default fitted to the context, the context, the functional
+ladder's ceiling, the class's ceiling, the class's KV capacity); logprobs against the output
+filter; the sampling values; logit_bias against the vocabulary; the grammar (compiled off the
+loop). Each check reads the limits the engine published at start-up; nothing after `prepare`
+checks again, and the engine only asserts. The door is the only owner of its class queues:
+the engine thread never writes them (it reports through `StepOutputs`, arriving on this loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from inferd.api.admission.ask import Ask, Prepared
+from inferd.api.admission.queues import AdmissionError, ClassQueues
+from inferd.api.errors import APIError, bad_request
+from inferd.api.state import ServerState
+from inferd.engine.async_engine import AsyncEngine, RequestStream
+from inferd.engine.protocol import EngineLimits, EngineRequest, LogitsConstraint
+from inferd.engine.structured.grammar import GrammarCompiler, GrammarError
+from inferd.model.sampling_params import SamplingParams
+from inferd.settings.config import LimitSettings
+from inferd.settings.policy import PriorityClass
+
+MAX_GRAMMAR_CHARS = 64 * 1024  # a larger schema or grammar is refused before it is compiled
+
+
+@dataclass
+class DoorCounts:
+    """A model's refusals at its door and its structured outputs by kind. The model's slot owns
+    them and hands them to each revision's door, so a reload keeps counting where it was."""
+
+    rejections: Counter[tuple[str, str]] = field(default_factory=Counter)  # (class, reason)
+    grammars: Counter[str] = field(default_factory=Counter)  # by GRAMMAR_KINDS
+
+    def rejections_by_reason(self) -> dict[str, int]:
+        totals: Counter[str] = Counter()
+        for (_cls, reason), count in self.rejections.items():
+            totals[reason] += count
+        return dict(totals)
+
+
+class FrontDoor:
+    def __init__(self, engine: AsyncEngine, server: ServerState, settings: LimitSettings,
+                 counts: DoorCounts | None = None) -> None:
+        self.engine = engine
+        self.limits: EngineLimits = engine.limits
+        self.settings = settings
+        self.server = server  # (whether it drains)
+        self.counts = counts or DoorCounts()
+        self.queues = ClassQueues(self.limits.policy.classes, rejections=self.counts.rejections)
+        self.grammars = GrammarCompiler(engine.tokenizer, self.limits.vocab_size)
+        engine.prefill_listener = self.queues.record_prefill
+
+    # ------------------------------------------------------------------------------ checks
+
+    async def prepare(self, ask: Ask, prompts: Sequence[list[int]], cls: PriorityClass,
+                      ceiling: int | None = None, whole: bool = False) -> Prepared:
+        """Every limit of the request, once (the module's docstring has the order): a 400 that
+        names the field, else what the engine will run. `ceiling` and `whole` are the functional
+        degradation ladder's: max_tokens at most this, a stream answered in one piece."""
+        for prompt in prompts:
+            self.check_prompt(prompt, ask.prompt_param)
+        bound = min(self.settings.max_n, self.limits.max_num_seqs)
+        if not 1 <= ask.n <= bound:
+            raise bad_request(f"n must be in [1, {bound}], got {ask.n}", param="n")
+        longest = max(len(p) for p in prompts)
+        max_tokens = self.max_tokens(ask, longest, cls, ceiling)
+        if ask.logprobs is not None and self.limits.output_filter:
+            # NOTE: their token strings come from token ids, around the filter: they would leak
+            raise bad_request("logprobs are not available on this server: its output filter is on",
+                              param="logprobs")
+        params = _sampling_params(ask, max_tokens)
+        vocab = self.limits.vocab_size
+        bad = [token for token, _ in params.logit_bias if not 0 <= token < vocab]
+        if bad:
+            raise bad_request(f"logit_bias token id {bad[0]} is outside the vocabulary [0, {vocab})",
+                              param="logit_bias")
+        return Prepared(prompts=prompts, params=params, n=ask.n, cls=cls,
+                        timeouts=cls.timeouts.tightened(ask.timeouts),
+                        segment="whole" if whole and ask.stream else ask.segment,
+                        constraints=await self._constraints(ask, len(prompts)))
+
+    def check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
+        """A 400 for a prompt no request could run: empty, past the context, outside the vocabulary."""
+        context, vocab = self.limits.max_model_len, self.limits.vocab_size
+        if not prompt_ids:
+            raise bad_request(f"the {param} is empty", param=param)
+        if len(prompt_ids) >= context:
+            raise bad_request(f"the {param} has {len(prompt_ids)} tokens; this model's context is {context} tokens",
+                              param=param, code="context_length_exceeded")
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
+
+    def max_tokens(self, ask: Ask, prompt_len: int, cls: PriorityClass, ceiling: int | None = None) -> int:
+        """The max_tokens to run with, or a 400 naming the numbers that do not fit.
+
+        A default (no max_tokens asked) is limits.max_tokens_default, at most the class's ceiling,
+        clipped to what is left of the context when `ask.fit_default` (chat); an explicit one must
+        fit as asked. The ladder's `ceiling` then caps it, and the class must hold the rest.
+        """
+        requested, context, limit = ask.max_tokens, self.limits.max_model_len, self.settings.max_tokens_limit
+        if requested is not None and requested > limit:
+            raise bad_request(f"max_tokens must be at most {limit}, got {requested}", param="max_tokens")
+        max_tokens = requested if requested is not None else min(self.settings.max_tokens_default, cls.max_tokens)
+        if requested is None and ask.fit_default:
+            max_tokens = min(max_tokens, context - prompt_len)
+        if prompt_len + max_tokens > context:
+            raise bad_request(
+                f"the {ask.prompt_param} has {prompt_len} tokens and max_tokens is {max_tokens}: "
+                f"{prompt_len + max_tokens} tokens do not fit this model's context of {context} tokens",
+                param="max_tokens", code="context_length_exceeded",
+            )
+        if ceiling is not None:
+            max_tokens = min(max_tokens, ceiling)
+        if max_tokens > cls.max_tokens:
+            raise bad_request(f"max_tokens must be at most {cls.max_tokens} in the {cls.name!r} class, "
+                              f"got {max_tokens}", param="max_tokens")
+        total = min(context, prompt_len + max_tokens)
+        capacity = self.limits.class_kv_tokens[cls.name]
+        if total > capacity:
+            # NOTE: it could never finish: it would preempt itself forever
+            raise bad_request(f"the request needs up to {total} tokens of KV cache; the {cls.name!r} class may "
+                              f"use {capacity} (lower max_tokens, or raise kv_cache_memory)", param="max_tokens")
+        return max_tokens
+
+    async def _constraints(self, ask: Ask, prompts: int) -> list[LogitsConstraint] | None:
+        """One fresh grammar constraint per prompt, or None for free text; a 400 naming the field
+        for a grammar that does not compile or cannot hold with the other fields."""
+        if ask.grammar is None:
+            return None
+        try:
+            grammar = ask.grammar()
+            if grammar is None:
+                return None
+            if ask.sampling.ignore_eos:
+                raise bad_request(f"ignore_eos cannot be combined with {grammar.param}: the grammar ends the answer",
+                                  param="ignore_eos")
+            if len(grammar.text) > MAX_GRAMMAR_CHARS:
+                raise bad_request(f"the {grammar.param} grammar is too large ({len(grammar.text)} characters; at "
+                                  f"most {MAX_GRAMMAR_CHARS})", param=grammar.param, code="invalid_grammar")
+            try:
+                first: LogitsConstraint = await asyncio.to_thread(self.grammars.compile, grammar.text)
+            except GrammarError as e:
+                raise bad_request(f"the {grammar.param} cannot be compiled: {e}", param=grammar.param,
+                                  code="invalid_grammar") from None
+        except APIError:
+            self.counts.grammars["invalid"] += 1
+            raise
+        self.counts.grammars[grammar.kind] += 1
+        return [first] + [first.fork() for _ in range(prompts - 1)]
+
+    # --------------------------------------------------------------------------- admission
+
+    def admit(self, prepared: Prepared, tenant: str | None = None, tenant_weight: float = 1.0) -> list[RequestStream]:
+        """Admit every prompt into the class's queue (or none: 429 / 503), then submit one engine
+        request per prompt (with its own constraint, if any); each leaves the queue when the
+        engine schedules it or it ends first. Nothing is checked again: `prepare` did."""
+        cls, prompts = prepared.cls, prepared.prompts
+        try:
+            self.queues.enter(cls.name, len(prompts), prepared.prompt_tokens, draining=self.server.draining,
+                              shed_level=self.engine.snapshot.shed_level, ttft_deadline=prepared.timeouts.ttft,
+                              recover_seconds=self.limits.policy.shedding.recover_seconds)
+        except AdmissionError as e:
+            raise admission_error(e) from None
+        arrival = time.monotonic()
+        streams: list[RequestStream] = []
+        try:
+            for i, prompt in enumerate(prompts):
+                request = EngineRequest(self.engine.new_group_id(), prompt, prepared.params, cls.name, prepared.n,
+                                        prepared.timeouts, arrival_time=arrival, tenant=tenant,
+                                        tenant_weight=tenant_weight, segment=prepared.segment,
+                                        constraint=prepared.constraints[i] if prepared.constraints else None)
+                departure = functools.partial(self.queues.leave, cls.name, 1, len(prompt))
+                streams.append(self.engine.submit(request, on_queue_exit=departure))
+        except BaseException:
+            for prompt in prompts[len(streams):]:  # never submitted: they leave at once
+                self.queues.leave(cls.name, 1, len(prompt))
+            for stream in streams:
+                stream.abort()
+            raise
+        return streams
+
+
+def _sampling_params(ask: Ask, max_tokens: int) -> SamplingParams:
+    try:
+        return SamplingParams(max_tokens=max_tokens, logprobs=ask.logprobs, **dataclasses.asdict(ask.sampling))
+    except ValueError as e:  # the protocol's ranges should have caught it; still the client's
+        raise bad_request(str(e)) from None
+
+
+def admission_error(e: AdmissionError) -> APIError:
+    """A refusal at the door: 429 (queue full, shed, predicted deadline miss) or 503 (draining),
+    with when to come back; 400 for a request too large for its class's queue ever to hold."""
+    if e.oversized:
+        return bad_request(e.message, param="prompt", code="queue_too_small")
+    return APIError(e.status, e.message, type="rate_limit_error" if e.status == 429 else None,
+                    code=e.reason, headers={"Retry-After": str(e.retry_after)})

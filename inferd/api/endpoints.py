@@ -1,0 +1,69 @@
+"""The route table: every path, and the small endpoints of the server's own life.
+
+    POST /v1/completions, /v1/chat/completions,    openai/ (the OpenAI protocol, over the shared
+         /tokenize, /detokenize; GET /v1/models     generation path of pipeline/)
+    GET  /v1/status                                telemetry/status.py: engine stats snapshot
+    GET  /metrics                                  telemetry/metrics.py: Prometheus text format
+    GET  /health                                   here: liveness, the engine loops beat
+    GET  /ready                                    here: readiness, probed and not draining
+    GET  /openapi.json                             openapi.py
+    GET, DELETE /v1/streams/<id>                   streaming/resume.py: resume or cancel a stream
+    /admin/tenants, /admin/reload, /admin/models/<name>/reload, /rollback   admin.py (admin key)
+
+A second protocol adds its package's routes here, beside the OpenAI ones.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from inferd.api.admin import add_admin_routes
+from inferd.api.openai.endpoints import add_openai_routes
+from inferd.api.openapi import openapi
+from inferd.api.routing.registry import REGISTRY
+from inferd.api.state import SETTINGS
+from inferd.api.streaming.resume import RESUMABLE
+from inferd.api.telemetry.status import status
+
+
+async def health(request: web.Request) -> web.Response:
+    """Liveness: every model's engine thread runs, its loop went round recently (a hung step
+    fails it) and it is not failing step after step (health.liveness_failures in a row)."""
+    settings, now = request.app[SETTINGS], time.monotonic()
+    for slot in request.app[REGISTRY].slots.values():
+        engine = slot.current.engine
+        stalled = now - engine.last_beat > settings.server.liveness_seconds
+        failing = engine.snapshot.consecutive_step_failures >= settings.health.liveness_failures
+        if not engine.alive or stalled or failing:
+            return web.json_response({"status": "unavailable"}, status=503, headers={"Retry-After": "5"})
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Readiness (ModelRegistry.readiness); 503 with the reason otherwise."""
+    name, reason = request.app[REGISTRY].readiness()
+    if name == "ready":
+        return web.json_response({"status": name})
+    body = {"status": name} if reason is None else {"status": name, "reason": reason}
+    return web.json_response(body, status=503, headers={"Retry-After": "5"})
+
+
+async def resume_stream(request: web.Request) -> web.StreamResponse:
+    return await request.app[RESUMABLE].resume(request)
+
+
+async def delete_stream(request: web.Request) -> web.StreamResponse:
+    return await request.app[RESUMABLE].delete(request)
+
+
+def add_routes(app: web.Application) -> None:
+    add_openai_routes(app)
+    app.router.add_get("/v1/status", status)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/openapi.json", openapi)
+    app.router.add_get("/v1/streams/{response_id}", resume_stream)
+    app.router.add_delete("/v1/streams/{response_id}", delete_stream)
+    add_admin_routes(app)

@@ -1,0 +1,187 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, then one engine
+request with n choices; its answer as a chat.completion or chat.completion.chunk events. The
+shared path (api/pipeline/) does the rest."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from aiohttp import web
+
+from inferd.api.body import read_json
+from inferd.api.errors import bad_request
+from inferd.api.openai.ask import to_ask
+from inferd.api.openai.events import StreamEvents
+from inferd.api.openai.logprobs import TokenTexts, chat_logprobs, token_texts
+from inferd.api.openai.chat_wire import (
+    ChatChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobs,
+    ChatMessage,
+    ChatResponseMessage,
+    Tool,
+    ToolCallOut,
+)
+from inferd.api.openai.wire import Usage
+from inferd.api.pipeline.generate import generate
+from inferd.api.pipeline.shape import Events, Reply
+from inferd.api.streaming.generation import ChoiceResult, Render
+from inferd.api.streaming.sse import dumps
+from inferd.api.openai.tools import Arguments, CallStart, Content, ToolCallParser, history_message, tools_system_prompt
+from inferd.engine.protocol import EngineOutput
+from inferd.model.chat_template import ChatTemplateError
+from inferd.model.tokenizer import Tokenizer
+
+
+def chat_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], tools: Sequence[Tool] | None,
+                add_generation_prompt: bool = True) -> list[int]:
+    """The messages (and the tools offered, if any) as the model's prompt, through its chat
+    template: one that takes `tools` (as transformers passes them) renders them and earlier calls
+    itself; for one that does not (the default model's), they become plain text in the Hermes
+    format that inferd/api/openai/tools.py documents and parses."""
+    specs = [t.model_dump(exclude_none=True) for t in tools or []]
+    native = "tools" in (tokenizer.chat_template or "")
+    rendered = [_template_message(m, native) for m in messages]
+    if specs and not native:
+        instructions = tools_system_prompt(specs)
+        if rendered[0]["role"] == "system":
+            rendered[0]["content"] = instructions + "\n\n" + rendered[0]["content"]
+        else:
+            rendered.insert(0, {"role": "system", "content": instructions})
+    try:
+        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
+                                             tools=specs if specs and native else None)
+    except ChatTemplateError as e:
+        raise bad_request(str(e), param="messages") from None
+    except Exception as e:  # noqa: BLE001 - the template ran on client input: a TypeError there is a 400
+        raise bad_request(f"chat template failed on these messages: {e}", param="messages") from None
+    # the template writes BOS itself where the model wants one
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def _template_message(message: ChatMessage, native_tools: bool) -> dict[str, Any]:
+    """One message as chat templates read it."""
+    if (message.tool_calls or message.role == "tool") and not native_tools:
+        return history_message(message.model_dump(exclude_none=True))
+    item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
+                            "content": message.text()}
+    if message.name is not None:
+        item["name"] = message.name
+    if message.tool_call_id is not None:
+        item["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        # templates index arguments as a mapping (transformers' convention), OpenAI sends JSON text
+        item["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+            "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in message.tool_calls]
+    return item
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+class ChatShape:
+    """One chat request's prompt and answer (pipeline/shape.py's Shape)."""
+
+    id_prefix = "chatcmpl"
+
+    def __init__(self, body: ChatCompletionRequest) -> None:
+        self.body = body
+
+    def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
+        body = self.body
+        return [chat_prompt(tokenizer, body.messages, body.tools if body.calls_tools else None)]
+
+    def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
+        return tokenizer.decode(prompts[0])
+
+    def whole(self, reply: Reply, results: dict[int, ChoiceResult]) -> dict[str, Any]:
+        token_text = token_texts(reply.tokenizer)
+        choices = [self._choice(token_text, index, result) for index, result in sorted(results.items())]
+        return ChatCompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=choices,
+                                      usage=Usage(**reply.usage())).model_dump(mode="json")
+
+    def _choice(self, token_text: TokenTexts, index: int, result: ChoiceResult) -> ChatChoice:
+        body = self.body
+        message, finish = ChatResponseMessage(content=result.text), result.finish_reason
+        if body.calls_tools:
+            parser = ToolCallParser()
+            events = parser.feed(result.text) + parser.finish()
+            content = "".join(e.text for e in events if isinstance(e, Content))
+            calls = [ToolCallOut.model_validate(call) for call in parser.calls]
+            message = ChatResponseMessage(content=content if content.strip() or not calls else None,
+                                          tool_calls=calls or None)
+            finish = _tool_finish(finish, bool(calls))
+        return ChatChoice(
+            index=index,
+            message=message,
+            logprobs=ChatLogprobs(**chat_logprobs(token_text, result.logprobs)) if body.logprobs else None,
+            finish_reason=finish,  # type: ignore[arg-type]
+        )
+
+    def stream(self, reply: Reply) -> Events:
+        body = self.body
+        events = StreamEvents("chat.completion.chunk", reply.id, reply.created, reply.model)
+        head = [events.event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                               "finish_reason": None}]) for i in range(body.n)]
+
+        def tail() -> list[dict[str, Any]]:
+            return [events.event([], reply.usage())] if body.include_usage else []
+
+        return Events(head, self._renderer(token_texts(reply.tokenizer), events), tail)
+
+    def _renderer(self, token_text: TokenTexts, events: StreamEvents) -> Render:
+        body = self.body
+        parsers = {i: ToolCallParser() for i in range(body.n)} if body.calls_tools else None
+
+        def render(prompt: int, out: EngineOutput) -> dict[str, Any] | str:
+            delta: dict[str, Any] = {"content": out.text} if out.text or not out.finished else {}
+            finish = out.finish_reason
+            if parsers is not None:
+                delta, finish = _tool_delta(parsers[out.index], out)
+            if not body.logprobs:
+                return events.token_event(out.index, f'"delta":{dumps(delta)}', finish)
+            logprobs = chat_logprobs(token_text, out.logprobs or [])
+            return events.event([{"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
+
+        return render
+
+
+def _tool_finish(finish: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason for a choice that called tools and then stopped on its own."""
+    return "tool_calls" if called and finish == "stop" else finish
+
+
+def _tool_delta(parser: ToolCallParser, out: EngineOutput) -> tuple[dict[str, Any], str | None]:
+    """One streamed output of a choice offered tools: its content and its tool-call fragments
+    (OpenAI's `delta.tool_calls`: the first with id and name, then argument pieces)."""
+    found = parser.feed(out.text) + (parser.finish() if out.finished else [])
+    content = "".join(e.text for e in found if isinstance(e, Content))
+    calls: dict[int, dict[str, Any]] = {}
+    for event in found:
+        if isinstance(event, CallStart):
+            calls[event.index] = {"index": event.index, "id": event.id, "type": "function",
+                                  "function": {"name": event.name, "arguments": ""}}
+        elif isinstance(event, Arguments):
+            call = calls.setdefault(event.index, {"index": event.index, "function": {"arguments": ""}})
+            call["function"]["arguments"] += event.fragment
+    delta: dict[str, Any] = {}
+    if content and not (parser.calls_started and not content.strip()):  # not the newline between calls
+        delta["content"] = content
+    if calls:
+        delta["tool_calls"] = list(calls.values())
+    return delta, _tool_finish(out.finish_reason, parser.calls_started > 0) if out.finished else None
+
+
+async def create_chat_completion(request: web.Request) -> web.StreamResponse:
+    body = ChatCompletionRequest.model_validate(await read_json(request))
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    ask = to_ask(body, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                 fit_default=True, prompt_param="messages")
+    return await generate(request, ask, ChatShape(body))

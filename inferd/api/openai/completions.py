@@ -1,0 +1,94 @@
+"""POST /v1/completions: a prompt (text or token ids) or a batch of them, each its own engine
+request; choice index = prompt * n + choice, as OpenAI numbers them. Its answer as a
+text_completion, whole or streamed; the shared path (api/pipeline/) does the rest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+
+from inferd.api.body import read_json
+from inferd.api.errors import bad_request
+from inferd.api.openai.ask import to_ask
+from inferd.api.openai.events import StreamEvents
+from inferd.api.openai.logprobs import TokenTexts, completion_logprobs, token_texts
+from inferd.api.openai.wire import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
+from inferd.api.pipeline.generate import generate
+from inferd.api.pipeline.shape import Events, Reply
+from inferd.api.streaming.generation import ChoiceResult, Render
+from inferd.api.streaming.sse import dumps
+from inferd.engine.protocol import EngineOutput
+from inferd.model.tokenizer import Tokenizer
+
+
+class CompletionShape:
+    """One completions request's prompts and answer (pipeline/shape.py's Shape)."""
+
+    id_prefix = "cmpl"
+
+    def __init__(self, body: CompletionRequest) -> None:
+        self.body = body
+
+    def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
+        """The token ids of each prompt of the request."""
+        prompt = self.body.prompt
+        if isinstance(prompt, str):
+            batch: list[str] | list[list[int]] = [prompt]
+        elif not prompt:
+            raise bad_request("the prompt is empty", param="prompt")
+        elif isinstance(prompt[0], int):
+            batch = [prompt]  # type: ignore[list-item]
+        else:
+            batch = prompt  # type: ignore[assignment]
+        if len(batch) > max_prompts:
+            raise bad_request(f"at most {max_prompts} prompts per request, got {len(batch)}", param="prompt")
+        return [tokenizer.encode(p) if isinstance(p, str) else p for p in batch]
+
+    def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
+        return repr(self.body.prompt)
+
+    def whole(self, reply: Reply, results: dict[int, ChoiceResult]) -> dict[str, Any]:
+        token_text = token_texts(reply.tokenizer)
+        choices = [self._choice(token_text, index, result) for index, result in sorted(results.items())]
+        return CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=choices,
+                                  usage=Usage(**reply.usage())).model_dump(mode="json")
+
+    def _choice(self, token_text: TokenTexts, index: int, result: ChoiceResult) -> CompletionChoice:
+        return CompletionChoice(
+            index=index,
+            text=result.text,
+            logprobs=CompletionLogprobs(**completion_logprobs(token_text, result.logprobs, 0))
+            if self.body.logprobs is not None else None,
+            finish_reason=result.finish_reason,  # type: ignore[arg-type]
+        )
+
+    def stream(self, reply: Reply) -> Events:
+        body = self.body
+        events = StreamEvents("text_completion", reply.id, reply.created, reply.model)
+
+        def tail() -> list[dict[str, Any]]:
+            return [events.event([], reply.usage())] if body.include_usage else []
+
+        return Events([], self._renderer(token_texts(reply.tokenizer), events), tail)
+
+    def _renderer(self, token_text: TokenTexts, events: StreamEvents) -> Render:
+        body = self.body
+        offsets: dict[int, int] = {}  # choice -> length of its text so far (logprobs text_offset)
+
+        def render(prompt: int, out: EngineOutput) -> dict[str, Any] | str:
+            index = prompt * body.n + out.index
+            if body.logprobs is None:
+                return events.token_event(index, f'"text":{dumps(out.text)}', out.finish_reason)
+            logprobs = completion_logprobs(token_text, out.logprobs or [], offsets.get(index, 0))
+            offsets[index] = offsets.get(index, 0) + sum(len(t) for t in logprobs["tokens"])
+            return events.event([{"index": index, "text": out.text, "logprobs": logprobs,
+                                  "finish_reason": out.finish_reason}])
+
+        return render
+
+
+async def create_completion(request: web.Request) -> web.StreamResponse:
+    body = CompletionRequest.model_validate(await read_json(request))
+    ask = to_ask(body, max_tokens=body.max_tokens, logprobs=body.logprobs, fit_default=False, prompt_param="prompt")
+    return await generate(request, ask, CompletionShape(body))

@@ -1,0 +1,87 @@
+"""POST /tokenize and POST /detokenize, in vLLM's shapes (llama-server has them too):
+
+    {"prompt": "Hi", "add_special_tokens": true}             -> {"count", "max_model_len", "tokens"}
+    {"messages": [...], "add_generation_prompt": true}      -> the same, through the chat template
+    {"tokens": [1, 2, 3]}                                    -> {"prompt": "..."}
+
+Messages become tokens exactly as /v1/chat/completions makes them (chat_prompt), so
+`count` is that endpoint's usage.prompt_tokens. Nothing here reaches the engine loop: the
+tokenizer runs on the event loop, as it does for the generation endpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from aiohttp import web
+from pydantic import Field
+
+from inferd.api.openai.chat import chat_prompt
+from inferd.api.errors import bad_request
+from inferd.api.openai.chat_wire import ChatMessage, Tool
+from inferd.api.wire import RequestModel, ResponseModel, dump
+from inferd.api.body import read_json
+from inferd.api.routing.registry import REGISTRY
+from inferd.engine.async_engine import AsyncEngine
+
+
+class TokenizeCompletionRequest(RequestModel):
+    model: str | None = None  # when given, the served model's name
+    prompt: str
+    add_special_tokens: bool = True  # BOS / EOS as the model's tokenizer adds them to a prompt
+
+
+class TokenizeChatRequest(RequestModel):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True  # end with the assistant's header, as the chat endpoint does
+    tools: list[Tool] | None = None  # offered to the model: their instructions are part of the prompt
+
+
+class TokenizeResponse(ResponseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(RequestModel):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(ResponseModel):
+    prompt: str  # special tokens included: the text the model sees
+
+
+def parse_tokenize(data: dict[str, Any]) -> TokenizeCompletionRequest | TokenizeChatRequest:
+    """The request by its shape: `messages` makes it a chat one (so an error names the field at
+    fault, not a union member)."""
+    return (TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest).model_validate(data)
+
+
+def _engine(request: web.Request, model: str | None) -> AsyncEngine:
+    """The engine of the model (or alias) named, else the first model's; 404 for an unknown one.
+    A route's targets may tokenize differently: name a model."""
+    registry = request.app[REGISTRY]
+    return (registry.primary if model is None else registry.slot(model)).current.engine
+
+
+async def tokenize(request: web.Request) -> web.Response:
+    body = parse_tokenize(await read_json(request))
+    engine = _engine(request, body.model)
+    if isinstance(body, TokenizeChatRequest):
+        tokens = chat_prompt(engine.tokenizer, body.messages, body.tools, body.add_generation_prompt)
+    else:
+        tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+    reply = TokenizeResponse(count=len(tokens), max_model_len=engine.limits.max_model_len, tokens=tokens)
+    return web.json_response(dump(reply))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    body = DetokenizeRequest.model_validate(await read_json(request))
+    tokenizer = _engine(request, body.model).tokenizer
+    vocab = tokenizer.vocab_size
+    bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
+    return web.json_response(dump(DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))))

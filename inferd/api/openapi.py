@@ -1,0 +1,205 @@
+"""GET /openapi.json: OpenAPI 3.1, from the same pydantic models that validate requests and
+build replies (the OpenAI protocol's, the status page's, the error body)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
+
+from inferd import __version__
+from inferd.api.openai import chat_wire as cp
+from inferd.api.openai import wire as p
+from inferd.api.openai.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
+)
+from inferd.api.telemetry import status_wire as s
+from inferd.api.wire import ErrorResponse
+
+
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(openapi_document())
+
+
+_REQUESTS: tuple[type[BaseModel], ...] = (p.CompletionRequest, cp.ChatCompletionRequest, TokenizeCompletionRequest,
+                                          TokenizeChatRequest, DetokenizeRequest)
+_SCHEMAS: list[type[BaseModel]] = [
+    *_REQUESTS,
+    p.CompletionResponse, p.CompletionStreamResponse, cp.ChatCompletionResponse, cp.ChatCompletionChunk,
+    p.ModelList, ErrorResponse, s.HealthResponse, s.ReadyResponse, s.StatusResponse, TokenizeResponse,
+    DetokenizeResponse,
+]
+
+
+def _ref(model: type[BaseModel]) -> dict[str, str]:
+    return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+
+def _json(model: type[BaseModel], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": _ref(model)}}}
+
+
+def _error(description: str) -> dict[str, Any]:
+    return _json(ErrorResponse, description)
+
+
+_UNAUTHORIZED = {"401": _error("missing or wrong API key (when keys are configured)")}
+_INVALID = {
+    "400": _error("invalid request"),
+    **_UNAUTHORIZED,
+    "404": _error("unknown model"),
+    "413": _error("the request body is larger than 32 MiB"),
+}
+_FORBIDDEN = {"403": _error("the key's tenant may not use this model or class, or the path needs an admin key")}
+_ERRORS = {
+    **_INVALID,
+    **_FORBIDDEN,
+    "429": _error("the tenant's rate limit (code rate_limit_exceeded), or the class's queue is full, it is being "
+                  "shed, the request would miss its TTFT deadline, or too many resumable streams are held; "
+                  "Retry-After says when to come back"),
+    "503": _error("the engine is not running, the server is draining, or the request timed out before its first "
+                  "token; Retry-After says when to come back"),
+}
+
+
+def _event(*chunks: type[BaseModel]) -> dict[str, Any]:
+    """One server-sent event of a stream (before OpenAPI 3.2, a text/event-stream `schema`
+    describes each event): `id: <response id>:<sequence number>` and `data:` a chunk, an error
+    that ends the stream, or [DONE]."""
+    payload = {"contentMediaType": "application/json",
+               "contentSchema": {"anyOf": [*map(_ref, chunks), _ref(ErrorResponse)]}}
+    return {"type": "object", "required": ["data"], "properties": {
+        "id": {"type": "string", "pattern": "^(cmpl|chatcmpl)-[0-9a-f]{32}:[0-9]+$"},
+        "event": {"const": "message"},
+        "data": {"anyOf": [{"const": "[DONE]"}, {"type": "string", "not": {"const": "[DONE]"}, **payload}]},
+    }}
+
+
+def _post(summary: str, request: dict[str, Any], responses: dict[str, Any]) -> dict[str, Any]:
+    body = {"required": True, "content": {"application/json": {"schema": request}}}
+    return {"post": {"summary": summary, "requestBody": body, "responses": responses}}
+
+
+def _generate(summary: str, request: type[BaseModel], response: type[BaseModel], chunk: type[BaseModel]) -> dict[str, Any]:
+    return _post(summary, _ref(request), {
+        "200": {
+            "description": f"a {response.__name__}; with stream=true, server-sent events: one "
+                           f"{chunk.__name__} per `data:` line, then `data: [DONE]`",
+            "content": {"application/json": {"schema": _ref(response)}, "text/event-stream": {"schema": _event(chunk)}},
+        },
+        **_ERRORS,
+    })
+
+
+def _streams() -> dict[str, Any]:
+    """GET (resume) and DELETE (cancel) /v1/streams/{response_id}: a resumable stream (resume.py)."""
+    stream_id = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"},
+                 "description": "the id of a response streamed with resumable: true"}
+    after = [{"name": "after", "in": "query", "schema": {"type": "integer", "minimum": -1},
+              "description": "the sequence number N of the last event received (its id is `<response id>:N`)"},
+             {"name": "Last-Event-ID", "in": "header", "schema": {"type": "string"},
+              "description": "the last event's id, as EventSource sends it (`after` wins); neither: from the start"}]
+    missing = {"404": _error("no such stream held for this caller (unknown, ended, or past its grace period)")}
+    replay = {"description": "the events after the one named, then the live ones, then `data: [DONE]`",
+              "content": {"text/event-stream": {"schema": _event(p.CompletionStreamResponse, cp.ChatCompletionChunk)}}}
+    deleted = {"type": "object", "required": ["id", "object", "deleted"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "stream"}, "deleted": {"const": True}}}
+    return {
+        "get": {"summary": "Resume a resumable stream", "parameters": [stream_id, *after], "responses": {
+            "200": replay, "400": _error("after or Last-Event-ID names no event of this stream"),
+            **_UNAUTHORIZED, **missing}},
+        "delete": {"summary": "Cancel a resumable stream: its request aborted at once", "parameters": [stream_id],
+                   "responses": {"200": {"description": "cancelled", "content": {"application/json": {
+                       "schema": deleted}}}, **_UNAUTHORIZED, **missing}},
+    }
+
+
+def _get(summary: str, responses: dict[str, Any], *, open_path: bool = False) -> dict[str, Any]:
+    """A GET; an open path (server.open_paths by default) needs no key, the others may answer 401."""
+    if open_path:
+        return {"get": {"summary": summary, "security": [], "responses": responses}}
+    return {"get": {"summary": summary, "responses": {**responses, **_UNAUTHORIZED}}}
+
+
+def _paths() -> dict[str, Any]:
+    return {
+        "/v1/completions": _generate("Create a completion", p.CompletionRequest, p.CompletionResponse,
+                                     p.CompletionStreamResponse),
+        "/v1/chat/completions": _generate("Create a chat completion", cp.ChatCompletionRequest,
+                                          cp.ChatCompletionResponse, cp.ChatCompletionChunk),
+        "/tokenize": _post("Tokenize a prompt, or chat messages through the chat template",
+                           {"anyOf": [_ref(TokenizeCompletionRequest), _ref(TokenizeChatRequest)]},
+                           {"200": _json(TokenizeResponse, "the token ids"), **_INVALID}),
+        "/detokenize": _post("Token ids back to text", _ref(DetokenizeRequest),
+                             {"200": _json(DetokenizeResponse, "the text"), **_INVALID}),
+        "/v1/streams/{response_id}": _streams(),
+        "/v1/models": _get("List the served models, aliases and routes", {"200": _json(p.ModelList, "the models")}),
+        "/v1/status": _get("Engine statistics", {"200": _json(s.StatusResponse, "a snapshot")}),
+        "/health": _get("Liveness", {"200": _json(s.HealthResponse, "the engine runs"),
+                                     "503": _json(s.HealthResponse, "the engine stopped, or its loop hangs")},
+                        open_path=True),
+        "/ready": _get("Readiness", {"200": _json(s.ReadyResponse, "loaded, the inference probe passes, not draining"),
+                                     "503": _json(s.ReadyResponse, "loading, draining, or the inference probe fails")},
+                       open_path=True),
+        "/metrics": _get("Prometheus metrics", {"200": {"description": "the text exposition format",
+                                                        "content": {"text/plain": {"schema": {"type": "string"}}}}},
+                         open_path=True),
+        "/openapi.json": _get("This document", {"200": {"description": "OpenAPI 3.1", "content": {
+            "application/json": {"schema": {"type": "object"}}}}}),
+        "/admin/tenants": _get("Every tenant's configuration and status (admin key)", {
+            "200": {"description": "the tenants", "content": {"application/json": {"schema": {"type": "object"}}}},
+            **_FORBIDDEN}),
+        "/admin/reload": {"post": {"summary": "Read the keys and tenants again, as SIGHUP does (admin key)",
+                                   "responses": {"200": {"description": "the keys and tenants now served", "content": {
+                                       "application/json": {"schema": {"type": "object"}}}},
+                                                 "400": _error("the new settings are invalid; the old ones stay"),
+                                                 **_UNAUTHORIZED, **_FORBIDDEN}}},
+        "/admin/models/{name}/reload": _revision_change(
+            "Load a new revision of a model beside the old one; it takes over once it passes its probe and "
+            "evaluation set (admin key)", {"type": "object", "additionalProperties": False, "properties": {
+                "path": {"type": "string"}, "revision": {"type": "string"}}}),
+        "/admin/models/{name}/rollback": _revision_change("Return a model to its previous revision (admin key)", None),
+    }
+
+
+def _revision_change(summary: str, body: dict[str, Any] | None) -> dict[str, Any]:
+    name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}, "description": "a model"}
+    served = {"type": "object", "required": ["model", "revision", "path", "reloaded"], "properties": {
+        "model": {"type": "string"}, "revision": {"type": "string"}, "path": {"type": "string"},
+        "reloaded": {"type": "boolean"}}}
+    post: dict[str, Any] = {"summary": summary, "parameters": [name], "responses": {
+        "200": {"description": "the revision now serving", "content": {"application/json": {"schema": served}}},
+        "400": _error("an invalid body"), **_UNAUTHORIZED, **_FORBIDDEN, "404": _error("no such model"),
+        "409": _error("no previous revision (rollback)"),
+        "422": _error("the revision was rejected (it did not load, or failed its probe or evaluation set); "
+                      "the old one keeps serving")}}
+    if body is not None:
+        post["requestBody"] = {"required": False, "content": {"application/json": {"schema": body}}}
+    return {"post": post}
+
+
+@functools.cache
+def openapi_document() -> dict[str, Any]:
+    """OpenAPI 3.1, from the same pydantic models that validate requests and build replies."""
+    _, schema = models_json_schema(
+        [(m, "validation" if m in _REQUESTS else "serialization") for m in _SCHEMAS],
+        ref_template="#/components/schemas/{model}",
+    )
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "inferd", "version": __version__,
+                 "description": "An OpenAI-compatible LLM inference server."},
+        "paths": _paths(),
+        "components": {
+            "schemas": schema.get("$defs", {}),
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+        },
+        "security": [{"bearer": []}],
+    }

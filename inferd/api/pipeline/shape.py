@@ -1,0 +1,54 @@
+"""What a protocol front-end gives the shared path: how one request's body becomes prompts, and
+how its answer is shaped in the front-end's wire format (pipeline/__init__.py has the contract)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from inferd.api.streaming.generation import ChoiceResult, Render
+from inferd.model.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer's identity and accounts, as the shared path hands them to the front-end."""
+
+    id: str  # the response's id: the front-end's prefix and a uuid
+    created: int  # unix seconds
+    model: str  # the model that answered (a route's or a fallback's target, not the name asked)
+    tokenizer: Tokenizer  # that model's
+    usage: Callable[[], dict[str, int]]  # prompt_tokens, completion_tokens, total_tokens so far
+
+
+@dataclass(frozen=True)
+class Events:
+    """A streamed answer's events: `head` first, `render(prompt, output)` per engine output,
+    `tail()` once every choice has ended (not after an engine abort), then the end of the stream."""
+
+    head: list[dict[str, Any]]
+    render: Render
+    tail: Callable[[], list[dict[str, Any]]]
+
+
+class Shape(Protocol):
+    """One request's front-end: made from its parsed body, asked by the shared path."""
+
+    id_prefix: str  # of the response id ("cmpl", "chatcmpl", ...)
+
+    def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
+        """The token ids of each prompt (a 400 for a batch over `max_prompts`)."""
+        ...
+
+    def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
+        """The prompt as text, for the log line and the request file (asked only when they want it)."""
+        ...
+
+    def whole(self, reply: Reply, results: dict[int, ChoiceResult]) -> dict[str, Any]:
+        """A non-streamed answer's JSON body, from every choice's result (by choice index)."""
+        ...
+
+    def stream(self, reply: Reply) -> Events:
+        """A streamed answer's events."""
+        ...

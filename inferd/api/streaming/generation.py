@@ -1,0 +1,226 @@
+"""One HTTP request's engine requests, from admission to their end: gathered into one reply or
+streamed as SSE events (the pipeline decides which model and how; this runs it).
+
+Every engine request a handler submits lives inside `Generation`'s `with` block, whose exit
+aborts whatever is still running: a finished request ignores the abort, a disconnected or
+cancelled client's request gives its KV blocks back at the engine's next step.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from inferd.api.admission.ask import Prepared
+from inferd.api.admission.door import FrontDoor
+from inferd.api.errors import APIError, engine_abort_error, engine_failure_error, timeout_error
+from inferd.api.gateway.gate import Ticket
+from inferd.api.record import RequestRecord
+from inferd.api.state import SETTINGS
+from inferd.api.streaming.backpressure import SLOW_CLIENTS, bound_send_buffer, wait_for_reader
+from inferd.api.streaming.resume import RESUMABLE, caller_of, event_bound
+from inferd.api.streaming.sse import SSE_RESPONSES, EventSink, OutputQueue, write_events
+from inferd.engine.async_engine import RequestStream
+from inferd.engine.protocol import EngineOutput, TokenLogprob
+
+POLL_SECONDS = 1.0  # how often a non-streaming handler checks that its client is still there
+
+Render = Callable[[int, EngineOutput], dict[str, Any] | str]
+
+
+@dataclass
+class ChoiceResult:
+    """One choice, gathered for a non-streaming reply."""
+
+    texts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.texts)
+
+
+class Generation:
+    """The engine requests of one HTTP request: one per prompt, each with n choices.
+
+    `with Generation(...) as gen:` has the door admit every prompt into its class's queue (or
+    none: 429 / 503), then submit them; leaving the block, however it is left, aborts what has
+    not finished.
+    """
+
+    outlives_handler = False  # a resumable stream: its producer's task ends it, not the `with` block
+
+    def __init__(self, door: FrontDoor, prepared: Prepared, id_prefix: str, record: RequestRecord | None = None,
+                 ticket: Ticket | None = None) -> None:
+        self.door = door
+        self.prepared = prepared
+        self.ticket = ticket  # its tenant's account: refunded and counted at the end
+        self.segment = prepared.segment  # "sentence" / "line": the engine holds text back; empty deltas are not sent
+        self.prompts = prepared.prompts
+        self.n = prepared.n
+        self.record = record  # the request's log line, filled in as outputs finish
+        self.id = f"{id_prefix}-{uuid.uuid4().hex}"  # the response's id
+        if record is not None:
+            record.id = self.id
+        self.created = int(time.time())
+        self.streams: list[RequestStream] = []
+        self.completion_tokens = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.prepared.prompt_tokens
+
+    def usage(self) -> dict[str, int]:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens}
+
+    def __enter__(self) -> Generation:
+        ticket = self.ticket
+        if self.record is not None:
+            self.record.priority_class = self.prepared.cls.name
+            self.record.prompt_tokens = self.prompt_tokens
+        try:
+            self.streams = self.door.admit(self.prepared, tenant=ticket.tenant.name if ticket else None,
+                                           tenant_weight=ticket.tenant.weight if ticket else 1.0)
+        except APIError as e:
+            if ticket is not None:
+                ticket.refused(e.code or "refused")
+                ticket.close(0, 0)  # nothing ran: the whole charge goes back
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.record is not None:  # (the log line is written as the handler ends)
+            self.record.completion_tokens = self.completion_tokens
+        if not self.outlives_handler:  # a resumable stream's producer task ends it (resume.py)
+            self.end()
+
+    def end(self) -> None:
+        """Abort what has not finished; the tenant's account counts the tokens, refunds the rest."""
+        for stream in self.streams:
+            stream.abort()
+        if self.ticket is not None:
+            self.ticket.close(self.prompt_tokens, self.completion_tokens)
+
+    def _note(self, out: EngineOutput) -> None:
+        """A finished choice's outcome and timings, for the request's log line and its tenant."""
+        record, metrics = self.record, out.metrics
+        if record is not None and record.texts is not None:  # every output's text, for the request file
+            record.texts.add(out)
+        if not out.finished:
+            return
+        if self.ticket is not None and metrics is not None:
+            self.ticket.finished(metrics)
+        if record is None:
+            return
+        record.finish.append(out.finish_reason or "-")
+        if metrics is None:
+            return
+        record.cached_tokens += metrics.cached_tokens if out.index == 0 else 0
+        record.preemptions += metrics.preemptions
+        for name in ("queue_time", "ttft"):
+            value, seen = getattr(metrics, name), getattr(record, name)
+            if value is not None and (seen is None or value > seen):
+                setattr(record, name, value)
+
+    async def gather(self, request: web.Request) -> dict[int, ChoiceResult] | None:
+        """Every choice's result by choice index (prompt * n + choice); None if the client left."""
+        results = {p * self.n + i: ChoiceResult() for p in range(len(self.prompts)) for i in range(self.n)}
+        outputs = OutputQueue(self.streams)
+        try:
+            while not outputs.done:
+                batch = await outputs.next_batch(POLL_SECONDS)
+                if client_gone(request):
+                    return None
+                for prompt, out in batch:
+                    self._note(out)
+                    if out.finish_reason in ("abort", "error"):
+                        raise _ending_error(out)
+                    result = results[prompt * self.n + out.index]
+                    if out.finish_reason == "timeout" and not result.texts and not out.text:
+                        raise timeout_error(out)  # nothing to show for it: an error, not a reply
+                    result.texts.append(out.text)
+                    self.completion_tokens += len(out.new_token_ids)
+                    if out.logprobs:
+                        result.logprobs += out.logprobs
+                    if out.finished:
+                        result.finish_reason = out.finish_reason
+        finally:
+            outputs.close()
+        return results
+
+    async def stream(self, request: web.Request, head: list[dict[str, Any]], render: Render,
+                     tail: Callable[[], list[dict[str, Any]]], resumable: bool = False) -> web.StreamResponse:
+        """Answer with SSE: the `head` events, one `render(prompt, output)` event per output
+        (one per token, even when the detokenizer holds its text back), the `tail()` events,
+        then `data: [DONE]`. An engine abort (shutdown) ends the stream with an error event.
+        Written straight to the socket (sse.py); a `resumable` stream's events are produced by a
+        task of their own that outlives a disconnect, into a buffer its writers copy (resume.py)."""
+        keepalive = request.app[SETTINGS].server.keepalive_seconds
+
+        async def produce(events: EventSink) -> None:
+            outputs = OutputQueue(self.streams)
+            try:
+                for payload in head:
+                    events.add(payload)
+                await events.flush()
+                if await self._stream_outputs(outputs, events, render, keepalive):
+                    for payload in tail():
+                        events.add(payload)
+            finally:
+                outputs.close()
+
+        if not resumable:
+            server = request.app[SETTINGS].server
+            bound_send_buffer(request, server.stream_send_buffer_bytes)
+            guard = functools.partial(wait_for_reader, request, self.streams, server.slow_client_seconds,
+                                      request.app[SLOW_CLIENTS])
+            return await write_events(request, self.id, produce, request.app[SSE_RESPONSES], guard)
+        bound = event_bound(len(head), len(self.prompts) * self.n, self.prepared.params.max_tokens)
+        stream = request.app[RESUMABLE].open(self.id, caller_of(request), bound, produce, self.end)
+        self.outlives_handler = True
+        return await stream.serve(request, -1)
+
+    async def _stream_outputs(self, outputs: OutputQueue, events: EventSink, render: Render,
+                              keepalive: float) -> bool:
+        """Write every output as it comes; False if an engine abort or failure cut the stream short."""
+        while not outputs.done:
+            batch = await outputs.next_batch(keepalive)
+            if not batch:
+                await events.keepalive()
+                continue
+            for prompt, out in batch:
+                self._note(out)
+                if out.finish_reason in ("abort", "error"):  # the response ends here
+                    events.add(_ending_error(out).body())
+                    return False
+                self.completion_tokens += len(out.new_token_ids)
+                if not out.text and self.segment != "token" and not out.finished and not out.logprobs:
+                    continue  # segmented: no event for a token whose text is held back
+                events.add(render(prompt, out))
+                if out.finish_reason == "timeout":  # after the choice's last chunk, say which
+                    events.add(timeout_error(out).body())
+            await events.flush()
+        return True
+
+
+def _ending_error(out: EngineOutput) -> APIError:
+    """Why a choice ended without an answer: an engine abort (shutdown) or a failure."""
+    return engine_abort_error(out) if out.finish_reason == "abort" else engine_failure_error(out)
+
+
+def client_gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+def no_answer() -> web.Response:
+    """What a handler returns when its client already left (nobody reads it)."""
+    return web.Response(status=499, reason="Client Closed Request")

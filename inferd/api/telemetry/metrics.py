@@ -1,0 +1,394 @@
+"""GET /metrics: Prometheus text format through prometheus-client, one registry per app.
+
+Nothing is counted here: at each scrape a collector turns the engine's latest published
+`EngineSnapshot` (counters, per-class state and histograms the engine keeps without any
+Prometheus import) into metric families. Label values come from configuration (class names,
+the served model name, fixed reasons and kinds), never from request text, so cardinality is
+bounded.
+
+Autoscale on `inferd_queued_tokens` (work waiting, in the unit the engine consumes) and
+`inferd_kv_usage_ratio` (memory pressure), not on CPU: an engine at full batch is busy whether
+or not it keeps up, while queued tokens grow only when it does not.
+
+Next to inferd's own names it serves the `vllm:` names that the Gateway API Inference Extension's
+endpoint picker reads (its "model server protocol"), computed from the same snapshot: the picker
+then routes to inferd pods as it does to vLLM's (docs/kubernetes.md has the mapping).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from inferd.api.admission.ask import GRAMMAR_KINDS
+from inferd.api.admission.queues import REASONS
+from inferd.api.gateway.gate import GATEWAY, GATEWAY_REASONS, Gateway
+from inferd.api.routing.registry import REGISTRY, ModelRegistry, ModelSlot
+from inferd.api.state import STATE, ServerState
+from inferd.api.streaming.backpressure import SLOW_CLIENTS, SlowClientCounts
+from inferd.api.streaming.resume import RESUMABLE, StreamRegistry
+from inferd.api.telemetry.drift import SCRIPTS, DriftMonitor
+from inferd.api.telemetry.request_file import REQUEST_JOURNAL
+from inferd.engine.protocol import FAILURE_KINDS, ClassSnapshot, EngineLimits, EngineSnapshot, Histogram
+from inferd.settings.policy import TIMEOUT_KINDS
+
+COLLECTORS = web.AppKey("metrics_registry", CollectorRegistry)
+PREEMPTION_MODES = ("recompute", "swap")
+LATENCIES = {  # histogram: (class stats field, help)
+    "inferd_ttft_seconds": ("ttft", "Time from arrival to the first token."),
+    "inferd_itl_seconds": ("itl", "Time between two consecutive tokens of a request."),
+    "inferd_tpot_seconds": ("tpot", "Time per output token after the first, per finished request."),
+    "inferd_e2e_seconds": ("e2e", "Time from arrival to the end of a request."),
+    "inferd_queue_time_seconds": ("queue_time", "Time from arrival to first being scheduled."),
+}
+
+
+def _buckets(h: Histogram) -> list[tuple[str, float]]:
+    """Cumulative (le, count) pairs, +Inf last, as HistogramMetricFamily wants them."""
+    out, running = [], 0
+    for bound, count in zip((*h.bounds, float("inf")), h.counts):
+        running += count
+        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
+    return out
+
+
+def _per_class(name: str, doc: str, kind: type, values: dict[str, float]) -> Metric:
+    family = kind(name, doc, labels=["class"])
+    for cls, value in values.items():
+        family.add_metric([cls], value)
+    return family
+
+
+def _counter_by(name: str, doc: str, label: str, known: tuple[str, ...], values: dict[str, int]) -> Metric:
+    family = CounterMetricFamily(name, doc, labels=[label])
+    for key in known:  # every known label value, at 0 too, so rate() works from the start
+        family.add_metric([key], values.get(key, 0))
+    return family
+
+
+def _class_metrics(classes: tuple[ClassSnapshot, ...]) -> Iterator[Metric]:
+    yield _per_class("inferd_requests_waiting", "Requests waiting to be scheduled.", GaugeMetricFamily,
+                     {c.name: c.waiting for c in classes})
+    yield _per_class("inferd_requests_running", "Requests (choices) running.", GaugeMetricFamily,
+                     {c.name: c.running for c in classes})
+    yield _per_class("inferd_queued_tokens", "Prompt tokens still to compute for waiting requests.",
+                     GaugeMetricFamily, {c.name: c.queued_tokens for c in classes})
+    yield _per_class("inferd_queued_token_seconds", "Queued prompt tokens integrated over time.",
+                     CounterMetricFamily, {c.name: c.queued_token_seconds for c in classes})
+    yield _per_class("inferd_oldest_wait_seconds", "How long the longest-waiting request has waited.",
+                     GaugeMetricFamily, {c.name: c.oldest_wait for c in classes})
+    yield _per_class("inferd_prompt_tokens", "Prompt tokens computed (prefix-cache hits excluded).",
+                     CounterMetricFamily, {c.name: c.prompt_tokens for c in classes})
+    yield _per_class("inferd_generation_tokens", "Tokens generated.", CounterMetricFamily,
+                     {c.name: c.generation_tokens for c in classes})
+    yield _per_class("inferd_class_kv_blocks_used", "KV blocks in the tables of a class's running requests.",
+                     GaugeMetricFamily, {c.name: c.kv_blocks_used for c in classes})
+    misses = CounterMetricFamily("inferd_deadline_misses", "Requests past their class's soft target.",
+                                 labels=["class", "kind"])
+    for c in classes:
+        for kind in ("ttft", "tpot"):
+            misses.add_metric([c.name, kind], c.deadline_misses.get(kind, 0))
+    yield misses
+
+
+def _cache_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
+    yield GaugeMetricFamily("inferd_kv_blocks_total", "KV cache blocks.", value=stats.kv_blocks_total)
+    yield GaugeMetricFamily("inferd_kv_blocks_used", "KV cache blocks held by requests.", value=stats.kv_blocks_used)
+    yield GaugeMetricFamily("inferd_kv_blocks_cached", "Prefix-cache blocks no request holds (evictable).",
+                            value=stats.kv_blocks_cached)
+    yield GaugeMetricFamily("inferd_kv_usage_ratio", "KV blocks held by requests / all KV blocks.",
+                            value=stats.kv_usage_ratio)
+    yield CounterMetricFamily("inferd_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                              value=stats.prefix_queries)
+    yield CounterMetricFamily("inferd_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                              value=stats.prefix_hits)
+
+
+def _histograms(stats: EngineSnapshot, model: str) -> Iterator[Metric]:
+    for name, (field, doc) in LATENCIES.items():
+        family = HistogramMetricFamily(name, doc, labels=["class", "model"])
+        for c in stats.classes:
+            h = c.histograms[field]
+            family.add_metric([c.name, model], _buckets(h), h.total)
+        yield family
+    for name, h, doc in (("inferd_step_seconds", stats.step_seconds, "Duration of an engine step."),
+                         ("inferd_batch_tokens", stats.batch_tokens, "Tokens computed in an engine step.")):
+        family = HistogramMetricFamily(name, doc, labels=["model"])
+        family.add_metric([model], _buckets(h), h.total)
+        yield family
+
+
+def _fault_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
+    yield _counter_by("inferd_step_failures", "Engine failures, by kind: a step's forward, one request's own "
+                      "processing, an out-of-memory event (retried smaller).", "kind", FAILURE_KINDS,
+                      stats.step_failures)
+    yield GaugeMetricFamily("inferd_engine_healthy", "1 unless the engine failed steps in a row recently.",
+                            value=float(stats.healthy))
+    yield GaugeMetricFamily("inferd_consecutive_step_failures", "Steps in a row whose forward failed.",
+                            value=stats.consecutive_step_failures)
+    yield GaugeMetricFamily("inferd_oom_events_last_minute", "Out-of-memory events in the last minute.",
+                            value=stats.oom_events_last_minute)
+    yield GaugeMetricFamily("inferd_token_budget", "Tokens per engine step now (halved after out of memory).",
+                            value=stats.token_budget)
+
+
+def _model_gauge(name: str, doc: str, model: str, value: float) -> Metric:
+    family = GaugeMetricFamily(name, doc, labels=["model_name"])
+    family.add_metric([model], value)
+    return family
+
+
+def _picker_aliases(stats: EngineSnapshot, limits: EngineLimits, model: str, started: float) -> Iterator[Metric]:
+    """vLLM's names for what the inference extension's endpoint picker scrapes (gauges, as vLLM
+    has them). NOTE: aliases, not new measurements: each equals an inferd metric of this scrape."""
+    yield _model_gauge("vllm:num_requests_waiting", "Alias: the sum of inferd_requests_waiting.", model,
+                       sum(c.waiting for c in stats.classes))
+    yield _model_gauge("vllm:num_requests_running", "Alias: the sum of inferd_requests_running.", model,
+                       sum(c.running for c in stats.classes))
+    # a fraction in [0, 1] despite "perc" (as in vLLM); gpu_ is the name pickers before v1.3 read
+    for name in ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"):
+        yield _model_gauge(name, "Alias: inferd_kv_usage_ratio.", model, stats.kv_usage_ratio)
+    info = GaugeMetricFamily("vllm:cache_config_info", "Alias: cache.block_size and inferd_kv_blocks_total as "
+                             "labels (the picker's prefix scorer reads them).", labels=["block_size", "num_gpu_blocks"])
+    info.add_metric([str(limits.block_size), str(stats.kv_blocks_total)], 1)
+    yield info
+    # inferd serves no LoRA adapters: none running or waiting, room for none; the value is when
+    # that set last changed (the picker takes the newest series), i.e. the server's start
+    lora = GaugeMetricFamily("vllm:lora_requests_info", "LoRA adapters: none (inferd serves one model).",
+                             labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+    lora.add_metric(["0", "", ""], started)
+    yield lora
+
+
+def _tenant_metrics(gateway: Gateway, snapshots: list[EngineSnapshot]) -> Iterator[Metric]:
+    """Per tenant, labelled with configured names only (never a key or its digest); its fair
+    share summed over every model's engine."""
+    names = list(gateway.accounts)  # every tenant configured since start: counters never vanish
+    accounts = gateway.accounts
+    fair: dict[str | None, dict[str, float]] = {}
+    for stats in snapshots:
+        for t in stats.tenants:
+            sums = fair.setdefault(t.name, {"virtual_tokens": 0.0, "waiting": 0, "running": 0})
+            for attr in sums:
+                sums[attr] += getattr(t, attr)
+    for name, doc, attr in (("inferd_tenant_requests", "Requests admitted, per tenant.", "requests"),
+                            ("inferd_tenant_prompt_tokens", "Prompt tokens of its finished requests.", "prompt_tokens"),
+                            ("inferd_tenant_completion_tokens", "Tokens generated for it.", "completion_tokens")):
+        family = CounterMetricFamily(name, doc, labels=["tenant"])
+        for tenant in names:
+            family.add_metric([tenant], getattr(accounts[tenant], attr))
+        yield family
+    rejections = CounterMetricFamily("inferd_tenant_rejections", "Its requests refused, by why.",
+                                     labels=["tenant", "reason"])
+    for tenant in names:
+        for reason in (*GATEWAY_REASONS, *REASONS):
+            rejections.add_metric([tenant, reason], accounts[tenant].rejections.get(reason, 0))
+    yield rejections
+    for name, doc, attr in (("inferd_tenant_ttft_seconds", "Time to first token, per tenant.", "ttft"),
+                            ("inferd_tenant_tpot_seconds", "Time per output token, per tenant.", "tpot")):
+        family = HistogramMetricFamily(name, doc, labels=["tenant"])
+        for tenant in names:
+            h = getattr(accounts[tenant], attr).histogram
+            family.add_metric([tenant], _buckets(h), h.total)
+        yield family
+    for name, doc, attr in (
+            ("inferd_tenant_virtual_tokens", "Tokens served / weight (fair share: the least goes first).",
+             "virtual_tokens"),
+            ("inferd_tenant_requests_waiting", "Its requests (choices) waiting.", "waiting"),
+            ("inferd_tenant_requests_running", "Its requests (choices) running.", "running")):
+        family = GaugeMetricFamily(name, doc, labels=["tenant"])
+        for tenant in names:
+            family.add_metric([tenant], fair[tenant][attr] if tenant in fair else 0)
+        yield family
+
+
+def _drift_metrics(drift: DriftMonitor) -> Iterator[Metric]:
+    """The window against the baseline (api/telemetry/drift.py; with [request_log] on). NOTE: PSI only per
+    feature with requests on both sides."""
+    report = drift.report()
+    psi = GaugeMetricFamily("inferd_drift_psi", "Population stability index of a feature: the last "
+                            "request_log.drift_window_seconds against the baseline (> 0.2: shifted).",
+                            labels=["feature"])
+    for feature, value in report.psi.items():
+        psi.add_metric([feature], value)
+    yield psi
+    languages = GaugeMetricFamily("inferd_drift_language_ratio", "The window's prompt letters, share per script.",
+                                  labels=["script"])
+    for script in SCRIPTS:
+        languages.add_metric([script], report.languages.get(script, 0.0))
+    yield languages
+    for name, doc, value in (
+            ("inferd_drift_baseline_requests", "Requests in the drift baseline so far.", report.baseline_requests),
+            ("inferd_drift_window_requests", "Requests in the drift window.", report.window_requests),
+            ("inferd_drift_mean_prompt_tokens", "Mean prompt tokens in the window.", report.mean_prompt_tokens),
+            ("inferd_drift_mean_completion_tokens", "Mean tokens per choice in the window.",
+             report.mean_completion_tokens),
+            ("inferd_drift_refusal_ratio", "Choices with a refusal phrase / choices, in the window.",
+             report.refusal_rate)):
+        if value is not None:
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+def _model_metrics(registry: ModelRegistry) -> Iterator[Metric]:
+    """Per model (labels: configured names and revisions only), and the routes' shares."""
+    labels = ["model", "revision"]
+    families = {
+        "requests": CounterMetricFamily("inferd_model_requests", "Requests sent to a model (by name, alias, "
+                                        "route or as a fallback).", labels=labels),
+        "fallbacks": CounterMetricFamily("inferd_model_fallbacks", "Requests for a model sent to its fallback "
+                                         "while it was degraded.", labels=labels),
+        "reloads": CounterMetricFamily("inferd_model_reloads", "Revisions that took over.", labels=labels),
+        "reloads_refused": CounterMetricFamily("inferd_model_reloads_refused", "Revisions discarded (load, "
+                                               "probe or evaluation set failed).", labels=labels),
+        "escalations": CounterMetricFamily("inferd_cascade_escalations", "Cascade: this (small) model's "
+                                           "answers found unsure and asked of the large one.", labels=labels),
+        "tokens_saved": CounterMetricFamily("inferd_cascade_tokens_saved", "Cascade: tokens the large model "
+                                            "did not compute, as this model's answer sufficed.", labels=labels),
+    }
+    gauges = {
+        "healthy": GaugeMetricFamily("inferd_model_healthy", "1: probe passes and engine runs.", labels=labels),
+        "degraded": GaugeMetricFamily("inferd_model_degraded", "1: new requests go to the fallback.", labels=labels),
+        "level": GaugeMetricFamily("inferd_model_degradation_level", "Functional degradation level (0 normal, "
+                                   "1 streams whole, 2 max_tokens capped, 3 lowest class refused).", labels=labels),
+        "running": GaugeMetricFamily("inferd_model_requests_running", "Requests running.", labels=labels),
+        "waiting": GaugeMetricFamily("inferd_model_requests_waiting", "Requests waiting.", labels=labels),
+        "kv": GaugeMetricFamily("inferd_model_kv_usage_ratio", "KV blocks in use / total.", labels=labels),
+    }
+    switches = CounterMetricFamily("inferd_model_degradation_switches", "Times a model's new requests started or "
+                                   "stopped going to its fallback.", labels=labels)
+    steps = CounterMetricFamily("inferd_model_degradation_steps", "Functional degradation level changes.",
+                                labels=labels)
+    for slot in registry.slots.values():
+        served, counts = slot.current, slot.counts
+        key, stats = [slot.name, served.spec.revision], served.engine.snapshot
+        for name, family in families.items():
+            family.add_metric(key, getattr(counts, name))
+        switches.add_metric(key, slot.degradation.switches)
+        steps.add_metric(key, slot.ladder.changes)
+        for name, value in (("healthy", served.healthy), ("degraded", slot.degradation.use_fallback),
+                            ("level", slot.ladder.level), ("running", stats.running), ("waiting", stats.waiting),
+                            ("kv", stats.kv_usage_ratio)):
+            gauges[name].add_metric(key, float(value))
+    yield from (*families.values(), switches, steps, *gauges.values())
+    yield from _door_metrics(registry)
+    share = GaugeMetricFamily("inferd_route_share", "A route's configured share per target.", labels=["route", "model"])
+    for name, route in registry.routes.items():
+        for model, value in route.shares().items():
+            share.add_metric([name, model], value)
+    yield share
+
+
+def _door_metrics(registry: ModelRegistry) -> Iterator[Metric]:
+    """Each model's refusals at its door and its structured outputs (its slot's: they outlive
+    its revisions)."""
+    labels = ["model", "revision"]
+    rejections = CounterMetricFamily("inferd_model_rejections", "Requests refused at a model's door, by why.",
+                                     labels=[*labels, "reason"])
+    grammars = CounterMetricFamily("inferd_model_structured_requests", "A model's requests held to a grammar, "
+                                   "by where it came from.", labels=[*labels, "kind"])
+    for slot in registry.slots.values():
+        key, counts = [slot.name, slot.current.spec.revision], slot.counts.door
+        by_reason = counts.rejections_by_reason()
+        for reason in REASONS:
+            rejections.add_metric([*key, reason], by_reason.get(reason, 0))
+        for kind in GRAMMAR_KINDS:
+            grammars.add_metric([*key, kind], counts.grammars.get(kind, 0))
+    yield rejections
+    yield grammars
+
+
+def _summed(registry: ModelRegistry, counts: Callable[[ModelSlot], Mapping[str, int]]) -> dict[str, int]:
+    total: Counter[str] = Counter()
+    for slot in registry.slots.values():
+        total.update(counts(slot))
+    return dict(total)
+
+
+class EngineCollector(Collector):
+    """The first model's engine (unlabelled, as a single-model server has always had them), the
+    server's own counters, and every model's (`_model_metrics`)."""
+
+    def __init__(self, registry: ModelRegistry, gateway: Gateway, state: ServerState, slow: SlowClientCounts,
+                 streams: StreamRegistry, drift: DriftMonitor | None = None) -> None:
+        self.registry = registry
+        self.drift = drift
+        self.gateway = gateway
+        self.state = state
+        self.slow = slow
+        self.streams = streams
+        self._nvml = importlib.util.find_spec("pynvml") is not None
+        self._started = time.time()  # wall clock: vllm:lora_requests_info's timestamp
+
+    def collect(self) -> Iterator[Metric]:
+        registry = self.registry
+        primary = registry.primary.current
+        stats = primary.engine.snapshot
+        yield from _class_metrics(stats.classes)
+        yield from _cache_metrics(stats)
+        yield from _histograms(stats, self.state.model_name)
+        yield _counter_by("inferd_preemptions", "Running requests preempted, by how.", "mode", PREEMPTION_MODES,
+                          stats.preemptions)
+        yield _counter_by("inferd_timeouts", "Requests ended by a timeout, by which.", "kind", TIMEOUT_KINDS,
+                          stats.timeouts)
+        yield _counter_by("inferd_rejections", "Requests refused at the door, by why (every model's).", "reason",
+                          REASONS, _summed(registry, lambda slot: slot.counts.door.rejections_by_reason()))
+        yield _counter_by("inferd_structured_requests", "Requests held to a grammar, by where it came from "
+                          "(response_format's type, or forced tool calls); invalid: refused, it did not compile "
+                          "(every model's).", "kind", GRAMMAR_KINDS,
+                          _summed(registry, lambda slot: slot.counts.door.grammars))
+        yield from _tenant_metrics(self.gateway, [served.engine.snapshot for served in registry.served()])
+        yield GaugeMetricFamily("inferd_shed_level", "Load shedding level (0 normal .. 3).", value=stats.shed_level)
+        yield from _fault_metrics(stats)
+        yield CounterMetricFamily("inferd_drain_cut_requests", "Requests still running when a drain ended.",
+                                  value=self.state.drain_cut)
+        slow = self.slow
+        yield CounterMetricFamily("inferd_slow_client_pauses", "Streams paused: their client was not "
+                                  "reading (send buffers full).", value=slow.paused)
+        yield CounterMetricFamily("inferd_slow_client_cuts", "Streams cut: their client read nothing for "
+                                  "server.slow_client_seconds.", value=slow.cut)
+        yield from self._device(stats)
+        if self.drift is not None:
+            yield from _drift_metrics(self.drift)
+        yield GaugeMetricFamily("inferd_resumable_streams", "Resumable streams held (attached or not).",
+                                value=self.streams.held)
+        yield GaugeMetricFamily("inferd_resumable_streams_detached", "Resumable streams whose client left, "
+                                "running on or finished, within server.resume_grace_seconds.",
+                                value=self.streams.detached)
+        yield from _picker_aliases(stats, primary.engine.limits, self.state.model_name, self._started)
+        yield from _model_metrics(registry)
+
+    def _device(self, stats: EngineSnapshot) -> Iterator[Metric]:
+        memory = stats.device_memory
+        if memory is None:
+            return
+        yield GaugeMetricFamily("inferd_device_memory_used_bytes", "Device memory in use.", value=memory.used_bytes)
+        yield GaugeMetricFamily("inferd_device_memory_total_bytes", "Device memory.", value=memory.total_bytes)
+        if self._nvml:
+            import pynvml  # nvidia-ml-py: optional
+
+            pynvml.nvmlInit()
+            index = int(self.registry.primary.current.engine.limits.device.partition(":")[2] or 0)
+            utilization = pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(index)).gpu
+            yield GaugeMetricFamily("inferd_device_utilization_ratio", "GPU utilization (NVML).",
+                                    value=utilization / 100)
+
+
+def setup_metrics(app: web.Application) -> None:
+    registry = CollectorRegistry(auto_describe=False)
+    journal = app.get(REQUEST_JOURNAL)
+    registry.register(EngineCollector(app[REGISTRY], app[GATEWAY], app[STATE], app[SLOW_CLIENTS], app[RESUMABLE],
+                                      None if journal is None else journal.drift))
+    app[COLLECTORS] = registry
+    app.router.add_get("/metrics", metrics)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[COLLECTORS])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,0 +1,8 @@
+"""KV memory as block ids: which blocks each request holds, which are free, which are cached.
+
+    block_manager.py  allocate, append, free, swap; the check-then-act calls the scheduler makes
+    block_pool.py     the free list and reference counts
+    prefix_cache.py   full blocks by the hash of their tokens, for reuse across requests
+
+No tensors (a contract): the tensors themselves are worker/kv_cache.py's.
+"""

@@ -1,0 +1,58 @@
+"""One step's plan, as the scheduler hands it to the runner: ids, positions, token counts and
+block ids only, never a tensor (the runner builds those).
+
+    request's tokens   [ computed ........ | this chunk (num_tokens) | not yet ]
+                       0                 start                 start + num_tokens
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from inferd.engine.sched.request import Request
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    start: int  # position of the first new token
+    num_tokens: int  # new tokens computed this step
+    block_table: list[int]  # the request's blocks (read-only for the runner)
+
+    @property
+    def samples(self) -> bool:
+        """True when the chunk reaches the last known token, so a next token is sampled."""
+        return self.start + self.num_tokens == self.request.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One generated token. A prompt's tokens always take the prefill path, even one at a
+        time (the last one after a prefix-cache hit, a chunk's remainder): which arithmetic a
+        token meets must not depend on how its prompt was cut (batch invariance)."""
+        return self.num_tokens == 1 and self.start >= len(self.request.prompt_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    prefills: list[ScheduledChunk] = field(default_factory=list)  # prompt tokens (and recomputed output)
+    decodes: list[ScheduledChunk] = field(default_factory=list)  # one generated token each (is_decode)
+    # KV copies the runner makes before the forward, in this order (a block that swap-out frees
+    # may be reused by a swap-in or a copy-on-write of the same step)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    preempted: list[Request] = field(default_factory=list)
+    started: list[Request] = field(default_factory=list)  # scheduled for the first time
+    timed_out: list[Request] = field(default_factory=list)  # ended this step (timeout_kind says why)
+
+    @property
+    def chunks(self) -> list[ScheduledChunk]:
+        return self.prefills + self.decodes
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefills) + len(self.decodes)
+
+    @property
+    def num_prefill_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.prefills)

@@ -1,0 +1,413 @@
+"""The priority scheduler: continuous batching with chunked prefill, classes, deadlines,
+preemption and load shedding. Pure and synchronous: no torch, an injected clock, called once
+per engine step.
+
+One `schedule()`:
+
+    1. timeouts      end every request past a queue, TTFT, per-token or total deadline
+    2. shedding      the load shedder's level caps the sheddable classes (running, max_tokens)
+    3. decodes       every running request with one token to compute, most important first
+    4. prefills      chunks of running prefills and admissions of waiting requests, merged in
+                     order (class, then the tenants' fair shares, then earliest deadline),
+                     within the step's token budget
+
+Order is (rank, deadline, arrival): rank is the class's position (0 = most important), less
+one per `aging_seconds` a request has waited, so a low class is never starved; the deadline
+is the earliest of the request's TTFT target and its hard deadlines (engine/sched/deadlines.py).
+With `fairness = "vtc"` tenants share each rank: the next is the head, in that order, of the
+tenant with the fewest tokens served per weight, this step's admissions counted (fairness.py).
+When blocks or `max_num_seqs` run short, a waiting request may preempt running requests of a
+*lower class*; a running one that needs a block may preempt requests of its own class or lower.
+Victims are the lowest class first, then (vtc) the tenant furthest over its share, then the
+cheapest to resume (fewest computed tokens); a request that was resumed is not chosen again
+before it has made progress, unless nothing else can give way.
+A preempted request either frees its blocks and recomputes later (reusing the prefix cache) or
+has them copied to host memory (swap); it keeps its arrival, so it keeps its place.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from inferd.engine.protocol import ClassSnapshot, RequestSnapshot, TenantSnapshot
+from inferd.engine.sched.accounting import SchedulerAccounting, requests_snapshot
+from inferd.engine.kv.block_manager import BlockManager
+from inferd.engine.sched.deadlines import expired, order_key
+from inferd.engine.sched.fairness import FairShare
+from inferd.engine.sched.plan import ScheduledChunk, SchedulerOutput
+from inferd.settings.policy import PriorityClass, SchedulingPolicy
+from inferd.engine.sched.request import Request, RequestStatus
+from inferd.engine.sched.shedding import LoadShedder
+
+# what an admission attempt tells the loop over candidates
+_ADMITTED, _SKIP, _STOP = 0, 1, 2  # skip: a limit of the request's class; stop: the engine is full
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 policy: SchedulingPolicy | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy = policy or SchedulingPolicy()
+        self.clock = clock
+        self.classes = {c.name: c for c in policy.classes}
+        self._ranks = {c.name: rank for rank, c in enumerate(policy.ranked)}
+        num_blocks = block_manager.pool.num_blocks
+        self._reserve = {c.name: math.ceil(c.kv_reserve * num_blocks) for c in policy.classes}
+        self.shedder = LoadShedder(policy.shedding, policy.classes)
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.accounting = acct = SchedulerAccounting(policy, clock(), self.shedder.observe)
+        # its counters, where the engine reads them: per class; totals by preemption mode, timeout kind
+        self.stats, self.preemptions, self.timeouts = acct.stats, acct.preemptions, acct.timeouts
+        self._applied_level = 0
+        self.paused = 0  # requests paused now (a slow reader)
+        self.fair = FairShare() if policy.fairness == "vtc" else None  # None: fcfs, nothing counted
+        # per schedule() call
+        self._budget = 0
+        self._scheduled: dict[int, tuple[ScheduledChunk, list[tuple[int, int]]]] = {}
+
+    def reserve_blocks(self, cls: PriorityClass) -> int:
+        """Blocks `cls` may not use: its kv_reserve, kept free for more important classes."""
+        return self._reserve[cls.name]
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.preemptions.values())
+
+    def add(self, request: Request) -> None:
+        """Queue a request of one of this policy's classes, with its timeouts as given (the
+        door tightened the class's by the request's own)."""
+        cls = request.priority_class
+        assert cls is not None and self.classes.get(cls.name) == cls, f"a class this policy lacks: {cls}"
+        request.rank = self._ranks[cls.name]
+        if request.arrival_time is None:
+            request.arrival_time = self.clock()
+        if self._applied_level >= 3 and request.priority_class.sheddable:
+            request.token_cap = self.policy.shedding.max_tokens
+        self.waiting.append(request)
+        if self.fair is not None:
+            self.fair.enter(request.tenant, request.tenant_weight)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def pause(self, req: Request, paused: bool) -> None:
+        """Skip (or resume) an unfinished request's steps; it keeps its blocks and its place."""
+        if not req.status.finished and req.paused != paused:
+            req.paused = paused
+            self.paused += 1 if paused else -1
+
+    # ------------------------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        out = SchedulerOutput()
+        self._budget = self.max_num_batched_tokens
+        self._scheduled = {}
+        self.accounting.on_step(now, self.waiting)
+        self._expire(now, out)
+        if self.fair is not None:
+            self.fair.lift()  # tenants back from idle start at the active ones' level
+        self._shed(self.shedder.update(now), out)
+
+        # decodes: one token each, most important first (the order only matters when the
+        # budget cannot cover them all; victims for short blocks are chosen by rank anyway)
+        if len(self.running) > self._budget:
+            self.running.sort(key=lambda r: order_key(r, now, self.policy.aging_seconds))
+        bm = self.block_manager
+        for req in list(self.running):
+            if self._budget <= 0:
+                break
+            if req.status == RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1 and not req.paused:
+                # (the common case inline: blocks suffice; _grow preempts when they do not)
+                copies = bm.append(req.seq_id, 1, reserve=self._reserve[req.priority_class.name])
+                if copies is None:
+                    self._grow(req, 1, out)
+                else:
+                    out.block_copies += copies
+                    self._add_chunk(out, req, 1, copies)
+
+        # prefills: running chunks and admissions, merged in order
+        candidates = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1] + self.waiting
+        if self.paused:  # (rare: skipped until resumed, their blocks kept)
+            candidates = [r for r in candidates if not r.paused]
+        if self.fair is None:
+            candidates.sort(key=lambda r: order_key(r, now, self.policy.aging_seconds))
+        else:  # each rank shared between its tenants
+            candidates = self.fair.order(candidates, lambda r: order_key(r, now, self.policy.aging_seconds))
+        held_back: set[str] = set()  # classes at a limit of their own (KV reserve, shedding)
+        admitting = True
+        for req in candidates:
+            if self._budget <= 0:
+                break
+            if req in out.preempted:
+                admitting = False  # a victim of this step waits for the next; no one overtakes it
+            if req.seq_id in self._scheduled or req.priority_class.name in held_back:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                n = min(req.num_tokens - req.num_computed_tokens, self._budget)
+                if not self._grow(req, n, out):
+                    admitting = False  # nobody new may take what this one could not get
+            elif req.status == RequestStatus.WAITING and admitting:
+                verdict = self._admit(req, now, out)
+                if verdict == _STOP:
+                    admitting = False
+                elif verdict == _SKIP:  # nor may a later request of its class
+                    held_back.add(req.priority_class.name)
+            # NOTE: requests already running go on even after admissions stop. Whoever stopped
+            # them found no one to preempt, so the rest are at least as important, and their
+            # progress is what frees the seat or the blocks it waits for.
+        return out
+
+    # ------------------------------------------------------------------- growing and admitting
+
+    def _grow(self, req: Request, n: int, out: SchedulerOutput) -> bool:
+        """Room for `n` more tokens of a running request, preempting others (or itself) if
+        needed; schedules the chunk. False when it got nothing this step."""
+        bm = self.block_manager
+        reserve = self._reserve[req.priority_class.name]
+        while (copies := bm.append(req.seq_id, n, reserve=reserve)) is None:
+            victim = self._pick_victim(req, strictly_lower=False)
+            if victim is None:
+                return False
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        out.block_copies += copies
+        self._add_chunk(out, req, n, copies)
+        return True
+
+    def _admit(self, req: Request, now: float, out: SchedulerOutput) -> int:
+        """Start (or resume) a waiting request if the engine and its class allow."""
+        cls = req.priority_class
+        bm = self.block_manager
+        reserve = self._reserve[cls.name]
+        if self._applied_level >= 2 and cls.sheddable:
+            cap = self.policy.shedding.max_running
+            if sum(1 for r in self.running if r.priority_class is cls) >= cap:
+                return _SKIP
+        while len(self.running) + 1 + len(req.forks_pending) > self.max_num_seqs:
+            victim = self._pick_victim(req, strictly_lower=True)
+            if victim is None:
+                return _STOP
+            self._preempt(victim, out)
+
+        if req.swapped:
+            while (pairs := bm.swap_in(req.seq_id, reserve=reserve)) is None:
+                victim = self._pick_victim(req, strictly_lower=True)
+                if victim is None:
+                    return _SKIP if bm.can_swap_in(req.seq_id) else _STOP
+                self._preempt(victim, out)
+            out.swap_in += pairs
+            req.swapped = False
+            self._start(req, now, out)
+            n = min(req.num_tokens - req.num_computed_tokens, self._budget)
+            # (the table may already cover a token whose step was taken back when it was swapped)
+            grow = max(0, req.num_computed_tokens + n - bm.num_tokens(req.seq_id))
+            copies = bm.append(req.seq_id, grow, reserve=reserve)
+            if copies is not None:  # else it runs from the next step on
+                out.block_copies += copies
+                self._add_chunk(out, req, n, copies)
+            return _ADMITTED
+
+        tokens = req.token_ids(0, req.num_tokens)
+        while True:
+            cached = bm.cached_prefix(tokens)
+            n = min(req.num_tokens - cached, self._budget)
+            if bm.allocate(req.seq_id, cached + n, tokens, reserve=reserve) is not None:
+                break
+            victim = self._pick_victim(req, strictly_lower=True)
+            if victim is None:  # short for everyone, or only for this class (its KV reserve)?
+                return _SKIP if bm.can_allocate(cached + n, tokens) else _STOP
+            self._preempt(victim, out)
+        req.num_computed_tokens = cached
+        if req.num_preemptions == 0:
+            req.num_cached_tokens = cached
+            self.accounting.on_cached(req, cached)
+        self._start(req, now, out)
+        self._add_chunk(out, req, n, [])
+        return _ADMITTED
+
+    def _start(self, req: Request, now: float, out: SchedulerOutput) -> None:
+        self.waiting.remove(req)
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        req.progress_mark = len(req.output_ids)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = now
+            self.accounting.on_start(req, now)
+            out.started.append(req)
+
+    def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, copies: list[tuple[int, int]]) -> None:
+        chunk = ScheduledChunk(req, req.num_computed_tokens, n, self.block_manager.block_table(req.seq_id))
+        (out.decodes if chunk.is_decode else out.prefills).append(chunk)
+        self._scheduled[req.seq_id] = (chunk, copies)
+        self._budget -= n
+
+    # ------------------------------------------------------------------------------ preemption
+
+    def _pick_victim(self, needy: Request, strictly_lower: bool) -> Request | None:
+        """Whom to preempt so that `needy` can run: the lowest class, then (vtc) the tenant furthest
+        over its share, then the cheapest to resume. A running `needy` competes (it may give way)."""
+        fair = self.fair
+
+        def worse(r: Request) -> tuple[int, float, int, float, int]:
+            counter = 0.0 if fair is None else fair.counter(r.tenant)
+            return r.rank, counter, -r.num_computed_tokens, r.arrival_time, r.seq_id
+
+        pool = [r for r in self.running if r.rank > needy.rank] if strictly_lower else \
+            [r for r in self.running if r.rank >= needy.rank]
+        if not pool:
+            return None
+        unprotected = [r for r in pool if not self._protected(r)]
+        if unprotected:
+            return max(unprotected, key=worse)
+        # NOTE: everyone left was just resumed. Giving way in order (lowest class, cheapest)
+        # still lets the most important of them progress, so nothing waits forever.
+        victim = max(pool, key=worse)
+        return None if victim is needy else victim
+
+    @staticmethod
+    def _protected(req: Request) -> bool:
+        """Resumed after a preemption and has not produced a token since: no thrashing."""
+        return req.num_preemptions > 0 and len(req.output_ids) <= req.progress_mark
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        scheduled = self._scheduled.pop(req.seq_id, None)
+        if scheduled is not None:  # it was given a chunk earlier in this step: take it back
+            chunk, copies = scheduled
+            (out.decodes if chunk.is_decode else out.prefills).remove(chunk)
+            for pair in copies:
+                out.block_copies.remove(pair)
+            self._budget += chunk.num_tokens
+        mode = "recompute"
+        if self.policy.preemption_mode == "swap":
+            pairs = self.block_manager.swap_out(req.seq_id)
+            if pairs is not None:
+                mode = "swap"
+                # NOTE: a copy-on-write taken back above never ran: its destination holds
+                # nothing yet, so that block's contents come from the source
+                cow = {dst: src for src, dst in scheduled[1]} if scheduled else {}
+                out.swap_out += [(cow.get(device, device), host) for device, host in pairs]
+                req.swapped = True
+        if mode == "recompute":
+            self.block_manager.free(req.seq_id)
+            req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.accounting.on_preempt(req, mode)
+        self.waiting.insert(0, req)  # (the order is by key; the front is where it usually sorts)
+        out.preempted.append(req)
+
+    # ---------------------------------------------------------------------- timeouts, shedding
+
+    def _expire(self, now: float, out: SchedulerOutput) -> None:
+        for req in [*self.running, *self.waiting]:
+            if (kind := expired(req, now)) is not None:
+                req.timeout_kind = kind
+                self.accounting.on_timeout(req, kind)
+                self.finish(req, RequestStatus.FINISHED_TIMEOUT)
+                out.timed_out.append(req)
+
+    def _shed(self, level: int, out: SchedulerOutput) -> None:
+        """Apply the shedder's level to the sheddable classes (level 1 acts at the door)."""
+        shed = self.policy.shedding
+        if level >= 2:
+            for cls in self.policy.classes:
+                if not cls.sheddable:
+                    continue
+                members = [r for r in self.running if r.priority_class is cls and not self._protected(r)]
+                members.sort(key=lambda r: r.num_computed_tokens)  # cheapest to resume first
+                for victim in members[: max(0, len(members) - shed.max_running)]:
+                    self._preempt(victim, out)
+        if (level >= 3) != (self._applied_level >= 3):
+            cap = shed.max_tokens if level >= 3 else None
+            for req in [*self.running, *self.waiting]:
+                if req.priority_class.sheddable:
+                    req.token_cap = cap
+        self._applied_level = level
+
+    # -------------------------------------------------------------------- results, snapshots
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> None:
+        """Record a finished step: computed counts and the sampled token of each request.
+
+        A request with pending forks (n > 1) hands its blocks to them at its first token: each
+        fork shares the prompt's blocks (copy-on-write later) and starts with its own token.
+        """
+        now = self.clock()
+        bm = self.block_manager
+        block_size = bm.block_size
+        acct = self.accounting
+        on_token = acct.on_token  # (bound once: called per token)
+        for chunks in (out.prefills, out.decodes):  # out.chunks' order, without the copy
+            for chunk in chunks:
+                req = chunk.request
+                req.num_computed_tokens += chunk.num_tokens
+                if req.num_computed_tokens // block_size != chunk.start // block_size:  # a block filled up
+                    bm.commit(req.seq_id, req.num_computed_tokens, req.token_ids)
+                if chunk.start < len(req.prompt_ids):
+                    acct.on_prefill(req, chunk.start)
+                token = sampled.get(req.seq_id)
+                if token is None:
+                    continue
+                if req.forks and not req.output_ids:  # req.forks_pending, without a list per call
+                    self._start_forks(req, sampled, now)
+                req.output_ids.append(token)
+                on_token(req, now)
+        if self.fair is not None:  # (fcfs counts nothing)
+            self.fair.charge_step(out)
+
+    def _start_forks(self, root: Request, sampled: dict[int, int], now: float) -> None:
+        """At the root's first token each fork takes its blocks, class, deadlines and timeline."""
+        for fork in root.forks:
+            self.block_manager.fork(root.seq_id, fork.seq_id)
+            fork.priority_class, fork.rank, fork.timeouts = root.priority_class, root.rank, root.timeouts
+            fork.arrival_time, fork.first_scheduled_time = root.arrival_time, root.first_scheduled_time
+            fork.token_cap = root.token_cap
+            fork.status = RequestStatus.RUNNING
+            fork.num_computed_tokens = root.num_computed_tokens
+            fork.output_ids.append(sampled[fork.seq_id])
+            self.accounting.on_token(fork, now)
+            self.running.append(fork)
+            if self.fair is not None:
+                self.fair.enter(fork.tenant, fork.tenant_weight)
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        """End a request (stopped, length, aborted, timed out) and return its blocks at once."""
+        if req.status.finished:
+            return  # an abort racing a finish: already freed
+        self.pause(req, False)  # (a paused one leaves the count)
+        bm = self.block_manager
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            bm.free(req.seq_id)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+            if req.swapped:
+                bm.free_swapped(req.seq_id)
+                req.swapped = False
+        else:  # never queued here: a fork that never started (its group ended before the prompt did)
+            req.status = status
+            return
+        if self.fair is not None:
+            self.fair.leave(req.tenant)
+        req.status = status
+        self.accounting.on_finish(req, status, self.clock())
+
+    def requests_snapshot(self, limit: int) -> list[RequestSnapshot]:
+        """Up to `limit` unfinished requests, running ones first."""
+        return requests_snapshot([*self.running, *self.waiting][:limit], self.clock())
+
+    def snapshot(self) -> list[ClassSnapshot]:
+        """Every class's state now, most important first (O(waiting + running))."""
+        return self.accounting.snapshot(self.clock(), self.waiting, self.running, self.block_manager.block_table)
+
+    def tenants_snapshot(self) -> tuple[TenantSnapshot, ...]:
+        """Every tenant's fair share now (none under fcfs)."""
+        return () if self.fair is None else self.fair.snapshot(self.waiting, self.running)

@@ -1,0 +1,8 @@
+"""Grammar-constrained decoding (llguidance), shared by both sides of the seam.
+
+    grammar.py  grammar text from JSON schemas, regexes, choices, Lark; the compiler and the
+                per-choice constraint (the API compiles, a bad grammar is the client's 400)
+    masks.py    a step's token masks, filled on a worker thread while the model runs
+
+No torch: part of the engine's face.
+"""

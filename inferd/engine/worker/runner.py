@@ -1,0 +1,176 @@
+"""Turns a scheduler's plan (ids and counts) into tensors, runs the model, samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from inferd.engine.worker.cuda_graphs import DecodeGraphs
+from inferd.engine.worker.kv_cache import KVCache
+from inferd.engine.structured.masks import MaskFiller
+from inferd.engine.sched.request import Request
+from inferd.engine.sched.plan import ScheduledChunk, SchedulerOutput
+from inferd.model.llama import LlamaModel, StepAttention
+from inferd.model.quant import DENSE_PREFILL_MIN_TOKENS
+from inferd.model.sampler import Sampler, SamplerOutput
+from inferd.model.tensors import device_tensor
+
+
+@dataclass
+class StepResult:
+    seq_ids: list[int]  # the sequences (choices) that sampled a token, in row order
+    sampled: SamplerOutput
+    # choices whose own logits constraint raised: their row sampled unconstrained, to be failed
+    failed: dict[int, Exception] = field(default_factory=dict)
+
+    @classmethod
+    def concat(cls, parts: list[StepResult]) -> StepResult:
+        """One result from the results of a step run in pieces (rows in the pieces' order)."""
+        if len(parts) == 1:
+            return parts[0]
+        seq_ids = [s for p in parts for s in p.seq_ids]
+        token_ids = [t for p in parts for t in p.sampled.token_ids]
+        failed = {k: v for p in parts for k, v in p.failed.items()}
+        if all(p.sampled.logprobs is None for p in parts):
+            return cls(seq_ids, SamplerOutput(token_ids, None, None), failed)
+        # a piece whose rows asked for no logprobs has none: its rows never read them
+        logprobs = [x for p in parts for x in (p.sampled.logprobs or [0.0] * len(p.seq_ids))]
+        top = [x for p in parts for x in (p.sampled.top_logprobs or [[] for _ in p.seq_ids])]
+        return cls(seq_ids, SamplerOutput(token_ids, logprobs, top), failed)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, sampler: Sampler | None = None,
+                 graphs: DecodeGraphs | None = None) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler = sampler or Sampler()
+        self.device = model.device
+        self.graphs = graphs  # CUDA graphs for decode-only steps, if captured
+        self._generators: dict[int, torch.Generator] = {}  # per seeded request, advanced every step
+        self.masks = MaskFiller(model.cfg.vocab_size)
+
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        self.apply_block_ops(out)
+        return self.run(out.prefills, out.decodes)
+
+    def apply_block_ops(self, out: SchedulerOutput) -> None:
+        """The step's block moves, before any forward that reads them."""
+        # this order: a block swap-out frees may be reused by a swap-in or copy-on-write
+        self.kv_cache.swap_out(out.swap_out)
+        self.kv_cache.swap_in(out.swap_in)
+        self.kv_cache.copy_blocks(out.block_copies)
+
+    def run(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> StepResult:
+        """Forward these chunks and sample a token for each that ends its prompt or decodes."""
+        prefills = sorted(prefills, key=lambda c: not _dense_prefill(c))  # (dense rows first: StepAttention)
+        chunks = prefills + decodes
+        # one row per sampling request, plus one per fork (n > 1) that starts from the same logits
+        rows: list[Request] = []
+        logit_rows: list[int] = []
+        for i, chunk in enumerate(c for c in chunks if c.samples):
+            for request in (chunk.request, *chunk.request.forks_pending):
+                rows.append(request)
+                logit_rows.append(i)
+        # the grammar masks are computed while the model runs; never left running past this call
+        pending = self.masks.start([r.constraint for r in rows])
+        try:
+            logits = self._forward(prefills, decodes)
+        finally:
+            masks, failed_rows = pending.result() if pending is not None else (None, {})
+        if len(logit_rows) != logits.shape[0]:
+            logits = logits[logit_rows]
+        sampled = self.sampler(
+            logits,
+            [r.params for r in rows],
+            [r.output_ids for r in rows],
+            [self._generator(r) for r in rows],
+            None if masks is None else torch.from_numpy(masks).to(self.device, non_blocking=True),
+        )
+        return StepResult([r.seq_id for r in rows], sampled, {rows[i].seq_id: e for i, e in failed_rows.items()})
+
+    def _forward(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> torch.Tensor:
+        if self.graphs is not None and not prefills and self.graphs.covers(decodes):
+            return self.graphs.run(decodes)
+        input_ids, positions, attn, logits_indices = self._prepare(prefills, decodes)
+        return self.model.forward(input_ids, positions, self.kv_cache.layers, attn, logits_indices)
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished request's sampling state."""
+        self._generators.pop(seq_id, None)
+
+    def _generator(self, request: Request) -> torch.Generator | None:
+        seed = request.params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(request.seq_id)
+        if gen is None:
+            # choice i of a seeded n > 1 request draws from seed + i, so choices differ
+            gen = torch.Generator(device=self.device).manual_seed(seed + request.index)
+            self._generators[request.seq_id] = gen
+        return gen
+
+    def _prepare(
+        self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]
+    ) -> tuple[torch.Tensor, torch.Tensor, StepAttention, torch.Tensor]:
+        # NOTE: built in plain Python, then one torch.tensor per buffer: every torch op releases
+        # the GIL, and while the event loop thread is busy streaming, each re-acquisition can
+        # wait a whole switch interval (5 ms), so a few dozen small ops cost more than the lists.
+        chunks = prefills + decodes
+        bs = self.kv_cache.block_size
+        device = self.device
+        ids: list[int] = []  # [T]
+        positions: list[int] = []  # [T]
+        slot_mapping: list[int] = []  # [T]
+        logits_indices: list[int] = []  # [S]
+        seq_lens: list[int] = []  # [N]
+        query_lens: list[int] = []  # [N]
+        for c in chunks:
+            start, n = c.start, c.num_tokens
+            end = start + n
+            ids += c.request.token_ids(start, end)
+            table = c.block_table
+            if n == 1:
+                positions.append(start)
+                slot_mapping.append(table[start // bs] * bs + start % bs)
+            else:
+                positions += range(start, end)
+                slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
+            if c.samples:
+                logits_indices.append(len(ids) - 1)
+            seq_lens.append(end)
+            query_lens.append(n)
+        # block tables cut to each chunk's context and padded with block 0 to the widest
+        widths = [-(-n // bs) for n in seq_lens]
+        max_blocks = max(widths)
+        rows = [c.block_table[:w] + [0] * (max_blocks - w) for c, w in zip(chunks, widths)]  # [N, max_blocks]
+
+        backend = self.model.attention
+        dense = sum(1 for c in prefills if _dense_prefill(c))  # (first: run sorted them)
+        # short prompts attend row by row through the decode kernel where the backend can (the
+        # CPU's): one row per token, its context up to itself, no padding of the context
+        p = dense if backend.row_prefill else len(prefills)
+        tables: list[list[int]] = []
+        lens: list[int] = []
+        for row, end, n in zip(rows[p:], seq_lens[p:], query_lens[p:]):
+            tables += [row] * n
+            lens += range(end - n + 1, end + 1)
+        attn = StepAttention(
+            slot_mapping=device_tensor(slot_mapping, torch.int64, device),
+            num_prefill_tokens=sum(query_lens[:p]),
+            dense_rows=sum(query_lens[:dense]),
+            prefill=backend.plan_prefill(rows[:p], seq_lens[:p], query_lens[:p], bs, device) if p else None,
+            decode=backend.plan_decode(tables, lens, bs, device) if tables else None,
+        )
+        return (
+            device_tensor(ids, torch.int64, device),
+            device_tensor(positions, torch.int64, device),
+            attn,
+            device_tensor(logits_indices, torch.int64, device),
+        )
+
+
+def _dense_prefill(chunk: ScheduledChunk) -> bool:
+    """A long prompt's chunk: its rows multiply by packed layers' dense copies (quant.SplitLinear)."""
+    return len(chunk.request.prompt_ids) >= DENSE_PREFILL_MIN_TOKENS

@@ -1,0 +1,115 @@
+"""Settings of several models in one process: [models.NAME], [routes.NAME] and [degradation].
+
+    [models.small]                      one engine (and engine thread) per table
+    path = "/models/small.gguf"         a GGUF file or a Hugging Face folder; none: the embedded one
+    aliases = ["fast"]                  more names clients may send
+    revision = "2026-11-30"             shown in /v1/models, the x-inferd-model header, metrics
+    kv_cache_memory = "512MiB"          its own share, so a second model never starves the first
+    fallback = "tiny"                   where its new requests go while it is unhealthy or overloaded
+
+    [routes.chat]                       a name clients send that is neither a model nor an alias
+    targets = { small = 95, large = 5 } a split by weight, sticky per `user`
+    rules = [{ tiers = ["vip"], model = "large" }]      tenant tiers, tenants or classes first
+
+No [models] table: the one model of [model], as before.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from inferd.settings.values import parse_memory
+
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}")  # (a label value and a URL path segment)
+
+
+class _Table(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelTable(_Table):
+    path: str | None = None  # GGUF file or Hugging Face folder; None: the embedded SmolLM2
+    aliases: tuple[str, ...] = ()
+    revision: str = "1"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None  # None: [model] dtype
+    kv_cache_memory: float | None = None  # bytes or a fraction of free memory; None: [cache] kv_cache_memory
+    fallback: str | None = None  # a model (not a route) for its new requests while it is degraded
+    # JSON lines {"prompt": ..., "expected": ...}: greedy continuations a new revision must
+    # reproduce before a reload moves traffic to it
+    eval_file: str | None = None
+
+    @field_validator("kv_cache_memory", mode="before")
+    @classmethod
+    def _memory(cls, value: Any) -> float | None:
+        return None if value is None or value == "auto" else parse_memory(value)
+
+
+class RuleTable(_Table):
+    """Callers matching every non-empty list go to `model`."""
+
+    model: str
+    classes: tuple[str, ...] = ()
+    tenants: tuple[str, ...] = ()
+    tiers: tuple[str, ...] = ()
+
+
+class RouteTable(_Table):
+    kind: Literal["split", "cascade"] = "split"
+    targets: dict[str, float] = Field(default_factory=dict)  # split: model -> weight
+    rules: tuple[RuleTable, ...] = ()
+    small: str | None = None  # cascade: answer with this model first,
+    large: str | None = None  # escalate to this one when the small answer is unsure:
+    threshold: float = Field(default=-1.0, le=0)  # its token logprobs' measure under this
+    measure: Literal["mean", "min"] = "mean"
+
+    @model_validator(mode="after")
+    def _complete(self) -> RouteTable:
+        if self.kind == "cascade" and (self.small is None or self.large is None):
+            raise ValueError("a cascade route needs small and large")
+        if self.kind == "split" and not self.targets and not self.rules:
+            raise ValueError("a split route needs targets")
+        return self
+
+
+class DegradationSettings(_Table):
+    """Persistent overload triggers (None: off), for fallbacks and the functional ladder."""
+
+    queue_p95_seconds: float | None = Field(default=None, gt=0)
+    preemptions_per_minute: float | None = Field(default=None, gt=0)
+    ooms_per_minute: float | None = Field(default=None, gt=0)
+    hold_seconds: float = Field(default=10.0, ge=0)  # a trigger must hold this long to count
+    recover_seconds: float = Field(default=30.0, ge=0)  # and be clear this long to end
+    # the functional ladder (streams answered whole, then max_tokens capped, then the lowest of
+    # these classes refused) applies to these classes; empty: off
+    classes: tuple[str, ...] = ()
+    max_tokens_ceiling: int = Field(default=256, ge=1)
+
+
+def check_models(models: dict[str, ModelTable], routes: dict[str, RouteTable], classes: set[str]) -> None:
+    """ValueError naming the problem: a name twice (models, aliases, routes), a fallback or a
+    route target that is not a model, an unknown class."""
+    owner: dict[str, str] = {}
+    for name, table in models.items():
+        for served in (name, *table.aliases):
+            if not MODEL_NAME.fullmatch(served):
+                raise ValueError(f"models.{name}: {served!r} is not a valid model name")
+            if served in owner:
+                raise ValueError(f"models.{name}: the name {served!r} is already taken by {owner[served]}")
+            owner[served] = f"model {name!r}"
+    for name, table in models.items():
+        if table.fallback is not None and (table.fallback not in models or table.fallback == name):
+            raise ValueError(f"models.{name}: fallback {table.fallback!r} is not another model; "
+                             f"the models are {list(models)}")
+    for name, route in routes.items():
+        if not MODEL_NAME.fullmatch(name) or name in owner:
+            raise ValueError(f"routes.{name}: the name is invalid or already taken by {owner.get(name)}")
+        named = [*route.targets, *(r.model for r in route.rules), *filter(None, (route.small, route.large))]
+        unknown = [m for m in named if m not in models]
+        if unknown:
+            raise ValueError(f"routes.{name}: {unknown} are not models; the models are {list(models)}")
+        bad = [c for r in route.rules for c in r.classes if c not in classes]
+        if bad:
+            raise ValueError(f"routes.{name}: unknown classes {bad}")

@@ -1,0 +1,44 @@
+"""The value helpers every settings table shares: sizes, text files, key digests, the error."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class SettingsError(ValueError):
+    """An invalid setting; the message names the key and the allowed values."""
+
+
+def read_lines(path: str, setting: str) -> list[str]:
+    """The lines of a text file a setting names (keys file, blocklist); SettingsError naming the
+    setting and the reason when it cannot be read as UTF-8 text."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise SettingsError(f"{setting}: cannot read {path} ({reason})") from None
+
+
+def parse_memory(value: Any) -> float:
+    """Bytes ("2GiB", "512MB", 1073741824) or a fraction of free memory (0 < x <= 1)."""
+    if isinstance(value, bool):
+        raise ValueError("expected bytes like '2GiB' or a fraction in (0, 1]")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not match or match.group(2).lower() not in _UNITS:
+            raise ValueError(f"{value!r} is not a size: use bytes like '2GiB' or '512MB', or a fraction in (0, 1]")
+        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if number <= 0:
+        raise ValueError("must be positive")
+    return number
+
+
+SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")  # a key's digest, as settings and the keys file hold it
+DIGEST_HINT = "64 hex characters; make one with `printf %s KEY | sha256sum`"
