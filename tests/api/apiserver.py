@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -23,9 +24,10 @@ from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.llm_engine import LLMEngine
 
 MODEL = "smollm2"
-# (the weights' id, deterministic mode) -> the start-up probe's tokens, recorded by the first server
-# over those weights: later servers over them start probed, as the tokens are the same
-_PROBE_TOKENS: dict[tuple[int, bool], list[int]] = {}
+# the weights -> {deterministic mode: the start-up probe's tokens}, recorded by the first server
+# over those weights: later servers over them start probed, as the tokens are the same (weak
+# keys: a model loaded for one test leaves with it, and its id() can never name another's)
+_PROBE_TOKENS: weakref.WeakKeyDictionary[Any, dict[bool, list[int]]] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -69,22 +71,33 @@ async def serve(llm: LLMEngine | ModelRegistry, settings: Settings | None = None
         settings = settings.model_copy(update={"model": settings.model.model_copy(update={"name": MODEL})})
     app = create_app(llm if isinstance(llm, ModelRegistry) else AsyncEngine(llm), settings, api_keys, reload_keys)
     primary = app[REGISTRY].primary.current  # (the first model's revision at start-up)
-    probe_key = (id(llm.model), llm.config.deterministic) if isinstance(llm, LLMEngine) else None
-    if probe_key in _PROBE_TOKENS:
-        primary.probe.expected = _PROBE_TOKENS[probe_key]  # (the periodic probes still compare against it)
+    for served in app[REGISTRY].served():
+        recorded = _PROBE_TOKENS.get(_weights(served.engine), {}).get(_deterministic(served.engine))
+        if recorded is not None:
+            served.probe.expected = recorded  # (the periodic probes still compare against it)
     test_server = TestServer(app)
     await test_server.start_server()
     try:
         async with aiohttp.ClientSession(base_url=test_server.make_url("")) as session:
             await wait_ready(app[STATE])
-            if probe_key is not None and primary.probe.expected is not None:
-                _PROBE_TOKENS.setdefault(probe_key, primary.probe.expected)
+            for served in app[REGISTRY].served():
+                if served.probe.expected is not None:
+                    tokens = _PROBE_TOKENS.setdefault(_weights(served.engine), {})
+                    tokens.setdefault(_deterministic(served.engine), served.probe.expected)
             yield Server(primary.engine, primary.door, session, test_server)
         for served in app[REGISTRY].served():
             if served.engine.alive:  # (a test may have stopped it)
                 await assert_pool_whole(served.engine, served.door)
     finally:
         await test_server.close()
+
+
+def _weights(engine: AsyncEngine) -> Any:
+    return engine._engine.model  # (a test's look behind the face: which weights it computes with)
+
+
+def _deterministic(engine: AsyncEngine) -> bool:
+    return engine._engine.config.deterministic
 
 
 async def wait_ready(state: ServerState, within: float = 30.0) -> None:

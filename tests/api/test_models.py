@@ -16,6 +16,7 @@ import sys
 import weakref
 from collections import Counter
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,22 +50,30 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
-def loader(llm: LLMEngine) -> Any:
-    """big shares the session's weights; big2 gets a copy of its own (its weight is flipped in
-    a test); anything with a path is loaded from it, as `inferd serve` does."""
+@pytest.fixture(scope="module")
+def big2_weights(llm: LLMEngine) -> Any:
+    """big2's own copy of the weights, for the module (a test flips one of its weights, and puts it back)."""
+    return copy.deepcopy(llm.model)
+
+
+def loader(llm: LLMEngine, big2_weights: Any) -> Any:
+    """big shares the session's weights, big2 has its copy; anything with a path is loaded from
+    it, as `inferd serve` does."""
     def load(spec: ModelSpec) -> AsyncEngine:
         config = EngineConfig(dtype="float32", kv_cache_memory=spec.kv_cache_memory or KV, model=spec.path)
         if spec.path is not None:
             return AsyncEngine(LLMEngine.from_config(config))
-        model = llm.model if spec.name == "big" else copy.deepcopy(llm.model)
+        model = llm.model if spec.name == "big" else big2_weights
         return AsyncEngine(LLMEngine(model, llm.tokenizer, config))
     return load
 
 
-def settings_for(tiny: Path, **extra: Any) -> Settings:
+def settings_for(tiny: Path, probe_interval: float = 0.0, **extra: Any) -> Settings:
+    """`probe_interval`: 0, the start-up probe only; the idle probes of three models every 0.2 s
+    would keep the two cores busy under every other test (only the failing-probe test needs them)."""
     digest = hashlib.sha256(ADMIN_KEY.encode()).hexdigest()
     return Settings.model_validate({
-        "server": {"probe_interval_seconds": 0.2, "admin_key_sha256": [digest]},
+        "server": {"probe_interval_seconds": probe_interval, "admin_key_sha256": [digest]},
         "models": {
             "big": {"revision": "a", "aliases": ["smol"]},
             "big2": {"revision": "b", "fallback": "tiny"},
@@ -81,13 +90,27 @@ def settings_for(tiny: Path, **extra: Any) -> Settings:
     })
 
 
-@pytest_asyncio.fixture
-async def server(llm: LLMEngine, tiny_folder: Path) -> AsyncIterator[Server]:
-    settings = settings_for(tiny_folder)
-    fleet = load_models(settings, loader(llm))
+@asynccontextmanager
+async def serve_models(llm: LLMEngine, big2_weights: Any, tiny_folder: Path,
+                       probe_interval: float = 0.0) -> AsyncIterator[Server]:
+    settings = settings_for(tiny_folder, probe_interval)
+    fleet = load_models(settings, loader(llm, big2_weights))
     user = hashlib.sha256(USER_KEY.encode()).hexdigest()
     async with serve(fleet, settings, api_keys=frozenset({user})) as s:
         s.session.headers["Authorization"] = f"Bearer {USER_KEY}"
+        yield s
+
+
+@pytest_asyncio.fixture
+async def server(llm: LLMEngine, big2_weights: Any, tiny_folder: Path) -> AsyncIterator[Server]:
+    async with serve_models(llm, big2_weights, tiny_folder) as s:
+        yield s
+
+
+@pytest_asyncio.fixture
+async def probing_server(llm: LLMEngine, big2_weights: Any, tiny_folder: Path) -> AsyncIterator[Server]:
+    """Every model probed again each 0.2 s while idle."""
+    async with serve_models(llm, big2_weights, tiny_folder, probe_interval=0.2) as s:
         yield s
 
 
@@ -154,7 +177,8 @@ async def test_a_90_10_route_splits_400_requests_within_5_points_and_sticks_per_
         assert len(set(picks[3 * i:3 * i + 3])) == 1, (user, picks[3 * i:3 * i + 3])
 
 
-async def test_a_model_failing_its_probe_sends_to_its_fallback_until_recovered(server: Server) -> None:
+async def test_a_model_failing_its_probe_sends_to_its_fallback_until_recovered(probing_server: Server) -> None:
+    server = probing_server
     fleet = fleet_of(server)
     slot = fleet.slots["big2"]
     first = slot.current.probe.expected[0]
@@ -269,7 +293,8 @@ async def test_a_models_door_counts_outlive_a_reload(server: Server) -> None:
     assert page["rejections"] == {"deadline": 1}  # the first model's, across its revisions
 
 
-async def test_a_tenants_fair_share_is_summed_over_every_models_engine(llm: LLMEngine, tiny_folder: Path) -> None:
+async def test_a_tenants_fair_share_is_summed_over_every_models_engine(llm: LLMEngine, big2_weights: Any,
+                                                                        tiny_folder: Path) -> None:
     """Each engine keeps its own fair-share counters; /v1/status, /admin/tenants and /metrics
     show a tenant's over every model, not the first model's alone."""
     key = "sk-tenant-acme"
@@ -278,7 +303,7 @@ async def test_a_tenants_fair_share_is_summed_over_every_models_engine(llm: LLME
     server_table = {"probe_interval_seconds": 0, "admin_key_sha256": [hashlib.sha256(ADMIN_KEY.encode()).hexdigest()]}
     settings = settings_for(tiny_folder, server=server_table,
                             tenants={"acme": {"key_sha256": [hashlib.sha256(key.encode()).hexdigest()]}})
-    async with serve(load_models(settings, loader(llm)), settings) as server:
+    async with serve(load_models(settings, loader(llm, big2_weights)), settings) as server:
         server.session.headers["Authorization"] = f"Bearer {key}"
         for model in ("big", "tiny"):
             assert (await complete(server, model, max_tokens=3))[0] == 200
