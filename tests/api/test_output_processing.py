@@ -19,7 +19,7 @@ from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
 from inferd.model.sampling_params import SamplingParams
 
-pytestmark = [pytest.mark.asyncio, pytest.mark.slow]
+pytestmark = pytest.mark.asyncio
 
 # (endpoint, body, max_tokens): greedy requests whose text has sentences (and newlines), and
 # words the tokenizer splits ("Mona": " Mon" + "a")

@@ -803,8 +803,13 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert all(bm.pool.refcount(b) == 0 for b in range(bm.pool.num_blocks))
 
 
-BlockManagerMachine.TestCase.settings = settings(
-    max_examples=200, stateful_step_count=50, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-test_block_manager_state_machine = BlockManagerMachine.TestCase
+def _state_machine_test(examples: int) -> type:
+    """The machine as a test case of `examples` runs of up to 50 steps each."""
+    case = type(f"BlockManagerMachine{examples}", (BlockManagerMachine.TestCase,), {})
+    case.settings = settings(max_examples=examples, stateful_step_count=50, deadline=None,
+                             suppress_health_check=[HealthCheck.too_slow])
+    return case
+
+
+test_block_manager_state_machine_in_full = pytest.mark.soak(_state_machine_test(200))
+test_block_manager_state_machine = _state_machine_test(50)  # the default tier's twin

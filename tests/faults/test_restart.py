@@ -163,7 +163,6 @@ async def kill_mid_stream_then_ask_again(supervisor: Supervisor) -> tuple[str, l
         return reference, endings, cut_after, second, ready, await greedy_text(session, second.url)
 
 
-@pytest.mark.slow
 def test_a_server_killed_with_sigkill_is_restarted_and_serves_the_same_answers_once_ready(
         supervisor: Supervisor) -> None:
     supervisor.start()
