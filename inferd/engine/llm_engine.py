@@ -18,13 +18,10 @@ from dataclasses import dataclass
 
 import torch
 
-from inferd.engine.protocol import Histogram
-from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.builder import build_execution, load_model
 from inferd.engine.config import EngineConfig
-from inferd.engine.worker.executor import StepExecutor, StepFailed
-from inferd.engine.worker.faults import FaultInjector
 from inferd.engine.health import EngineHealth
+from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.output.blocklist import CONTENT_FILTER, output_filter
 from inferd.engine.output.processor import OutputProcessor
 from inferd.engine.protocol import (
@@ -33,17 +30,20 @@ from inferd.engine.protocol import (
     EngineOutput,
     EngineRequest,
     EngineSnapshot,
+    Histogram,
     RequestMetrics,
     StepOutputs,
     TokenLogprob,
 )
-from inferd.settings.policy import Timeouts
 from inferd.engine.sched.request import Request, RequestStatus
 from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
+from inferd.engine.worker.executor import StepExecutor, StepFailed
+from inferd.engine.worker.faults import FaultInjector
 from inferd.model.llama import LlamaModel
 from inferd.model.loader import default_model_path
 from inferd.model.sampling_params import SamplingParams
 from inferd.model.tokenizer import Tokenizer
+from inferd.settings.policy import Timeouts
 
 log = logging.getLogger(__name__)
 

@@ -11,16 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferd.engine.protocol import Histogram, TenantSnapshot
-from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.config import EngineConfig
-from inferd.engine.sched.fairness import FairShare
+from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.llm_engine import LLMEngine
-from inferd.settings.policy import PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
-from inferd.engine.protocol import EngineRequest
+from inferd.engine.protocol import EngineRequest, Histogram, TenantSnapshot
+from inferd.engine.sched.fairness import FairShare
 from inferd.engine.sched.request import Request, RequestStatus
 from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
 from inferd.model.sampling_params import SamplingParams
+from inferd.settings.policy import PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
 
 MAX_MODEL_LEN = 1024
 HI = PriorityClass("interactive", 0, ttft_target=1.0)
