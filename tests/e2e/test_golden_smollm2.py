@@ -7,6 +7,8 @@ lengths in one step, then decodes of different lengths).
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -39,12 +41,9 @@ def engine(float32_weights: tuple) -> LLMEngine:
 
 
 @pytest.fixture(scope="module")
-def reference_tokens(engine: LLMEngine) -> list[list[int]]:
+def reference_tokens(engine: LLMEngine, transformers_gguf: Any) -> list[list[int]]:
     transformers = pytest.importorskip("transformers")
-    path = default_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent), gguf_file=path.name, dtype=torch.float32
-    )
+    model = transformers_gguf(transformers.AutoModelForCausalLM, default_model_path(), dtype=torch.float32)
     expected = []
     for prompt in PROMPTS:
         ids = prompt_ids(engine, prompt)

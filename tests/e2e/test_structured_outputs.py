@@ -1,5 +1,5 @@
 """Structured outputs and tool calls as the official `openai` client asks for them, from a real
-`inferd serve` subprocess: seeds at temperature 1.0 for each kind (20 in the soak tier, 2 in the
+`inferd serve` subprocess: seeds at temperature 1.0 for each kind (20 in the soak tier, 1 in the
 default one), every answer checked (json.loads, jsonschema), streamed and not; the client's
 `parse()` with a pydantic model."""
 
@@ -17,7 +17,7 @@ import pytest
 from serveproc import Server, start_server, stop_server
 
 MODEL = "smollm2"
-SEEDS = [pytest.param(range(20), marks=pytest.mark.soak, id="20-seeds"), pytest.param(range(2), id="2-seeds")]
+SEEDS = [pytest.param(range(20), marks=pytest.mark.soak, id="20-seeds"), pytest.param(range(1), id="1-seed")]
 RECIPE = {
     "type": "object",
     "properties": {

@@ -106,22 +106,29 @@ def test_every_kind_of_grammar_binds_sampled_text(engine: LLMEngine, compiler: G
         assert finish == "stop" and check(text), text
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_the_matcher_state(engine: LLMEngine, compiler: GrammarCompiler, mode: str) -> None:
+def person_requests(engine: LLMEngine, compiler: GrammarCompiler) -> list[EngineRequest]:
+    """Four greedy JSON persons, each with a matcher of its own."""
     grammar = json_schema_grammar(PERSON)
-    prompts = [prompt(engine, f"Person number {i}, as JSON.") for i in range(4)]
     params = SamplingParams(max_tokens=60, temperature=0)
+    return [EngineRequest(3000 + i, prompt(engine, f"Person number {i}, as JSON."), params, "interactive",
+                          constraint=compiler.compile(grammar)) for i in range(4)]
 
-    def requests() -> list[EngineRequest]:
-        return [EngineRequest(3000 + i, p, params, "interactive", constraint=compiler.compile(grammar))
-                for i, p in enumerate(prompts)]
 
-    expected = run(engine, requests())
+@pytest.fixture(scope="module")
+def persons_unpreempted(engine: LLMEngine, compiler: GrammarCompiler) -> dict:
+    """person_requests' answers on the roomy engine (no preemption): what both modes must give."""
+    return run(engine, person_requests(engine, compiler))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_the_matcher_state(engine: LLMEngine, compiler: GrammarCompiler, mode: str,
+                                            persons_unpreempted: dict) -> None:
+    expected = persons_unpreempted
     per_block = engine.kv_cache.storage[:, :, :1].nbytes
     tight = LLMEngine(engine.model, engine.tokenizer, EngineConfig(
         dtype="float32", block_size=4, kv_cache_memory=40 * per_block, swap_space=64 * per_block,
         policy=SchedulingPolicy(preemption_mode=mode)))
-    got = run(tight, requests())
+    got = run(tight, person_requests(engine, compiler))
     assert tight.scheduler.preemptions[mode] > 0
     assert got == expected
     for text, _ in got.values():
