@@ -2,7 +2,8 @@
 
     startup   cleanup_ctx: models.start(): each model's (its engine thread runs; /ready turns 200
               engine, its inference probe in a task;    once every model's probe has run)
-              the degradation triggers' clock
+              the degradation triggers' clock; the
+              event loop's lag timer
     shutdown  on_shutdown: models.stop(), then wait     (every open stream ends with an abort:
               for the open SSE responses to end          handlers write an error event and [DONE])
     cleanup   cleanup_ctx: models.stop()                (a no-op by then; the same path on a
@@ -22,11 +23,13 @@ from collections.abc import AsyncIterator, Callable
 
 from aiohttp import web
 
+from inferd.api.edge import EDGE, MAX_BODY_BYTES, EdgeCounts, edge_middleware
 from inferd.api.endpoints import add_routes
 from inferd.api.errors import error_middleware
 from inferd.api.gateway.gate import GATEWAY, Gateway
 from inferd.api.gateway.keys import auth_middleware, principal_of
 from inferd.api.gateway.tenants import Keyring
+from inferd.api.offload import OFFLOAD, Offload
 from inferd.api.pipeline.generate import ANSWERED_BY, FALLBACK_FROM
 from inferd.api.routing.registry import REGISTRY, ModelRegistry, single_model
 from inferd.api.state import SETTINGS, STATE
@@ -34,6 +37,7 @@ from inferd.api.streaming.backpressure import SLOW_CLIENTS, SlowClientCounts
 from inferd.api.streaming.resume import RESUMABLE, StreamRegistry
 from inferd.api.streaming.sse import SSE_RESPONSES
 from inferd.api.telemetry.access_log import request_log_middleware
+from inferd.api.telemetry.loop_lag import LOOP_LAG, LoopLag
 from inferd.api.telemetry.metrics import setup_metrics
 from inferd.api.telemetry.request_file import setup_request_log
 from inferd.engine.async_engine import AsyncEngine
@@ -41,7 +45,6 @@ from inferd.settings.config import Settings
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 32 * 2**20  # a batch of long token-id prompts is large JSON
 STREAMS_END_SECONDS = 5.0  # how long shutdown waits for open streams to write their last event
 
 
@@ -54,7 +57,7 @@ def create_app(engine: AsyncEngine | ModelRegistry, settings: Settings, api_keys
     gateway = Gateway(Keyring.build(settings, api_keys), registry.primary.current.engine.limits.policy, reload_keys)
     server = settings.server
     # outermost first: the request log sees the final status, which the error middleware renders
-    middlewares = [request_log_middleware, error_middleware,
+    middlewares = [request_log_middleware, error_middleware, edge_middleware(MAX_BODY_BYTES),
                    auth_middleware(lambda: gateway.keyring, server.open_paths, server.status_admin_only)]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[REGISTRY] = registry
@@ -63,6 +66,9 @@ def create_app(engine: AsyncEngine | ModelRegistry, settings: Settings, api_keys
     app[STATE] = registry.server
     app[SSE_RESPONSES] = set()
     app[SLOW_CLIENTS] = SlowClientCounts()
+    app[EDGE] = EdgeCounts()
+    app[OFFLOAD] = Offload()
+    app[LOOP_LAG] = LoopLag()
     app[RESUMABLE] = StreamRegistry(server.resume_grace_seconds, server.resume_max_streams, server.keepalive_seconds,
                                     app[SSE_RESPONSES])
     add_routes(app)
@@ -97,7 +103,8 @@ async def _model_headers(request: web.Request, response: web.StreamResponse) -> 
 async def _models_lifecycle(app: web.Application) -> AsyncIterator[None]:
     registry = app[REGISTRY]
     await registry.start()  # (each model's engine thread and probe)
-    tasks = [asyncio.ensure_future(_ready_when_probed(registry)), asyncio.ensure_future(registry.watch())]
+    tasks = [asyncio.ensure_future(_ready_when_probed(registry)), asyncio.ensure_future(registry.watch()),
+             asyncio.ensure_future(app[LOOP_LAG].watch())]
     yield
     for task in tasks:
         task.cancel()

@@ -38,6 +38,7 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        close: bool = False,
     ) -> None:
         super().__init__(message)
         self.status = status
@@ -46,12 +47,16 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+        self.close = close  # end the connection after the response (the body may be left unread)
 
     def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        response = web.json_response(self.body(), status=self.status, headers=self.headers)
+        if self.close:
+            response.force_close()
+        return response
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -66,9 +71,12 @@ def engine_abort_error(out: EngineOutput) -> APIError:
 
 
 def engine_failure_error(out: EngineOutput) -> APIError:
-    """A request the engine failed (finish_reason "error"): 500 when its own processing raised,
-    503 with a Retry-After when its step's forward failed or it did not fit in memory."""
+    """A request the engine failed (finish_reason "error"): 400 when its grammar could not go on
+    (the client's to change), 500 when its own processing raised, 503 with a Retry-After when its
+    step's forward failed or it did not fit in memory."""
     code = out.error or "internal_error"
+    if code == "invalid_grammar":
+        return APIError(400, f"the request's grammar could not go on: {out.stop_reason}", code=code)
     if not ERROR_CODES.get(code, False):
         return APIError(500, f"internal error while generating: {out.stop_reason}", type="server_error", code=code)
     return APIError(503, f"generation failed: {out.stop_reason}; retry", code=code, headers={"Retry-After": "1"})

@@ -18,6 +18,7 @@ import uvloop
 from aiohttp import web
 
 from inferd.api.app import create_app
+from inferd.api.edge import connection_options
 from inferd.api.gateway.gate import GATEWAY
 from inferd.api.gateway.tenants import Keyring
 from inferd.api.routing.registry import REGISTRY, ModelRegistry
@@ -44,7 +45,8 @@ async def serve(settings: Settings, api_keys: frozenset[str], load: Callable[[],
     state, models = app[STATE], app[REGISTRY]
     engine = models.primary.current.engine
     # handler_cancellation: a non-streaming request whose client left is aborted at once
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
+                           **connection_options(settings.server))
     await runner.setup()  # (starts the engine thread)
     site = web.TCPSite(runner, settings.server.host, settings.server.port)
     try:

@@ -24,6 +24,7 @@ from rich.table import Table
 from rich.text import Text
 
 MISSING = "-"
+LOOP_LAG_SHOWN = 0.05  # seconds: the event loop's lag is shown from here on (it is the server's own)
 _REQUEST_STYLES = {"running": "green", "waiting": "yellow", "swapped": "magenta"}
 _FEATURE_NAMES = {"prompt_tokens": "prompt len", "completion_tokens": "output len", "finish_reason": "finish"}
 _LEVEL_STYLES = {"normal": "", "whole": "yellow", "capped": "yellow", "refuse_lowest": "bold red"}
@@ -228,6 +229,9 @@ def counters(s: dict[str, Any]) -> RenderableType:
     grid.add_row("rejections", fmt_counts(s.get("rejections")))
     grid.add_row("deadline misses", fmt_counts(misses) if dicts(s.get("classes")) else MISSING)
     grid.add_row("shed level", shed_text)
+    lag = s.get("event_loop_lag_seconds")
+    if is_num(lag) and lag >= LOOP_LAG_SHOWN:  # (only when it matters: every stream waits as long)
+        grid.add_row("event loop lag", Text(f"{lag * 1000:.0f} ms", style="bold red" if lag >= 0.25 else "yellow"))
     return Panel(grid, title="counters", title_align="left", box=box.ROUNDED)
 
 

@@ -25,6 +25,7 @@ from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.output.blocklist import CONTENT_FILTER, output_filter
 from inferd.engine.output.processor import OutputProcessor
 from inferd.engine.protocol import (
+    ConstraintError,
     DeviceMemory,
     EngineLimits,
     EngineOutput,
@@ -148,13 +149,13 @@ class LLMEngine:
         arrival = request.arrival_time if request.arrival_time is not None else self.scheduler.clock()
         group = request.group_id
         constraint = request.constraint
-        tenant, weight = request.tenant, request.tenant_weight
+        tenant, weight, salt = request.tenant, request.tenant_weight, request.cache_salt
         root = Request(next(self._seq_ids), prompt_ids, request.params, self.max_model_len, group_id=group,
                        priority_class=cls, timeouts=request.timeouts, arrival_time=arrival, constraint=constraint,
-                       tenant=tenant, tenant_weight=weight)
+                       tenant=tenant, tenant_weight=weight, cache_salt=salt)
         root.forks = [Request(next(self._seq_ids), prompt_ids, request.params, self.max_model_len, index=i,
                               group_id=group, constraint=constraint.fork() if constraint else None,
-                              tenant=tenant, tenant_weight=weight)
+                              tenant=tenant, tenant_weight=weight, cache_salt=salt)
                       for i in range(1, n)]
         self._groups[group] = root
         if self.faults is not None:
@@ -236,6 +237,10 @@ class LLMEngine:
                 if faults is not None:
                     faults.check_output(request.group_id)
                 out, ending = self.outputs.on_token(request, sampled.token_ids[row], sampled, row)
+            except ConstraintError as e:  # the client's grammar met a limit: its fault, not the engine's
+                log.info("request %d: its grammar could not go on: %s", request.group_id, e)
+                step.outputs += self._fail_group(request.group_id, "invalid_grammar", str(e))
+                continue
             except Exception as e:  # noqa: BLE001 - this request's own code failed: it fails alone
                 log.exception("request %d failed in its output processing", request.group_id)
                 self.health.request_failed()

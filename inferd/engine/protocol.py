@@ -137,13 +137,20 @@ class TenantSnapshot:
 # ------------------------------------------------------------------------------ the seam
 
 
+class ConstraintError(ValueError):
+    """A request's own constraint cannot go on (a grammar met one of its limits, or refused a
+    token): the client's fault, the same again if it is sent again; its request fails alone with
+    "invalid_grammar", and the engine's health does not count it."""
+
+
 class LogitsConstraint(Protocol):
     """A per-choice constraint on the next token (a grammar, a tool-call schema), called by the
     engine thread. `fill_mask` writes the tokens the choice may sample next into a bitmask
     (numpy int32 [ceil(V/32)], bit i of word i // 32 set = token i allowed), filled while the
     model runs; the sampler masks the rest, for greedy and sampled rows alike. `accept` advances
-    it with the token sampled (raising fails that choice alone). `fork` gives an independent copy
-    (made before any token) for each further choice of an n > 1 group. A preemption keeps the
+    it with the token sampled. Raising from either fails that choice alone (a ConstraintError: as
+    the client's fault). `fork` gives an independent copy (made before any token) for each
+    further choice of an n > 1 group. A preemption keeps the
     sampled tokens, so it keeps the state too. inferd/engine/structured/grammar.py has the grammar one."""
 
     def fill_mask(self, mask: Any) -> None: ...
@@ -167,6 +174,9 @@ class EngineRequest:
     arrival_time: float | None = None  # on the engine's clock (time.monotonic); None: now
     tenant: str | None = None  # who pays for it: accounting, and fair sharing inside its class
     tenant_weight: float = 1.0  # the tenant's share against the others' (fair sharing, > 0)
+    # the prefix cache's namespace: cached blocks are shared only between requests with the same
+    # salt (the door gives each tenant its own); b"": the shared one
+    cache_salt: bytes = b""
     constraint: LogitsConstraint | None = None  # the slot for per-request logits constraints
     segment: str = "token"  # how text is released: per token, in whole "sentence"s or "line"s
 
@@ -196,7 +206,8 @@ FAILURE_KINDS = ("forward", "request", "oom")  # EngineSnapshot.step_failures' k
 
 # finish_reason "error": what failed, and whether the same request may succeed if sent again
 ERROR_CODES = {
-    "internal_error": False,  # its own processing raised (sampling constraint, detokenizer, stops)
+    "internal_error": False,  # its own processing raised (detokenizer, stops, a hook)
+    "invalid_grammar": False,  # its grammar could not go on (ConstraintError): a client fault
     "engine_error": True,  # the forward of its step failed; the engine goes on
     "out_of_memory": True,  # its chunk did not fit in memory even alone
 }

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+import functools
 from functools import lru_cache
 from typing import Any, Protocol
 
 from inferd.model.chat_template import render_chat_template
 
+LONG_TEXT = 16_384  # characters: past this, HFBackend encodes in its GIL-releasing batch call
 
 @lru_cache(maxsize=1)
 def byte_to_unicode() -> dict[int, str]:
@@ -47,6 +49,8 @@ def _unicode_to_byte() -> dict[str, int]:
 class TokenizerBackend(Protocol):
     """Text <-> ids for one vocabulary; it never adds BOS / EOS nor hides special tokens."""
 
+    normalizes: bool  # whether the text is normalized (NFKC, ...) before it is split
+
     def encode(self, text: str) -> list[int]: ...
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -56,9 +60,14 @@ class HFBackend:
 
     def __init__(self, tok: Any) -> None:
         self.tok = tok
+        self.normalizes = tok.normalizer is not None  # (a GGUF's byte-level BPE does not)
 
     def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+        if len(text) < LONG_TEXT:
+            return self.tok.encode(text, add_special_tokens=False).ids
+        # NOTE: the batch call releases the GIL while it works (the single one does not), so a
+        # long text encoded on a worker thread leaves the server's event loop running
+        return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
@@ -76,6 +85,8 @@ class SentencePieceBackend:
     NOTE: the proto's own add_dummy_prefix is switched off so that this choice is ours; spm would
     otherwise prefix every run we hand it.
     """
+
+    normalizes = True  # (SentencePiece's own normalization rules, nmt_nfkc by default)
 
     def __init__(self, proto: Any, added: dict[int, str], prefix_space: str) -> None:
         import sentencepiece as spm
@@ -194,6 +205,18 @@ class Tokenizer:
         if skip_special_tokens:
             ids = [i for i in ids if i not in self.special_ids]
         return self._backend.decode(ids)
+
+    @functools.cached_property
+    def bytes_per_token_bound(self) -> int:
+        """A text of B bytes has at least B // bytes_per_token_bound tokens (what a size check
+        before tokenizing relies on): the most bytes one token stands for, times 4 where the
+        tokenizer normalizes the text first (NFKC can make a 3-byte character one byte)."""
+        specials = self.special_ids
+        if self._byte_level:  # a piece's characters are its bytes (GPT-2's alphabet), but for specials'
+            most = max((len(p.encode()) if i in specials else len(p) for i, p in enumerate(self._pieces)), default=1)
+        else:  # (UTF-8 of the spelling: never fewer bytes than the text's, "▁" being 3 for a space)
+            most = max(map(len, (p.encode("utf-8", "surrogatepass") for p in self._pieces)), default=1)
+        return max(1, most) * (4 if self._backend.normalizes else 1)
 
     def id_to_token(self, token_id: int) -> str:
         """The raw piece (e.g. "Ġthe", "▁the", "<0x0A>"), for logprobs display."""

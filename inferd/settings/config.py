@@ -137,6 +137,10 @@ class ServerSettings(_Section):
     slow_client_seconds: float = Field(default=10.0, gt=0)
     stream_send_buffer_bytes: int = Field(default=65536, ge=0)  # a stream socket's SO_SNDBUF; 0: the OS's
     drain_seconds: float = Field(default=30.0, ge=0)  # SIGTERM: in-flight requests may finish this long
+    # the edge (api/edge.py): a body still arriving this long after its handler asked: 408; an
+    # idle keep-alive connection, or a request head still arriving, this long: closed (nginx: 60 s)
+    body_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
+    idle_timeout_seconds: float = Field(default=60.0, gt=0, le=3600)
     probe_interval_seconds: float = Field(default=60.0, ge=0)  # re-run the inference probe when idle; 0: start-up only
     liveness_seconds: float = Field(default=60.0, gt=0)  # /health fails if the engine has work but no step this long
     log_format: Literal["text", "json"] = "text"
@@ -176,6 +180,9 @@ class TenantSettings(_Section):
     default_class: str | None = None  # for its requests that name no priority; None: the server's
     models: tuple[str, ...] | None = None  # the models (or routes) it may use; None: all
     tier: str = "default"  # a label routes and degradation rules select on (e.g. free, paid)
+    # tenants naming the same group share prefix-cache blocks (a public system prompt, say);
+    # None: its cached prefixes are its own (another tenant's TTFT cannot tell what it asked)
+    cache_group: str | None = Field(default=None, min_length=1, max_length=64)
 
     @field_validator("key_sha256")
     @classmethod

@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp.test_utils import TestServer
 
 from inferd.api.app import create_app
+from inferd.api.edge import connection_options
 from inferd.api.admission.door import FrontDoor
 from inferd.api.routing.registry import REGISTRY, ModelRegistry
 from inferd.api.state import STATE, ServerState
@@ -76,7 +77,7 @@ async def serve(llm: LLMEngine | ModelRegistry, settings: Settings | None = None
         if recorded is not None:
             served.probe.expected = recorded  # (the periodic probes still compare against it)
     test_server = TestServer(app)
-    await test_server.start_server()
+    await test_server.start_server(**connection_options(settings.server))
     try:
         async with aiohttp.ClientSession(base_url=test_server.make_url("")) as session:
             await wait_ready(app[STATE])

@@ -23,7 +23,7 @@ def test_build_resolves_tenant_admin_and_plain_keys() -> None:
     assert keyring.num_keys == 4 and not keyring.open
     acme = keyring.tenants["acme"]
     assert acme == Tenant("acme", "paid", 3.0, RateLimits(2.0, None, None, None), frozenset({"batch"}), None,
-                          frozenset({"m"}))
+                          frozenset({"m"}), "tenant:acme")
     assert keyring.lookup("sk-a1") == keyring.lookup("sk-a2") == Principal(acme)
     assert keyring.lookup("sk-admin") == Principal(admin=True)
     assert keyring.lookup("sk-plain") is ANONYMOUS

@@ -272,6 +272,29 @@ def test_shared_prefix_reuses_blocks_and_counts_hits() -> None:
     bm.check_invariants()
 
 
+def test_a_namespace_shares_only_within_itself_through_forks_and_swaps() -> None:
+    """Two tenants' roots: the same prompt is cached once per root; a fork and a swapped-out
+    sequence keep committing under their own root."""
+    bm = BlockManager(32, 4, num_host_blocks=8)
+    a, b = b"tenant-a".ljust(16, b"."), b"tenant-b".ljust(16, b".")
+    prompt = list(range(10))  # 2 full blocks and 2 tokens
+    assert bm.allocate(1, len(prompt), prompt, root=a) == 0
+    bm.commit(1, len(prompt), lambda start, end: prompt[start:end])
+    assert bm.cached_prefix(prompt, a) == 8 and bm.cached_prefix(prompt, b) == 0 and bm.cached_prefix(prompt) == 0
+    assert bm.allocate(2, len(prompt), prompt, root=b) == 0  # b computes its own copy
+    assert not set(bm.block_table(2)) & set(bm.block_table(1))
+    bm.fork(1, 3)
+    longer = prompt + [10, 11, 12, 13, 14, 15]  # the fork fills its third and fourth blocks
+    assert bm.append(3, 6) is not None
+    pairs = bm.swap_out(3)
+    assert pairs is not None and bm.swap_in(3) is not None
+    bm.commit(3, len(longer), lambda start, end: longer[start:end])
+    assert bm.cached_prefix(longer + [0], a) == 16 and bm.cached_prefix(longer + [0], b) == 0
+    for seq in (1, 2, 3):
+        bm.free(seq)
+    bm.check_invariants()
+
+
 def test_hits_leave_the_last_token_and_stop_at_num_tokens() -> None:
     bm = BlockManager(16, 4)
     a = list(range(8))

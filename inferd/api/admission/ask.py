@@ -62,6 +62,7 @@ class Ask:
     timeouts: Timeouts = Timeouts()  # the request's own; they may tighten its class's, never loosen
     segment: str = "token"  # text released per "token", or in whole "sentence"s or "line"s
     resumable: bool = False  # a stream that outlives a disconnect
+    cache_salt: str | None = None  # narrows its prefix-cache namespace (its tenant's) further
     prompt_param: str = "prompt"  # the field an error about the prompt names ("messages" in chat)
     # the structured output's grammar, built on demand (it may raise the front-end's 400; the
     # door counts it as invalid); None: free text
@@ -79,6 +80,7 @@ class Prepared:
     timeouts: Timeouts  # the class's, tightened by the request's own
     segment: str
     constraints: Sequence[LogitsConstraint] | None  # one per prompt, for a structured output
+    cache_salt: str | None = None  # the request's own (Ask.cache_salt)
 
     @property
     def prompt_tokens(self) -> int:

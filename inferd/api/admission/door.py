@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import hashlib
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -92,7 +93,7 @@ class FrontDoor:
         return Prepared(prompts=prompts, params=params, n=ask.n, cls=cls,
                         timeouts=cls.timeouts.tightened(ask.timeouts),
                         segment="whole" if whole and ask.stream else ask.segment,
-                        constraints=await self._constraints(ask, len(prompts)))
+                        constraints=await self._constraints(ask, len(prompts)), cache_salt=ask.cache_salt)
 
     def check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
         """A 400 for a prompt no request could run: empty, past the context, outside the vocabulary."""
@@ -166,10 +167,12 @@ class FrontDoor:
 
     # --------------------------------------------------------------------------- admission
 
-    def admit(self, prepared: Prepared, tenant: str | None = None, tenant_weight: float = 1.0) -> list[RequestStream]:
+    def admit(self, prepared: Prepared, tenant: str | None = None, tenant_weight: float = 1.0,
+              cache_scope: str = "") -> list[RequestStream]:
         """Admit every prompt into the class's queue (or none: 429 / 503), then submit one engine
-        request per prompt (with its own constraint, if any); each leaves the queue when the
-        engine schedules it or it ends first. Nothing is checked again: `prepare` did."""
+        request per prompt (with its own constraint, if any, and the prefix-cache namespace of
+        `cache_scope` and its cache_salt); each leaves the queue when the engine schedules it or
+        it ends first. Nothing is checked again: `prepare` did."""
         cls, prompts = prepared.cls, prepared.prompts
         try:
             self.queues.enter(cls.name, len(prompts), prepared.prompt_tokens, draining=self.server.draining,
@@ -178,12 +181,13 @@ class FrontDoor:
         except AdmissionError as e:
             raise admission_error(e) from None
         arrival = time.monotonic()
+        salt = cache_namespace(cache_scope, prepared.cache_salt)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 request = EngineRequest(self.engine.new_group_id(), prompt, prepared.params, cls.name, prepared.n,
                                         prepared.timeouts, arrival_time=arrival, tenant=tenant,
-                                        tenant_weight=tenant_weight, segment=prepared.segment,
+                                        tenant_weight=tenant_weight, segment=prepared.segment, cache_salt=salt,
                                         constraint=prepared.constraints[i] if prepared.constraints else None)
                 departure = functools.partial(self.queues.leave, cls.name, 1, len(prompt))
                 streams.append(self.engine.submit(request, on_queue_exit=departure))
@@ -194,6 +198,15 @@ class FrontDoor:
                 stream.abort()
             raise
         return streams
+
+
+def cache_namespace(scope: str, salt: str | None) -> bytes:
+    """A request's prefix-cache namespace: its tenant's (or cache group's) scope, narrowed by its
+    own cache_salt. b"" (the one shared namespace) for a keyless or plain-key caller without a
+    salt. Hashed, so that no scope and salt can be chosen to meet another's."""
+    if not scope and salt is None:
+        return b""
+    return hashlib.blake2b(f"{scope}\0{salt or ''}".encode(), digest_size=16, person=b"inferd-kv-ns").digest()
 
 
 def _sampling_params(ask: Ask, max_tokens: int) -> SamplingParams:

@@ -33,13 +33,15 @@ class Tenant:
     classes: frozenset[str] | None  # None: every class
     default_class: str | None
     models: frozenset[str] | None  # None: every model and route
+    cache_scope: str  # whose prefix-cache blocks it may share: "tenant:NAME", or "group:NAME"
 
     @classmethod
     def from_settings(cls, name: str, t: TenantSettings) -> Tenant:
         return cls(name=name, tier=t.tier, weight=t.weight,
                    limits=RateLimits(t.requests_per_second, t.requests_burst, t.tokens_per_second, t.tokens_burst),
                    classes=None if t.classes is None else frozenset(t.classes), default_class=t.default_class,
-                   models=None if t.models is None else frozenset(t.models))
+                   models=None if t.models is None else frozenset(t.models),
+                   cache_scope=f"tenant:{name}" if t.cache_group is None else f"group:{t.cache_group}")
 
 
 @dataclass(frozen=True, slots=True)

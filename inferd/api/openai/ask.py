@@ -20,5 +20,6 @@ def to_ask(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None
                         total=body.total_timeout)
     return Ask(model=body.model, n=body.n, stream=body.stream, priority=body.priority, user=body.user,
                max_tokens=max_tokens, fit_default=fit_default, logprobs=logprobs, sampling=sampling,
-               timeouts=timeouts, segment=body.segment, resumable=body.resumable, prompt_param=prompt_param,
+               timeouts=timeouts, segment=body.segment, resumable=body.resumable, cache_salt=body.cache_salt,
+               prompt_param=prompt_param,
                grammar=lambda: request_grammar(body))

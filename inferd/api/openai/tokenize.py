@@ -16,13 +16,15 @@ from typing import Any
 from aiohttp import web
 from pydantic import Field
 
-from inferd.api.openai.chat import chat_prompt
-from inferd.api.errors import bad_request
-from inferd.api.openai.chat_wire import ChatMessage, Tool
-from inferd.api.wire import RequestModel, ResponseModel, dump
 from inferd.api.body import read_json
+from inferd.api.errors import bad_request
+from inferd.api.openai.chat import chat_prompt
+from inferd.api.openai.chat_wire import ChatMessage, Tool
+from inferd.api.pipeline.prompts import make_prompts
 from inferd.api.routing.registry import REGISTRY
+from inferd.api.wire import RequestModel, ResponseModel, dump
 from inferd.engine.async_engine import AsyncEngine
+from inferd.model.tokenizer import Tokenizer
 
 
 class TokenizeCompletionRequest(RequestModel):
@@ -69,10 +71,13 @@ def _engine(request: web.Request, model: str | None) -> AsyncEngine:
 async def tokenize(request: web.Request) -> web.Response:
     body = parse_tokenize(await read_json(request))
     engine = _engine(request, body.model)
-    if isinstance(body, TokenizeChatRequest):
-        tokens = chat_prompt(engine.tokenizer, body.messages, body.tools, body.add_generation_prompt)
-    else:
-        tokens = engine.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+
+    def count(tokenizer: Tokenizer) -> list[list[int]]:
+        if isinstance(body, TokenizeChatRequest):
+            return [chat_prompt(tokenizer, body.messages, body.tools, body.add_generation_prompt)]
+        return [tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)]
+
+    [tokens] = await make_prompts(request, engine.tokenizer, engine.limits.max_model_len, count)
     reply = TokenizeResponse(count=len(tokens), max_model_len=engine.limits.max_model_len, tokens=tokens)
     return web.json_response(dump(reply))
 

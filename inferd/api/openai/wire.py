@@ -107,6 +107,8 @@ class SamplingFields(RequestModel):
     segment: Literal["token", "sentence", "line"] = "token"
     # a stream that outlives a disconnect: GET /v1/streams/<id> resumes it (api/streaming/resume.py)
     resumable: bool = False
+    # vLLM's field: a secret that narrows the prefix cache to requests that send the same one
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @field_validator("resumable")
     @classmethod

@@ -19,6 +19,7 @@ from inferd.api.admission.ask import Ask
 from inferd.api.errors import bad_request
 from inferd.api.gateway.gate import GATEWAY
 from inferd.api.gateway.keys import principal_of
+from inferd.api.pipeline.prompts import make_prompts
 from inferd.api.pipeline.shape import Reply, Shape
 from inferd.api.record import RECORD, RequestRecord
 from inferd.api.routing.registry import REGISTRY, Choice
@@ -57,7 +58,9 @@ async def answer(request: web.Request, ask: Ask, shape: Shape, choice: Choice, c
     app = request.app
     served, model = choice.served, choice.slot.name
     tokenizer = served.engine.tokenizer
-    prompts = shape.prompts(tokenizer, app[SETTINGS].limits.max_prompts)
+    max_prompts = app[SETTINGS].limits.max_prompts
+    prompts = await make_prompts(request, tokenizer, served.engine.limits.max_model_len,
+                                 lambda guarded: shape.prompts(guarded, max_prompts))
     if unsure is not None:  # the cascade reads every token's logprob (not shown unless asked)
         ask = dataclasses.replace(ask, logprobs=max(ask.logprobs or 0, 0))
     prepared = await served.door.prepare(ask, prompts, cls, choice.ceiling, choice.whole)

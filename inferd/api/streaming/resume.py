@@ -41,7 +41,7 @@ from aiohttp import ClientConnectionResetError, web
 
 from inferd.api.gateway.keys import KEY_DIGEST, principal_of
 from inferd.api.errors import RETRY_AFTER_SECONDS, APIError, bad_request
-from inferd.api.streaming.sse import DONE, KEEPALIVE, SSE_HEADERS, Produce, dumps, event_id_prefix
+from inferd.api.streaming.sse import DONE, KEEPALIVE, SSE_HEADERS, Produce, delimit_body, dumps, event_id_prefix
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class ResumableStream:
         open_streams, sent = self.registry.open_streams, after + 1
         open_streams.add(response)
         try:
-            response.enable_chunked_encoding()
+            delimit_body(request, response)
             await response.prepare(request)
             while self.writer is token:
                 self._changed.clear()

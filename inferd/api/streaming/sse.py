@@ -16,7 +16,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from aiohttp import ClientConnectionResetError, web
+from aiohttp import ClientConnectionResetError, HttpVersion11, web
 
 from inferd.api.streaming.backpressure import client_behind
 from inferd.api.errors import APIError
@@ -75,7 +75,7 @@ class EventStream:
 
     async def open(self, request: web.Request) -> None:
         self._request = request
-        self.response.enable_chunked_encoding()
+        delimit_body(request, self.response)
         await self.response.prepare(request)
 
     def add(self, payload: dict[str, Any] | str) -> None:
@@ -105,6 +105,15 @@ class EventStream:
         self._pending.append(DONE)
         await self.flush()
         await self.response.write_eof()
+
+
+def delimit_body(request: web.Request, response: web.StreamResponse) -> None:
+    """A stream's body of unknown length: chunked for HTTP/1.1; an HTTP/1.0 client (nginx's
+    default to its upstreams) has no chunked encoding, so its body ends where the connection does."""
+    if request.version >= HttpVersion11:
+        response.enable_chunked_encoding()
+    else:
+        response.force_close()
 
 
 Produce = Callable[[EventSink], Awaitable[None]]  # adds a whole response's events to a sink

@@ -29,12 +29,14 @@ from prometheus_client.registry import Collector
 
 from inferd.api.admission.ask import GRAMMAR_KINDS
 from inferd.api.admission.queues import REASONS
+from inferd.api.edge import EDGE, REFUSALS, EdgeCounts
 from inferd.api.gateway.gate import GATEWAY, GATEWAY_REASONS, Gateway
 from inferd.api.routing.registry import REGISTRY, ModelRegistry, ModelSlot
 from inferd.api.state import STATE, ServerState
 from inferd.api.streaming.backpressure import SLOW_CLIENTS, SlowClientCounts
 from inferd.api.streaming.resume import RESUMABLE, StreamRegistry
 from inferd.api.telemetry.drift import SCRIPTS, DriftMonitor
+from inferd.api.telemetry.loop_lag import LOOP_LAG, LoopLag
 from inferd.api.telemetry.request_file import REQUEST_JOURNAL
 from inferd.engine.protocol import FAILURE_KINDS, ClassSnapshot, EngineLimits, EngineSnapshot, Histogram
 from inferd.settings.policy import TIMEOUT_KINDS
@@ -316,12 +318,14 @@ class EngineCollector(Collector):
     server's own counters, and every model's (`_model_metrics`)."""
 
     def __init__(self, registry: ModelRegistry, gateway: Gateway, state: ServerState, slow: SlowClientCounts,
-                 streams: StreamRegistry, drift: DriftMonitor | None = None) -> None:
+                 edge: EdgeCounts, lag: LoopLag, streams: StreamRegistry, drift: DriftMonitor | None = None) -> None:
         self.registry = registry
         self.drift = drift
         self.gateway = gateway
         self.state = state
         self.slow = slow
+        self.edge = edge
+        self.lag = lag
         self.streams = streams
         self._nvml = importlib.util.find_spec("pynvml") is not None
         self._started = time.time()  # wall clock: vllm:lora_requests_info's timestamp
@@ -353,6 +357,12 @@ class EngineCollector(Collector):
                                   "reading (send buffers full).", value=slow.paused)
         yield CounterMetricFamily("inferd_slow_client_cuts", "Streams cut: their client read nothing for "
                                   "server.slow_client_seconds.", value=slow.cut)
+        yield _counter_by("inferd_http_refusals", "Requests the HTTP edge refused before reading their body "
+                          "(or while it was late), by why.", "reason", REFUSALS, self.edge.refused)
+        lag = HistogramMetricFamily("inferd_event_loop_lag_seconds", "How late the event loop's periodic timer "
+                                    "fired: what every stream's next chunk and /health waited too.")
+        lag.add_metric([], _buckets(self.lag.histogram), self.lag.histogram.total)
+        yield lag
         yield from self._device(stats)
         if self.drift is not None:
             yield from _drift_metrics(self.drift)
@@ -383,8 +393,8 @@ class EngineCollector(Collector):
 def setup_metrics(app: web.Application) -> None:
     registry = CollectorRegistry(auto_describe=False)
     journal = app.get(REQUEST_JOURNAL)
-    registry.register(EngineCollector(app[REGISTRY], app[GATEWAY], app[STATE], app[SLOW_CLIENTS], app[RESUMABLE],
-                                      None if journal is None else journal.drift))
+    registry.register(EngineCollector(app[REGISTRY], app[GATEWAY], app[STATE], app[SLOW_CLIENTS], app[EDGE],
+                                      app[LOOP_LAG], app[RESUMABLE], None if journal is None else journal.drift))
     app[COLLECTORS] = registry
     app.router.add_get("/metrics", metrics)
 

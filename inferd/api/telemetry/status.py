@@ -21,6 +21,7 @@ from inferd.api.routing.registry import REGISTRY, ModelRegistry
 from inferd.api.state import STATE
 from inferd.api.streaming.resume import RESUMABLE
 from inferd.api.telemetry import status_wire as s
+from inferd.api.telemetry.loop_lag import LOOP_LAG
 from inferd.api.telemetry.request_file import REQUEST_JOURNAL
 from inferd.api.wire import dump
 from inferd.engine.protocol import EngineSnapshot
@@ -144,6 +145,7 @@ async def status(request: web.Request) -> web.Response:
         engine_healthy=stats.healthy, step_failures=stats.step_failures,
         oom_events_last_minute=stats.oom_events_last_minute, token_budget=stats.token_budget,
         resumable_streams_detached=request.app[RESUMABLE].detached,
+        event_loop_lag_seconds=request.app[LOOP_LAG].worst_recent,
         classes=_classes(registry),
         requests=_requests(stats, only),
         tenants=tenant_statuses(request.app[GATEWAY], engine_snapshots(registry), only),

@@ -178,6 +178,7 @@ class StatusResponse(ResponseModel):
     oom_events_last_minute: int = 0
     token_budget: int = 0  # tokens per step now (halved after an out-of-memory step)
     resumable_streams_detached: int = 0  # resumable streams whose client left, within their grace
+    event_loop_lag_seconds: float = 0.0  # the worst lateness of the loop's timer in the last ~10 s
     classes: list[ClassStatus]
     requests: list[RequestEntry]  # running first, at most 100; a tenant sees only its own
     tenants: list[TenantStatus] = []  # a tenant sees only itself

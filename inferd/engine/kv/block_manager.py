@@ -65,6 +65,7 @@ class SwappedSeq:
     host_table: list[int]
     num_tokens: int
     keys: list[bytes]  # the keys of its full computed blocks, for chaining later commits
+    root: bytes  # its prefix-cache namespace
 
 
 class BlockManager:
@@ -85,6 +86,8 @@ class BlockManager:
         self._num_tokens: dict[int, int] = {}
         # per live sequence: the keys of its first len(keys) blocks, all full and computed
         self._keys: dict[int, list[bytes]] = {}
+        # per live sequence: its prefix-cache namespace, the first block's parent key (b"": shared)
+        self._roots: dict[int, bytes] = {}
         self.num_host_blocks = num_host_blocks
         self._host_free: deque[int] = deque(range(num_host_blocks))
         self._swapped: dict[int, SwappedSeq] = {}
@@ -142,17 +145,19 @@ class BlockManager:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def cached_prefix(self, token_ids: Sequence[int]) -> int:
-        """How many leading tokens cached blocks hold: a multiple of block_size, at most
-        len(token_ids) - 1 (the last token is always computed, for its logits). Changes nothing."""
+    def cached_prefix(self, token_ids: Sequence[int], root: bytes = b"") -> int:
+        """How many leading tokens cached blocks hold in namespace `root`: a multiple of
+        block_size, at most len(token_ids) - 1 (the last token is always computed, for its
+        logits). Changes nothing."""
         if not self.enable_prefix_caching:
             return 0
-        return len(self.prefix_cache.match(token_ids, len(token_ids) - 1, self.block_size)[0]) * self.block_size
+        return len(self.prefix_cache.match(token_ids, len(token_ids) - 1, self.block_size, root)[0]) * self.block_size
 
     # ---- check ----
 
-    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None, reserve: int = 0) -> bool:
-        return self._fits(self._allocate_plan(num_tokens, token_ids)[2], reserve)
+    def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None, reserve: int = 0,
+                     root: bytes = b"") -> bool:
+        return self._fits(self._allocate_plan(num_tokens, token_ids, root)[2], reserve)
 
     def can_append(self, seq_id: int, num_new_tokens: int, reserve: int = 0) -> bool:
         return self._fits(self._append_need(seq_id, num_new_tokens)[0], reserve)
@@ -166,16 +171,17 @@ class BlockManager:
     # ---- act ----
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None,
-                 reserve: int = 0) -> int | None:
+                 reserve: int = 0, root: bytes = b"") -> int | None:
         """A fresh table covering the first `num_tokens` tokens of a new sequence.
 
         With `token_ids` (the prompt) and prefix caching on, the leading cached blocks are reused,
-        up to `num_tokens` and len(token_ids) - 1 tokens. Returns how many tokens the reused blocks
+        up to `num_tokens` and len(token_ids) - 1 tokens, from the namespace `root` (and its full
+        blocks are cached there as they are computed). Returns how many tokens the reused blocks
         hold (0 without a hit; the caller computes from there), or None if fewer than
         `reserve` blocks would be left allocatable (then nothing changed).
         """
         self._check_new(seq_id)
-        hit_blocks, hit_keys, need = self._allocate_plan(num_tokens, token_ids)
+        hit_blocks, hit_keys, need = self._allocate_plan(num_tokens, token_ids, root)
         if not self._fits(need, reserve):
             return None
         # NOTE: hits first, so that the fresh allocations below cannot evict them.
@@ -185,6 +191,7 @@ class BlockManager:
         self._tables[seq_id] = table
         self._num_tokens[seq_id] = num_tokens
         self._keys[seq_id] = hit_keys
+        self._roots[seq_id] = root
         hit_tokens = len(hit_blocks) * self.block_size
         if token_ids is not None:
             self.prefix_queries += len(token_ids)
@@ -242,7 +249,7 @@ class BlockManager:
         if num_computed_tokens > self._num_tokens[seq_id]:
             raise BlockError(f"seq {seq_id}: {num_computed_tokens} computed tokens but room "
                              f"for {self._num_tokens[seq_id]}")
-        self.prefix_cache.fill(self._tables[seq_id], keys, num_full, tokens, self.block_size)
+        self.prefix_cache.fill(self._tables[seq_id], keys, num_full, tokens, self.block_size, self._roots[seq_id])
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares all the parent's blocks and has the same token count."""
@@ -253,6 +260,7 @@ class BlockManager:
         self._tables[child_id] = list(table)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
         self._keys[child_id] = list(self._keys[parent_id])
+        self._roots[child_id] = self._roots[parent_id]
 
     def free(self, seq_id: int) -> None:
         table = self._table(seq_id)
@@ -263,6 +271,7 @@ class BlockManager:
         del self._tables[seq_id]
         del self._num_tokens[seq_id]
         del self._keys[seq_id]
+        del self._roots[seq_id]
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]] | None:
         """Copy a sequence to host blocks and free its device blocks; None if host blocks are short.
@@ -275,7 +284,8 @@ class BlockManager:
             return None
         host_table = [self._host_free.popleft() for _ in table]
         pairs = list(zip(table, host_table))
-        self._swapped[seq_id] = SwappedSeq(host_table, self._num_tokens[seq_id], self._keys[seq_id])
+        self._swapped[seq_id] = SwappedSeq(host_table, self._num_tokens[seq_id], self._keys[seq_id],
+                                           self._roots[seq_id])
         self.free(seq_id)
         return pairs
 
@@ -294,6 +304,7 @@ class BlockManager:
         self._tables[seq_id] = table
         self._num_tokens[seq_id] = swapped.num_tokens
         self._keys[seq_id] = swapped.keys
+        self._roots[seq_id] = swapped.root
         return list(zip(swapped.host_table, table))
 
     def free_swapped(self, seq_id: int) -> None:
@@ -305,7 +316,7 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Raise BlockError if a block is lost, misfiled or refcounted wrongly, the cache map and
         the blocks' keys disagree, or a host block is lost or held twice. O(blocks)."""
-        if self._keys.keys() != self._tables.keys():
+        if self._keys.keys() != self._tables.keys() or self._roots.keys() != self._tables.keys():
             raise BlockError("sequences with keys and with tables differ")
         refs: Counter[int] = Counter()
         for seq_id, table in self._tables.items():
@@ -369,8 +380,8 @@ class BlockManager:
         fits: the reserve limits what an allocation takes, not what others left."""
         return need <= 0 or need + reserve <= self.pool.num_free
 
-    def _allocate_plan(self, num_tokens: int,
-                       token_ids: Sequence[int] | None) -> tuple[list[int], list[bytes], int]:
+    def _allocate_plan(self, num_tokens: int, token_ids: Sequence[int] | None,
+                       root: bytes = b"") -> tuple[list[int], list[bytes], int]:
         """(cached blocks to reuse, their keys, blocks the allocation takes from the allocatable
         ones): fresh blocks, plus reused blocks that were evictable."""
         if num_tokens < 0:
@@ -378,7 +389,8 @@ class BlockManager:
         blocks: list[int] = []
         keys: list[bytes] = []
         if token_ids is not None and self.enable_prefix_caching:
-            blocks, keys = self.prefix_cache.match(token_ids, min(len(token_ids) - 1, num_tokens), self.block_size)
+            blocks, keys = self.prefix_cache.match(token_ids, min(len(token_ids) - 1, num_tokens), self.block_size,
+                                                   root)
         refcount = self.pool.refcount
         need = self.blocks_for(num_tokens) - len(blocks) + sum(refcount(b) == 0 for b in blocks)
         return blocks, keys, need

@@ -39,7 +39,8 @@ def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
 
     NOTE: a cryptographic hash, not Python's `hash()`: a client can craft prompts whose int tuples
     collide under `hash()`, and a collision hands one tenant another's KV (wrong output, and a
-    data leak). `parent_key` is b"" for a sequence's first block.
+    data leak). `parent_key` is the sequence's namespace for its first block: b"", or the salt
+    that keeps one tenant's prefixes from another's (api/admission/door.py).
     """
     return blake2b(parent_key + struct.pack(f"<{len(token_ids)}i", *token_ids), digest_size=16).digest()
 
@@ -76,13 +77,15 @@ class PrefixCache:
 
     # ---- hashing and matching ----
 
-    def match(self, token_ids: Sequence[int], max_tokens: int, block_size: int) -> tuple[list[int], list[bytes]]:
+    def match(self, token_ids: Sequence[int], max_tokens: int, block_size: int,
+              root: bytes = b"") -> tuple[list[int], list[bytes]]:
         """The cached blocks (and their keys) holding the leading full blocks of `token_ids`, at
-        most `max_tokens` tokens' worth. Changes nothing."""
+        most `max_tokens` tokens' worth, in the namespace `root` (the first block's parent key).
+        Changes nothing."""
         bs = block_size
         blocks: list[int] = []
         keys: list[bytes] = []
-        parent = b""
+        parent = root
         for i in range(max(max_tokens, 0) // bs):
             parent = block_key(parent, token_ids[i * bs:(i + 1) * bs])
             block_id = self._cached.get(parent)
@@ -93,11 +96,11 @@ class PrefixCache:
         return blocks, keys
 
     def fill(self, table: list[int], keys: list[bytes], num_full: int,
-             tokens: Callable[[int, int], Sequence[int]], block_size: int) -> None:
+             tokens: Callable[[int, int], Sequence[int]], block_size: int, root: bytes = b"") -> None:
         """File blocks table[len(keys):num_full], which the caller holds and which are now full and
-        computed, appending their keys to `keys` (a sequence's keys so far, chained on)."""
+        computed, appending their keys to `keys` (a sequence's keys so far, chained on from `root`)."""
         bs = block_size
-        parent = keys[-1] if keys else b""
+        parent = keys[-1] if keys else root
         for i in range(len(keys), num_full):
             block_tokens = tokens(i * bs, (i + 1) * bs)
             if len(block_tokens) != bs:

@@ -59,6 +59,7 @@ class Request:
     arrival_time: float | None = None  # when it reached the server, on the scheduler's clock
     tenant: str | None = None  # whose share it is served from (fair sharing inside its class)
     tenant_weight: float = 1.0  # that share's weight (the tenant's latest request's counts)
+    cache_salt: bytes = b""  # its prefix-cache namespace: it shares cached blocks only within it
     # timeline, on the scheduler's clock (None: not yet)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

@@ -216,13 +216,13 @@ class Scheduler:
 
         tokens = req.token_ids(0, req.num_tokens)
         while True:
-            cached = bm.cached_prefix(tokens)
+            cached = bm.cached_prefix(tokens, req.cache_salt)
             n = min(req.num_tokens - cached, self._budget)
-            if bm.allocate(req.seq_id, cached + n, tokens, reserve=reserve) is not None:
+            if bm.allocate(req.seq_id, cached + n, tokens, reserve=reserve, root=req.cache_salt) is not None:
                 break
             victim = self._pick_victim(req, strictly_lower=True)
             if victim is None:  # short for everyone, or only for this class (its KV reserve)?
-                return _SKIP if bm.can_allocate(cached + n, tokens) else _STOP
+                return _SKIP if bm.can_allocate(cached + n, tokens, root=req.cache_salt) else _STOP
             self._preempt(victim, out)
         req.num_computed_tokens = cached
         if req.num_preemptions == 0:

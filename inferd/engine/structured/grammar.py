@@ -20,6 +20,7 @@ from typing import Any
 import llguidance
 import numpy as np
 
+from inferd.engine.protocol import ConstraintError
 from inferd.model.tokenizer import Tokenizer
 
 # Compact, single-line JSON with the usual separators: no run of whitespace for a sampling model
@@ -122,10 +123,16 @@ class GrammarCompiler:
             return self._lltokenizer
 
     def compile(self, grammar: str) -> GrammarConstraint:
-        """A fresh constraint for one choice; GrammarError if the grammar does not compile."""
+        """A fresh constraint for one choice; GrammarError if the grammar does not compile, or
+        fails at its first token (a limit llguidance meets building it, a language with no
+        first token): a grammar refused here never reaches the engine."""
         matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
+        probe, mask = matcher.deep_copy(), np.zeros((self.vocab_size + 31) // 32, np.int32)
+        probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+        if probe.is_error() or not mask.any():
+            raise GrammarError(probe.get_error() or "no token can start it")
         return GrammarConstraint(matcher)
 
 
@@ -142,7 +149,7 @@ class GrammarConstraint:
 
     def accept(self, token_id: int) -> None:
         if not self.matcher.consume_token(token_id):
-            raise ValueError(f"the grammar refused token {token_id}: {self.matcher.get_error()}")
+            raise ConstraintError(f"the grammar refused token {token_id}: {self.matcher.get_error()}")
 
     def fork(self) -> GrammarConstraint:
         return GrammarConstraint(self.matcher.deep_copy())
@@ -150,4 +157,4 @@ class GrammarConstraint:
     def check(self) -> None:
         """Raise if the matcher broke (a token it could not take, a resource limit)."""
         if self.matcher.is_error():
-            raise ValueError(f"the grammar failed: {self.matcher.get_error()}")
+            raise ConstraintError(f"the grammar failed: {self.matcher.get_error()}")

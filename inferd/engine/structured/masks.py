@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from inferd.engine.protocol import ConstraintError
+
 
 def _matcher(constraint: Any) -> Any:
     """The llguidance matcher of a grammar constraint (engine/structured/grammar.py); None for any other."""
@@ -34,7 +36,7 @@ def fill_masks(rows: Sequence[tuple[int, Any]], masks: np.ndarray, executor: Any
             else:
                 constraint.fill_mask(masks[row])
             if not masks[row].any():
-                raise ValueError("the logits constraint allows no next token")
+                raise ConstraintError("the grammar allows no next token")
         except Exception as e:  # noqa: BLE001 - a constraint is per-request code: its failure is that request's
             failed[row] = e
             masks[row] = -1  # the row samples unconstrained, then fails
