@@ -29,13 +29,15 @@ import yaml
 from aiohttp import web
 from kubernetes_validate.utils import all_versions, major_minor
 
-from inferd.api.telemetry.metrics import setup_metrics
+from inferd.api.edge import EDGE
 from inferd.api.endpoints import add_routes
 from inferd.api.gateway.gate import GATEWAY
 from inferd.api.routing.registry import REGISTRY
 from inferd.api.state import STATE
 from inferd.api.streaming.backpressure import SLOW_CLIENTS
 from inferd.api.streaming.resume import RESUMABLE
+from inferd.api.telemetry.loop_lag import LOOP_LAG
+from inferd.api.telemetry.metrics import setup_metrics
 from inferd.settings.config import Settings, load_settings
 
 REPO = Path(__file__).resolve().parents[2]
@@ -182,10 +184,11 @@ def test_a_planted_error_fails_validation(version: str) -> None:
 
 def served_paths() -> set[str]:
     """GET routes of the real app's route table (/metrics comes from setup_metrics, which only
-    stores the models, gateway, streams and state it is given: nothing is scraped here)."""
+    stores the models, gateway, streams, counts and state it is given: nothing is scraped here)."""
     app = web.Application()
     app[REGISTRY], app[STATE] = sentinel.models, sentinel.state
     app[GATEWAY], app[RESUMABLE], app[SLOW_CLIENTS] = sentinel.gateway, sentinel.resumable, sentinel.slow
+    app[EDGE], app[LOOP_LAG] = sentinel.edge, sentinel.loop_lag
     add_routes(app)
     setup_metrics(app)
     return {r.resource.canonical for r in app.router.routes() if r.method == "GET" and r.resource}
