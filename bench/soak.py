@@ -61,7 +61,7 @@ def config(beta_rps: float) -> str:
             '[scheduler]\nmax_num_seqs = 16\n'
             '[server]\nresume_grace_seconds = 5.0\n'
             f'[tenants.alpha]\nkey_sha256 = ["{digest(KEYS["alpha"])}"]\nrequests_per_second = 1.5\n'
-            'tokens_per_second = 150\n'
+            'tokens_per_second = 400\n'
             f'[tenants.beta]\nkey_sha256 = ["{digest(KEYS["beta"])}"]\nrequests_per_second = {beta_rps}\n')
 
 
@@ -298,8 +298,6 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="inferd-soak-") as tmp:
         report = asyncio.run(soak(args.minutes, Path(tmp), args.seed))
-    if args.json:
-        args.json.write_text(json.dumps(asdict(report), indent=1))
     print(f"soak: {args.minutes:g} min, {sum(report.requests.values())} requests {dict(report.requests)}")
     print(f"outcomes: {dict(report.outcomes.most_common())}")
     print("   at s   RSS MiB   fds  threads  KV used  resumable")
@@ -308,6 +306,12 @@ def main() -> None:
         print(f"{s.at:7.0f} {s.rss_mib:9.1f} {s.fds:5d} {s.threads:8d} {s.kv_blocks_used:8g} {s.resumable_streams:10g}")
     print(f"reload: {report.reload.strip() or '-'}")
     print("PASS" if not report.failures else "FAIL:\n  " + "\n  ".join(report.failures))
+    if args.json:
+        # NOTE: not asdict(report) whole: it rebuilds a Counter from its (key, count) pairs as keys
+        samples = [asdict(s) for s in (report.idle_before, *report.samples, report.idle_after) if s is not None]
+        args.json.write_text(json.dumps({"minutes": report.minutes, "requests": dict(report.requests),
+                                         "outcomes": dict(report.outcomes), "samples": samples,
+                                         "reload": report.reload, "failures": report.failures}, indent=1))
     sys.exit(1 if report.failures else 0)
 
 

@@ -211,9 +211,10 @@ class Tokenizer:
         """A text of B bytes has at least B // bytes_per_token_bound tokens (what a size check
         before tokenizing relies on): the most bytes one token stands for, times 4 where the
         tokenizer normalizes the text first (NFKC can make a 3-byte character one byte)."""
-        specials = self.special_ids
-        if self._byte_level:  # a piece's characters are its bytes (GPT-2's alphabet), but for specials'
-            most = max((len(p.encode()) if i in specials else len(p) for i, p in enumerate(self._pieces)), default=1)
+        specials, alphabet = self.special_ids, _unicode_to_byte()
+        if self._byte_level:  # a piece in GPT-2's alphabet has a byte per character; others: their UTF-8
+            most = max((len(p) if i not in specials and all(c in alphabet for c in p) else len(p.encode())
+                        for i, p in enumerate(self._pieces)), default=1)
         else:  # (UTF-8 of the spelling: never fewer bytes than the text's, "▁" being 3 for a space)
             most = max(map(len, (p.encode("utf-8", "surrogatepass") for p in self._pieces)), default=1)
         return max(1, most) * (4 if self._backend.normalizes else 1)
