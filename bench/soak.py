@@ -19,30 +19,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import hashlib
 import json
 import os
 import random
-import re
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import aiohttp
+from overload import inferd_serve  # (bench/: the script's own folder is on sys.path)
 
 KEYS = {"alpha": "sk-soak-alpha", "beta": "sk-soak-beta"}
 MODEL = "smollm2"
 WORKERS = 8
 SAMPLE_SECONDS = 15.0
-STARTUP_LINE = re.compile(r"inferd serving .* on (http://[\d.]+:\d+)")
 RECIPE = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "servings": {"type": "integer", "minimum": 1, "maximum": 8}},
           "required": ["name", "servings"], "additionalProperties": False}
@@ -88,28 +84,6 @@ class Report:
 
 
 # ------------------------------------------------------------------------------ the server
-
-@contextlib.contextmanager
-def inferd_serve(folder: Path) -> Iterator[tuple[subprocess.Popen, str]]:
-    log = folder / "serve.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "inferd.cli", "serve", "--port", "0", "--config",
-                                 "inferd.toml"], stdout=subprocess.DEVNULL, stderr=f, cwd=folder)
-    try:
-        deadline = time.monotonic() + 180
-        while not (match := STARTUP_LINE.search(log.read_text())):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                sys.exit(f"inferd serve did not start (exit code {proc.poll()}):\n{log.read_text()[-3000:]}")
-            time.sleep(0.1)
-        yield proc, match.group(1)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
 
 def process_status(pid: int) -> dict[str, str]:
     with open(f"/proc/{pid}/status") as f:
@@ -232,8 +206,7 @@ async def worker(session: aiohttp.ClientSession, url: str, rng: random.Random, u
 
 async def soak(minutes: float, folder: Path, seed: int = 0) -> Report:
     report = Report(minutes)
-    (folder / "inferd.toml").write_text(config(beta_rps=8))
-    with inferd_serve(folder) as (proc, url):
+    with inferd_serve(folder, "inferd", config(beta_rps=8)) as (proc, _, url):  # (bench/overload.py's)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
             # the warm-up: the same traffic, not counted (the pools it grows to their working size
             # are the idle values), then idle
@@ -263,7 +236,7 @@ async def soak(minutes: float, folder: Path, seed: int = 0) -> Report:
                 w.result()  # (a worker's exception fails the soak)
             await until_idle(session, url)
         report.idle_after = await idle_sample(url, proc.pid, time.monotonic() - start)
-        log = (folder / "serve.log").read_text()
+        log = (folder / "inferd.log").read_text()  # (where inferd_serve writes it)
         report.reload = next((line for line in log.splitlines() if "SIGHUP: keys reloaded" in line), "")
     judge(report)
     return report
