@@ -52,8 +52,8 @@ def config(beta_rps: float) -> str:
     def digest(key: str) -> str:
         return hashlib.sha256(key.encode()).hexdigest()
 
-    return (f'[model]\ndtype = "float32"\nname = "{MODEL}"\n'
-            '[cache]\nkv_cache_memory = "256MiB"\n'
+    return (f'[model]\nname = "{MODEL}"\n'
+            '[cache]\nkv_cache_memory = "128MiB"\n'
             '[scheduler]\nmax_num_seqs = 16\n'
             '[server]\nresume_grace_seconds = 5.0\n'
             f'[tenants.alpha]\nkey_sha256 = ["{digest(KEYS["alpha"])}"]\nrequests_per_second = 1.5\n'

@@ -1,7 +1,13 @@
-"""What every test folder shares: the default model's float32 weights, loaded once a session.
+"""What every test folder shares: the default model's weights, loaded once a session, two ways.
 
-An engine over them is `LLMEngine(*float32_weights, config)`: float32 engines may share one model
-(their attention backend and batch-invariant mode are the same), so each test keeps its own
+- `served_weights`: what `inferd serve` runs by default on the CPU (bfloat16, packed weights,
+  batch-invariant): the tests of the server, the engine and the protocols run this path, the
+  one operators get, at 2-4x float32's speed.
+- `float32_weights`: the reference path, for what is compared with transformers token for
+  token (bfloat16 is not token-exact against float32).
+
+An engine over them is `LLMEngine(*served_weights, config)`: engines of one dtype may share one
+model (their attention backend and batch-invariant mode are the same), so each test keeps its own
 config, KV cache and scheduler without loading the file again (~2 s a load).
 """
 
@@ -19,6 +25,15 @@ def float32_weights() -> tuple[Any, Any]:
     from inferd.engine.config import EngineConfig
 
     return load_model(EngineConfig(dtype="float32"))
+
+
+@pytest.fixture(scope="session")
+def served_weights() -> tuple[Any, Any]:
+    """(LlamaModel, Tokenizer) of the embedded default model as served by default."""
+    from inferd.engine.builder import load_model
+    from inferd.engine.config import EngineConfig
+
+    return load_model(EngineConfig())
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,7 @@
-"""Fixtures for the API tests: one model load per session, a fresh AsyncEngine + app +
-TestServer per test (an AsyncEngine does not restart once stopped)."""
+"""Fixtures for the API tests: one model load per session, then per test a fresh LLMEngine over
+those weights (its scheduler's state, the load shedder's level among it, must not carry from one
+test into the next) and a fresh AsyncEngine + app + TestServer (an AsyncEngine does not restart
+once stopped)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,9 @@ from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
 
 
-@pytest.fixture(scope="session")
-def llm(float32_weights: tuple) -> LLMEngine:
-    return LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=256 * 2**20))
+@pytest.fixture
+def llm(served_weights: tuple) -> LLMEngine:
+    return LLMEngine(*served_weights, EngineConfig(kv_cache_memory=128 * 2**20))
 
 
 @pytest_asyncio.fixture

@@ -236,13 +236,14 @@ async def test_status_returns_to_idle(server: Server) -> None:
             "token_budget", "resumable_streams_detached", "event_loop_lag_seconds", "classes", "requests",
             "tenants", "drift", "models", "routes"} == set(body)
     assert body["engine_healthy"] is True and body["token_budget"] == 512
-    assert (body["dtype"], body["device"], body["device_memory"]) == ("float32", "cpu", None)
+    assert (body["dtype"], body["device"], body["device_memory"]) == ("bfloat16", "cpu", None)
     assert body["classes"][0]["limits"]["ttft_target"] == 2.0
     assert body["model"] == MODEL and body["kv_blocks_total"] > 0
     assert [c["name"] for c in body["classes"]] == ["interactive", "batch"]
     before = body["classes"][1]["generation_tokens"]
-    await asyncio.gather(*(server.post("/v1/completions", {**GREEDY, "prompt": f"Item {i}:", "priority": "batch"})
-                           for i in range(3)))
+    answers = await asyncio.gather(*(server.post("/v1/completions", {**GREEDY, "prompt": f"Item {i}:",
+                                                                     "priority": "batch"}) for i in range(3)))
+    assert [status for status, _ in answers] == [200] * 3, answers
     idle = await wait_idle(server)
     assert idle["steps"] > body["steps"]
     batch = idle["classes"][1]

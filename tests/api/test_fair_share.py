@@ -35,7 +35,7 @@ BODY = {"model": MODEL, "prompt": "The printing press changed Europe because", "
 
 
 def engine(llm: LLMEngine, fairness: str, seats: int = SEATS) -> LLMEngine:
-    config = EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, max_num_seqs=seats,
+    config = EngineConfig(kv_cache_memory=32 * 2**20, max_num_seqs=seats,
                           policy=SchedulingPolicy(fairness=fairness, shedding=ShedConfig(enabled=False)))
     return LLMEngine(llm.model, llm.tokenizer, config)
 

@@ -51,9 +51,9 @@ def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def big2_weights(llm: LLMEngine) -> Any:
+def big2_weights(served_weights: tuple) -> Any:
     """big2's own copy of the weights, for the module (a test flips one of its weights, and puts it back)."""
-    return copy.deepcopy(llm.model)
+    return copy.deepcopy(served_weights[0])
 
 
 def loader(llm: LLMEngine, big2_weights: Any) -> Any:

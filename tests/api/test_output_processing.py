@@ -33,8 +33,9 @@ SENTENCE_END = re.compile(r"[.!?。！？\n][\"'”’)\]]*\s*\Z")
 
 
 @pytest.fixture(scope="module")
-def token_texts(llm: LLMEngine) -> dict[str, str]:
+def token_texts(served_weights: tuple) -> dict[str, str]:
     """Each case's greedy text in token mode (the engine offline: the same tokens as served)."""
+    llm = LLMEngine(*served_weights, EngineConfig())
     texts = {}
     for path, body, max_tokens in (COMPLETION, CHAT, CHAT_SENTENCES, COMPLETION_LINES, CHAT_LINES):
         prompt = body["prompt"] if "prompt" in body else chat_prompt(

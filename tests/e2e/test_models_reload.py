@@ -15,15 +15,14 @@ from serveproc import start_server, stop_server
 
 CONFIG = """
 [model]
-dtype = "float32"
 max_model_len = 256
 [models.a]
 revision = "{revision}"
 aliases = ["alpha"]
-kv_cache_memory = "32MiB"
+kv_cache_memory = "16MiB"
 [models.b]
 revision = "1"
-kv_cache_memory = "32MiB"
+kv_cache_memory = "16MiB"
 """
 
 

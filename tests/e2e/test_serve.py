@@ -1,7 +1,7 @@
 """`inferd serve` as a real subprocess, driven over real sockets by the official `openai` client.
 
-One server (float32, so greedy text is batch-invariant; a 48-token step budget, so prefill is
-chunked) serves every test in this module.
+One server (the default bfloat16 path, batch-invariant, so greedy text does not depend on what
+else runs; a 48-token step budget, so prefill is chunked) serves every test in this module.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ STEP_BUDGET = 48
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server(
         tmp_path_factory.mktemp("serve"),
-        "--dtype", "float32", "--served-model-name", MODEL, "--kv-cache-memory", "512MiB",
+        "--served-model-name", MODEL, "--kv-cache-memory", "256MiB",
         "--max-num-seqs", "128", "--max-num-batched-tokens", str(STEP_BUDGET),
     )
     yield srv

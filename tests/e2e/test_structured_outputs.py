@@ -45,8 +45,8 @@ PARAMETERS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATH
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("structured"), "--dtype", "float32", "--served-model-name", MODEL,
-                       "--kv-cache-memory", "512MiB", "--max-num-seqs", "32")
+    srv = start_server(tmp_path_factory.mktemp("structured"), "--served-model-name", MODEL,
+                       "--kv-cache-memory", "256MiB", "--max-num-seqs", "32")
     yield srv
     stop_server(srv)
 

@@ -1,5 +1,5 @@
 """The fault suite: a real server (aiohttp's TestServer on a real socket, the real default model
-in float32) with faults injected through `LLMEngine.faults` (engine/worker/faults.py)."""
+as served by default) with faults injected through `LLMEngine.faults` (engine/worker/faults.py)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
 
 
-CONFIG = EngineConfig(dtype="float32", kv_cache_memory=128 * 2**20)
+CONFIG = EngineConfig(kv_cache_memory=64 * 2**20)
 
 
 @pytest.fixture(scope="session")
-def loaded(float32_weights: tuple) -> LLMEngine:
-    return LLMEngine(*float32_weights, CONFIG)
+def loaded(served_weights: tuple) -> LLMEngine:
+    return LLMEngine(*served_weights, CONFIG)
 
 
 @pytest.fixture

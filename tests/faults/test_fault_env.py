@@ -15,7 +15,7 @@ from serveproc import start_server, stop_server  # noqa: E402  (tests/e2e's real
 
 from inferd.engine.worker.faults import FaultInjector  # noqa: E402
 
-SERVE_ARGS = ("--served-model-name", "smollm2", "--dtype", "float32", "--kv-cache-memory", "64MiB",
+SERVE_ARGS = ("--served-model-name", "smollm2", "--kv-cache-memory", "32MiB",
               "--probe-interval", "0")
 
 

@@ -119,7 +119,7 @@ async def test_a_forward_that_raises_fails_its_step_with_a_retryable_error_and_t
 async def test_failed_steps_in_a_row_turn_ready_then_health_503_and_both_come_back(llm: LLMEngine) -> None:
     # (a recovery long enough that the success below and the /health poll fit inside it on a slow machine)
     settings = Settings.model_validate({"health": {"recover_seconds": 3.0, "liveness_failures": 3},
-                                        "model": {"dtype": "float32"}, "cache": {"kv_cache_memory": "64MiB"}})
+                                        "cache": {"kv_cache_memory": "32MiB"}})
     engine = LLMEngine(llm.model, llm.tokenizer, EngineConfig.from_settings(settings))  # its own recovery time
     async with serve(engine, settings) as server:
         engine.faults = FaultInjector(forward_failures=3)  # (armed once the start-up probe has run)

@@ -29,10 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from serveproc import Server, start_server, stop_server  # noqa: E402  (tests/e2e's real-subprocess helpers)
 
 MODEL = "smollm2"
-# Light on a 2-core machine; float32 so a greedy answer is token-exact from one process to the
-# next; no idle probe, so no probe run shares a batch with the test's requests.
-SERVE_ARGS = ("--host", "127.0.0.1", "--served-model-name", MODEL, "--dtype", "float32",
-              "--kv-cache-memory", "64MiB", "--max-num-seqs", "8", "--probe-interval", "0")
+# Light on a 2-core machine; batch-invariant (the default), so a greedy answer is token-exact from
+# one process to the next; no idle probe, so no probe run shares a batch with the test's requests.
+SERVE_ARGS = ("--host", "127.0.0.1", "--served-model-name", MODEL,
+              "--kv-cache-memory", "32MiB", "--max-num-seqs", "8", "--probe-interval", "0")
 GREEDY = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
 LONG_STREAM = {"model": MODEL, "prompt": "Tell me about the sea.", "max_tokens": 200, "temperature": 0,
                "ignore_eos": True, "stream": True}
