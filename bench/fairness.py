@@ -17,6 +17,13 @@ one as in real traffic, not in waves of identical requests; each tenant runs clo
    backlogged). Service tokens = prompt + completion tokens of each tenant's requests that ended
    inside the window (the first and last 10% of it cut, so the ramp does not count), from the
    client's usage events; the claim is a / b = 2 within +-15% under VTC.
+3. every seat taken (`--scenario seats`): `a` keeps 2 x max_num_seqs streams open, each asking
+   exactly --heavy-tokens (64, then 512), so they start and end in waves; `b` sends one 8-token
+   request every 0.5 s from 5 s in. Reported: b's p95 TTFT against a's (claim <= 1/3) and against
+   an unloaded request's TTFT + 2 loaded steps (a's TPOT p50); a's completion tokens / s against a
+   run of a alone (claim within 10%); fairness preemptions per minute (from /metrics).
+
+    .venv/bin/python bench/fairness.py --scenario seats --max-num-seqs 64 --seconds 40
 """
 
 from __future__ import annotations
@@ -48,6 +55,8 @@ class Sample:
     ttft: float | None = None
     ended: float | None = None
     tokens: int = 0  # prompt + completion, from the usage event
+    streamed: int = 0  # completion tokens seen so far (one per event: greedy, no stop strings)
+    last: float | None = None  # seconds after the send of the latest token event
 
 
 def config(fairness: str, max_num_seqs: int, weights: dict[str, float]) -> str:
@@ -70,8 +79,11 @@ async def stream(session: aiohttp.ClientSession, url: str, model: str, sample: S
             if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
                 continue
             event = json.loads(line[5:])
-            if event.get("choices") and sample.ttft is None:
-                sample.ttft = time.perf_counter() - start
+            if event.get("choices"):
+                sample.streamed += 1
+                sample.last = time.perf_counter() - start
+                if sample.ttft is None:
+                    sample.ttft = time.perf_counter() - start
             if event.get("usage"):
                 sample.tokens = event["usage"]["total_tokens"]
     sample.ended = sample.sent + time.perf_counter() - start
@@ -90,6 +102,77 @@ async def closed_loop(url: str, model: str, streams: dict[str, int], seconds: fl
 
         await asyncio.gather(*(worker(t, i * 1000 + j) for i, (t, n) in enumerate(streams.items()) for j in range(n)))
     return samples
+
+
+async def seats_taken(url: str, model: str, heavy_streams: int, heavy_tokens: int, seconds: float,
+                      light: bool) -> dict[str, Any]:
+    """Scenario 3 against one server: an unloaded request's TTFT first, then the load."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
+        unloaded = Sample("b", 0.0)
+        await stream(session, url, model, unloaded, 8)
+        before = await fair_preemptions(session, url)
+        samples: list[Sample] = []
+        t0 = time.perf_counter()
+
+        async def heavy_worker() -> None:
+            while (now := time.perf_counter() - t0) < seconds:
+                samples.append(sample := Sample("a", now))
+                await stream(session, url, model, sample, heavy_tokens)
+
+        async def light_sender() -> None:
+            sent = []
+            await asyncio.sleep(5.0)
+            while (now := time.perf_counter() - t0) < seconds:
+                samples.append(sample := Sample("b", now))
+                sent.append(asyncio.ensure_future(stream(session, url, model, sample, 8)))
+                await asyncio.sleep(0.5)
+            await asyncio.gather(*sent)
+
+        heavy = [asyncio.ensure_future(heavy_worker()) for _ in range(heavy_streams)]
+        await (light_sender() if light else asyncio.sleep(seconds))
+        wall = time.perf_counter() - t0
+        streamed = sum(s.streamed for s in samples if s.tenant == "a")  # (at the cut: long answers run on)
+        after = await fair_preemptions(session, url)
+        for task in heavy:
+            task.cancel()
+        await asyncio.gather(*heavy, return_exceptions=True)
+    tpots = [(s.last - s.ttft) / (s.streamed - 1) for s in samples
+             if s.tenant == "a" and s.streamed >= 2 and s.ttft is not None and s.last is not None]
+    return {"a": ttft_row(samples, "a"), "b": ttft_row(samples, "b"), "unloaded_ttft": unloaded.ttft,
+            "a_tpot_p50": percentile(tpots, 0.5), "a_tokens_per_second": streamed / wall,
+            "fair_preemptions_per_minute": (after - before) * 60 / wall, "wall": wall}
+
+
+async def fair_preemptions(session: aiohttp.ClientSession, url: str) -> float:
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("inferd_tenant_fair_preemptions_total{"))
+
+
+def seats_scenario(tmp: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
+    heavy = 2 * args.max_num_seqs
+    for tokens in args.heavy_tokens:
+        print(f"3. every seat taken: a keeps {heavy} streams of {tokens} tokens, b one 8-token request / 0.5 s "
+              f"from 5 s, {args.seconds:.0f} s")
+        rows = {}
+        for label, fairness, light in (("alone", "vtc", False), ("fcfs", "fcfs", True), ("vtc", "vtc", True)):
+            with inferd_serve(tmp, f"seats-{label}-{tokens}", config(fairness, args.max_num_seqs,
+                                                                     {"a": 1, "b": 1})) as (_, model, url):
+                rows[label] = row = asyncio.run(seats_taken(url, model, heavy, tokens, args.seconds, light))
+            line = (f"   {label:<6} a {row['a_tokens_per_second']:6.1f} tok/s, a's TTFT p95 {row['a']['ttft_p95']:6.2f} s, "
+                    f"TPOT p50 {row['a_tpot_p50'] * 1000:5.0f} ms")
+            if light:
+                line += (f"; b's TTFT p95 {row['b']['ttft_p95']:5.2f} s ({row['b']['requests']} requests), "
+                         f"fair preemptions {row['fair_preemptions_per_minute']:.0f}/min")
+            print(line)
+        vtc, alone = rows["vtc"], rows["alone"]
+        bound = vtc["unloaded_ttft"] + 2 * vtc["a_tpot_p50"]
+        print(f"   vtc: b's p95 / a's p95 = {vtc['b']['ttft_p95'] / vtc['a']['ttft_p95']:.3f} (claim <= 0.333); "
+              f"b's p95 {vtc['b']['ttft_p95']:.3f} s against unloaded TTFT + 2 steps = {bound:.3f} s; "
+              f"a's throughput {vtc['a_tokens_per_second'] / alone['a_tokens_per_second']:.3f}x of alone")
+        results[f"seats_{tokens}"] = rows
 
 
 def ttft_row(samples: list[Sample], tenant: str) -> dict[str, Any]:
@@ -114,11 +197,19 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=24, help="the mean max_tokens")
     parser.add_argument("--json", type=Path, help="write the results here too")
+    parser.add_argument("--scenario", choices=("shares", "seats"), default="shares",
+                        help="shares: 1 and 2 (the default); seats: 3, every seat taken")
+    parser.add_argument("--heavy-tokens", type=int, nargs="+", default=[64, 512], help="scenario 3's answers")
     args = parser.parse_args()
     heavy = 2 * args.max_num_seqs
     results: dict[str, Any] = {"args": vars(args) | {"json": None}}
     with TemporaryDirectory() as d:
         tmp = Path(d)
+        if args.scenario == "seats":
+            seats_scenario(tmp, args, results)
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=2))
+            return
         print(f"1. heavy against light: a runs {heavy} streams, b runs 4, equal weights, {args.seconds:.0f} s")
         print(f"   {'order':<6} {'tenant':<6} {'requests':>8} {'TTFT p50':>9} {'TTFT p95':>9}")
         for fairness in ("fcfs", "vtc"):

@@ -84,7 +84,14 @@ def tenants(s: dict[str, Any]) -> RenderableType | None:
             Text(rejected, style="yellow" if rejected not in (MISSING, "0") else ""),
             fmt_count(r.get("remaining_requests")), fmt_count(r.get("remaining_tokens")),
         )
-    return Panel(t, title=f"tenants ({len(rows)})", title_align="left", box=box.ROUNDED)
+    # (a line under the table, not a sixteenth column: only while some tenant has given seats)
+    gave = [(str(r.get("name", MISSING)), r["fair_preemptions"]) for r in rows
+            if is_num(r.get("fair_preemptions")) and r["fair_preemptions"] > 0]
+    body: RenderableType = t
+    if gave:
+        body = Group(t, Text("seats given to tenants below their fair share: "
+                             + ", ".join(f"{name} {fmt_count(n)}" for name, n in gave), style="dim"))
+    return Panel(body, title=f"tenants ({len(rows)})", title_align="left", box=box.ROUNDED)
 
 
 def models(s: dict[str, Any]) -> RenderableType | None:

@@ -132,6 +132,7 @@ class TenantSnapshot:
     served_tokens: int  # tokens computed for it (prompt and output; recomputation included)
     waiting: int
     running: int
+    fair_preemptions: int = 0  # its requests preempted to give a seat or blocks to a tenant below its share
 
 
 # ------------------------------------------------------------------------------ the seam

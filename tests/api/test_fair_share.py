@@ -25,6 +25,7 @@ from inferd.settings.config import Settings
 from inferd.engine.protocol import percentile
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
+from inferd.model.sampling_params import SamplingParams
 from inferd.settings.policy import SchedulingPolicy, ShedConfig
 
 SEATS = 16
@@ -95,6 +96,59 @@ async def test_behind_a_heavy_tenants_backlog_a_light_one_is_admitted_next(llm: 
         await running
     before = sum(first < light for first in firsts)  # a's queued requests served before b's
     assert before == (0 if fairness == "vtc" else 4), (fairness, before)
+
+
+@pytest.mark.asyncio
+async def test_when_a_heavy_tenant_holds_every_seat_a_light_one_takes_one_at_once(float32_weights: tuple) -> None:
+    """Two seats, both a's (and two more of a's waiting), 24-token answers; then b asks. b is
+    below its share (1 of 2 seats), so it takes a seat from a by preemption and its answer ends
+    before a's first ones do; a's preempted stream loses and repeats nothing (float32: the
+    recomputed request's tokens equal those of an unpreempted run); the preemption is counted for
+    a in /metrics and /v1/status; the pool is whole after. bench/fairness.py's "every seat taken"
+    runs the issue's shape (128 streams against 64 seats) at full length."""
+    model, tokenizer = float32_weights
+    config = EngineConfig(dtype="float32", kv_cache_memory=32 * 2**20, max_num_seqs=2,
+                          policy=SchedulingPolicy(fairness="vtc", shedding=ShedConfig(enabled=False)))
+    llm = LLMEngine(model, tokenizer, config)
+    prompts = [f"Item {i}: the printing press" for i in range(4)]
+    alone = [c.text for c in LLMEngine(model, tokenizer, config).generate(
+        prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))]
+
+    async def text_and_end(tenant: str, prompt: str, max_tokens: int) -> tuple[str, float]:
+        headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
+        body = {**BODY, "prompt": prompt, "max_tokens": max_tokens}
+        text = ""
+        async with server.session.post("/v1/completions", json=body, headers=headers) as r:
+            assert r.status == 200, await r.text()
+            async for line in r.content:
+                if line.startswith(b"data: {"):
+                    text += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+        return text, time.perf_counter()
+
+    async with serve(llm, settings()) as server:
+        heavy = [asyncio.ensure_future(text_and_end("a", p, 24)) for p in prompts]
+        admin = {"headers": {"Authorization": f"Bearer {KEYS['a']}"}}
+        while (await server.get("/v1/status", **admin))[1]["running"] < 2:
+            await asyncio.sleep(0.01)
+        _, light_end = await text_and_end("b", BODY["prompt"], 4)
+        answers = await asyncio.gather(*heavy)
+        _, status = await server.get("/v1/status", **admin)
+        async with server.session.get("/metrics") as r:
+            metrics = await r.text()
+        await wait_pool_whole(server)
+    assert light_end < min(end for _, end in answers)  # b did not wait for a's wave
+    assert [text for text, _ in answers] == alone
+    [row] = [t for t in status["tenants"] if t["name"] == "a"]
+    assert row["fair_preemptions"] >= 1
+    assert f'inferd_tenant_fair_preemptions_total{{tenant="a"}} {float(row["fair_preemptions"])}' in metrics
+    assert 'inferd_tenant_fair_preemptions_total{tenant="b"} 0.0' in metrics
+
+
+async def wait_pool_whole(server: Server, within: float = 2.0) -> None:
+    deadline = time.monotonic() + within
+    while (s := server.engine.snapshot).kv_blocks_used or s.running or s.waiting:
+        assert time.monotonic() < deadline, s
+        await asyncio.sleep(0.02)
 
 
 @pytest.mark.asyncio

@@ -170,6 +170,14 @@ def test_render_tenants() -> None:
     assert max(len(line) for line in text.splitlines()) <= 120
 
 
+def test_render_the_seats_tenants_gave_to_fair_share() -> None:
+    snap = copy.deepcopy(FULL)
+    snap["tenants"] = [_tenant("acme", fair_preemptions=0), _tenant("bulk", fair_preemptions=1234)]
+    assert "seats given to tenants below their fair share: bulk 1234" in text_of(snap)
+    snap["tenants"][1]["fair_preemptions"] = 0
+    assert "fair share" not in text_of(snap)
+
+
 def test_render_tenants_missing_fields() -> None:
     old_server = {"name": "acme", "tier": "gold", "weight": 1.0, "requests": 1}  # the rest not sent
     nulls = _tenant("nolimits", tier=None, ttft_p50_seconds=None, ttft_p95_seconds=None, tpot_p50_seconds=None,

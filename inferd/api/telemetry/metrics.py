@@ -177,7 +177,7 @@ def _tenant_metrics(gateway: Gateway, snapshots: list[EngineSnapshot]) -> Iterat
     fair: dict[str | None, dict[str, float]] = {}
     for stats in snapshots:
         for t in stats.tenants:
-            sums = fair.setdefault(t.name, {"virtual_tokens": 0.0, "waiting": 0, "running": 0})
+            sums = fair.setdefault(t.name, {"virtual_tokens": 0.0, "waiting": 0, "running": 0, "fair_preemptions": 0})
             for attr in sums:
                 sums[attr] += getattr(t, attr)
     for name, doc, attr in (("inferd_tenant_requests", "Requests admitted, per tenant.", "requests"),
@@ -209,6 +209,11 @@ def _tenant_metrics(gateway: Gateway, snapshots: list[EngineSnapshot]) -> Iterat
         for tenant in names:
             family.add_metric([tenant], fair[tenant][attr] if tenant in fair else 0)
         yield family
+    taken = CounterMetricFamily("inferd_tenant_fair_preemptions", "Its requests preempted to give a seat or KV "
+                                "blocks to a tenant below its fair share.", labels=["tenant"])
+    for tenant in names:
+        taken.add_metric([tenant], fair[tenant]["fair_preemptions"] if tenant in fair else 0)
+    yield taken
 
 
 def _drift_metrics(drift: DriftMonitor) -> Iterator[Metric]:

@@ -38,11 +38,13 @@ def tenant_statuses(gateway: Gateway, snapshots: Iterable[EngineSnapshot], only:
     waiting: dict[str | None, int] = {}
     running: dict[str | None, int] = {}
     virtual: dict[str | None, float] = {}
+    taken: dict[str | None, int] = {}
     for snapshot in snapshots:
         for t in snapshot.tenants:
             waiting[t.name] = waiting.get(t.name, 0) + t.waiting
             running[t.name] = running.get(t.name, 0) + t.running
             virtual[t.name] = virtual.get(t.name, 0.0) + t.virtual_tokens
+            taken[t.name] = taken.get(t.name, 0) + t.fair_preemptions
     rows = []
     for name, tenant in gateway.keyring.tenants.items():
         if only is not None and name != only:
@@ -52,7 +54,7 @@ def tenant_statuses(gateway: Gateway, snapshots: Iterable[EngineSnapshot], only:
             name=name, tier=tenant.tier, weight=tenant.weight, requests=account.requests,
             prompt_tokens=account.prompt_tokens, completion_tokens=account.completion_tokens,
             rejections=dict(account.rejections), waiting=waiting.get(name, 0), running=running.get(name, 0),
-            virtual_tokens=virtual.get(name, 0.0), ttft_p50_seconds=account.ttft.percentile(50),
+            virtual_tokens=virtual.get(name, 0.0), fair_preemptions=taken.get(name, 0), ttft_p50_seconds=account.ttft.percentile(50),
             ttft_p95_seconds=account.ttft.percentile(95), tpot_p50_seconds=account.tpot.percentile(50),
             remaining_requests=limiter.remaining_requests, remaining_tokens=limiter.remaining_tokens,
         ))

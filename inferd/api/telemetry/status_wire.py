@@ -85,6 +85,7 @@ class TenantStatus(ResponseModel):
     waiting: int
     running: int
     virtual_tokens: float  # tokens served / weight (with the lift on return from idle): least goes first
+    fair_preemptions: int = 0  # its requests preempted to give seats or blocks to a tenant below its share
     ttft_p50_seconds: float | None
     ttft_p95_seconds: float | None
     tpot_p50_seconds: float | None

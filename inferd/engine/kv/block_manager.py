@@ -165,6 +165,9 @@ class BlockManager:
     def can_swap_out(self, seq_id: int) -> bool:
         return len(self._table(seq_id)) <= len(self._host_free)
 
+    def num_swapped_blocks(self, seq_id: int) -> int:
+        return len(self._swapped_seq(seq_id).host_table)
+
     def can_swap_in(self, seq_id: int, reserve: int = 0) -> bool:
         return self._fits(len(self._swapped_seq(seq_id).host_table), reserve)
 

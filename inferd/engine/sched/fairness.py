@@ -15,6 +15,19 @@ A = 100, B = 60, every prompt 30 tokens, weights 1:
     simulated    B 60: b1 -> B 90: b2 -> A 100: a1 -> B 120: b3 -> A 130: a2, a3
     fair order   b1 b2 a1 b3 a2 a3
 
+Seats and blocks: admission order alone cannot help a tenant when another holds every seat (or
+the KV pool) with long requests: nothing frees until they end. So inside a rank, a backlogged
+tenant holding less than half its weighted share of the seats (or of the blocks) may take one
+from the tenant furthest over its share that has been served at least as much (`victim`). The
+shares are of the rank's capacity between the tenants with requests in it, by weight; the giver
+must stay at or above its share. Above half its share a tenant gets seats as they free, first
+while its counter is the lower (admission order), so near equal shares nothing is preempted and
+two tenants cannot hand a seat back and forth (64 seats, two tenants of weight 1, shares 32):
+
+    heavy 64, light 0 + 1 waiting      light 0 < 16, heavy 64 - 1 >= 32: heavy gives one
+    heavy 48, light 16 + 1 waiting     light holds half its share: it waits for a seat to free
+    heavy 30 + 1 waiting, light 34     heavy 30 >= 16: the same, whichever counter is lower
+
 Lifting: a tenant that comes back from idle (or is new) starts at max(its counter, floor), the
 floor being the smallest counter of the tenants that stayed active, or, when none did, of the
 last active set. Idle time banks no credit, and a tenant over its share when it left still is:
@@ -47,6 +60,29 @@ class _Account:
     requests: int = 0  # its unfinished requests in the scheduler (waiting or running)
 
 
+@dataclass(slots=True)
+class RankView:
+    """One rank's seats or blocks at one moment: each tenant's weighted share and holdings."""
+
+    capacity: int
+    weights: dict[Tenant, float]  # the tenants with requests in the rank
+    holdings: dict[Tenant, int]  # what their running requests hold
+    running: list[Request]  # the rank's running requests
+    held: Callable[[Request], int]  # what one running request holds
+
+    def share(self, tenant: Tenant) -> float:
+        weight = self.weights.get(tenant)
+        return self.capacity if weight is None else self.capacity * weight / sum(self.weights.values())
+
+    def fits(self, tenant: Tenant, need: int) -> bool:
+        """`tenant` holds less than half its share and `need` more keep it at or below the share,
+        with another tenant to share with (fairness.py's docstring: why half)."""
+        if len(self.weights) < 2:
+            return False
+        held, share = self.holdings.get(tenant, 0), self.share(tenant)
+        return held < share / 2 and held + need <= share
+
+
 class FairShare:
     """The tenants' counters, owned by the scheduler: `enter`/`leave` as its requests come and go,
     `charge` what each step computed, `lift` once per schedule(), then `order` its candidates."""
@@ -57,6 +93,9 @@ class FairShare:
         self._last_active: set[Tenant] = set()  # the last non-empty such set
         self._changed = False  # a tenant became active or idle since the last lift()
         self._step: dict[Tenant, int] = {}  # charge_step's tally (kept: no dict per step)
+        # fairness preemptions each tenant gave up, since start (kept when its account goes idle:
+        # /metrics counts them)
+        self._taken: Counter[Tenant] = Counter()
 
     def enter(self, tenant: Tenant, weight: float) -> None:
         """A request of `tenant` was queued (its weight becomes the tenant's)."""
@@ -100,6 +139,47 @@ class FairShare:
             self.charge(tenant, tokens)
         step.clear()
 
+    def victim(self, needy: Request, rank: RankView, need: int, may_give: Callable[[Request], bool]) -> Request | None:
+        """A running request of `needy`'s rank to preempt so that `needy` gets `need` more units
+        (seats or blocks, as `rank` counts them): None unless `needy`'s tenant holds less than half
+        its weighted share and stays at or below it, and the giver, served at least as much, stays
+        at or above its own (see the
+        module's docstring). The giver is the tenant furthest over its share; its request given up is one `may_give` allows, preempted
+        least often, then the cheapest to resume, then the latest."""
+        if not rank.fits(needy.tenant, need):
+            return None
+        served = self.counter(needy.tenant)
+        # (the giver must also have been served at least as much: admission order follows the
+        # counters, so a seat taken from a tenant served less would be handed back at once)
+        over = sorted((t for t, held in rank.holdings.items()
+                       if t != needy.tenant and held > rank.share(t) and self.counter(t) >= served),
+                      key=lambda t: (rank.holdings[t] / rank.share(t), self.counter(t)), reverse=True)
+        for tenant in over:
+            givable = [r for r in rank.running if r.tenant == tenant and may_give(r)
+                       and 0 < rank.held(r) <= rank.holdings[tenant] - rank.share(tenant)]
+            if givable:
+                return min(givable, key=lambda r: (r.num_preemptions, r.num_computed_tokens, -(r.arrival_time or 0.0)))
+        return None
+
+    def rank_view(self, rank: int, contenders: Iterable[Request], running: Iterable[Request], capacity: int,
+                  held: Callable[[Request], int]) -> RankView:
+        """One rank's capacity split between the tenants with requests in it (`contenders`,
+        waiting and running), by weight, and what each holds of it now."""
+        weights: dict[Tenant, float] = {}
+        for r in contenders:
+            if r.rank == rank and r.tenant not in weights:
+                account = self._accounts.get(r.tenant)
+                weights[r.tenant] = r.tenant_weight if account is None else account.weight
+        members = [r for r in running if r.rank == rank]
+        holdings: dict[Tenant, int] = {}
+        for r in members:
+            holdings[r.tenant] = holdings.get(r.tenant, 0) + held(r)
+        return RankView(capacity, weights, holdings, members, held)
+
+    def record_preemption(self, tenant: Tenant) -> None:
+        """A request of `tenant` gave its seat or blocks to a tenant below its share."""
+        self._taken[tenant] += 1
+
     def counter(self, tenant: Tenant) -> float:
         account = self._accounts.get(tenant)
         return 0.0 if account is None else account.counter
@@ -125,7 +205,9 @@ class FairShare:
         # counter: that minimum never falls, so its return would lift it to a floor at least as
         # high, and forgetting it changes no order (only its served_tokens restart from 0).
         lowest = min(accounts[t].counter for t in active)
-        for tenant in [t for t, a in accounts.items() if not a.requests and a.counter <= lowest]:
+        # (one that gave up seats stays: /metrics counts them per tenant, a counter never falls)
+        for tenant in [t for t, a in accounts.items() if not a.requests and a.counter <= lowest
+                       and t not in self._taken]:
             del accounts[tenant]
 
     def order(self, candidates: list[Request], key: Callable[[Request], Sequence[Any]]) -> list[Request]:
@@ -170,6 +252,7 @@ class FairShare:
         num_waiting = Counter(r.tenant for r in waiting)
         num_running = Counter(r.tenant for r in running)
         return tuple(
-            TenantSnapshot(tenant, a.weight, a.counter, a.served, num_waiting[tenant], num_running[tenant])
+            TenantSnapshot(tenant, a.weight, a.counter, a.served, num_waiting[tenant], num_running[tenant],
+                           self._taken[tenant])
             for tenant, a in sorted(self._accounts.items(), key=lambda ta: (ta[0] is not None, ta[0] or ""))
         )

@@ -20,13 +20,18 @@ When blocks or `max_num_seqs` run short, a waiting request may preempt running r
 *lower class*; a running one that needs a block may preempt requests of its own class or lower.
 Victims are the lowest class first, then (vtc) the tenant furthest over its share, then the
 cheapest to resume (fewest computed tokens); a request that was resumed is not chosen again
-before it has made progress, unless nothing else can give way.
+before it has made progress, unless nothing else can give way. With vtc, a waiting request of a
+tenant below half its share of its rank's seats (or blocks) may also take them from the rank's tenant
+furthest over its share, so one tenant holding every seat cannot keep another out until its
+requests end (fairness.py says when, and why it cannot flap); such a request may go ahead of
+others that found the engine full, its own tenant's earlier requests excepted.
 A preempted request either frees its blocks and recomputes later (reusing the prefix cache) or
 has them copied to host memory (swap); it keeps its arrival, so it keeps its place.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections.abc import Callable
@@ -35,7 +40,7 @@ from inferd.engine.protocol import ClassSnapshot, RequestSnapshot, TenantSnapsho
 from inferd.engine.sched.accounting import SchedulerAccounting, requests_snapshot
 from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.sched.deadlines import expired, order_key
-from inferd.engine.sched.fairness import FairShare
+from inferd.engine.sched.fairness import FairShare, RankView
 from inferd.engine.sched.plan import ScheduledChunk, SchedulerOutput
 from inferd.settings.policy import PriorityClass, SchedulingPolicy
 from inferd.engine.sched.request import Request, RequestStatus
@@ -141,21 +146,25 @@ class Scheduler:
             candidates = self.fair.order(candidates, lambda r: order_key(r, now, self.policy.aging_seconds))
         held_back: set[str] = set()  # classes at a limit of their own (KV reserve, shedding)
         admitting = True
+        stopped: set[object] = set()  # (vtc) tenants a request of which found the engine full
         for req in candidates:
             if self._budget <= 0:
                 break
             if req in out.preempted:
                 admitting = False  # a victim of this step waits for the next; no one overtakes it
+                continue
             if req.seq_id in self._scheduled or req.priority_class.name in held_back:
                 continue
             if req.status == RequestStatus.RUNNING:
                 n = min(req.num_tokens - req.num_computed_tokens, self._budget)
                 if not self._grow(req, n, out):
                     admitting = False  # nobody new may take what this one could not get
-            elif req.status == RequestStatus.WAITING and admitting:
-                verdict = self._admit(req, now, out)
+            elif req.status == RequestStatus.WAITING and (admitting or self.fair is not None
+                                                          and req.tenant not in stopped):
+                verdict = self._admit(req, now, out, fair_only=not admitting)
                 if verdict == _STOP:
                     admitting = False
+                    stopped.add(req.tenant)
                 elif verdict == _SKIP:  # nor may a later request of its class
                     held_back.add(req.priority_class.name)
             # NOTE: requests already running go on even after admissions stop. Whoever stopped
@@ -181,9 +190,18 @@ class Scheduler:
         self._add_chunk(out, req, n, copies)
         return True
 
-    def _admit(self, req: Request, now: float, out: SchedulerOutput) -> int:
-        """Start (or resume) a waiting request if the engine and its class allow."""
+    def _admit(self, req: Request, now: float, out: SchedulerOutput, fair_only: bool = False) -> int:
+        """Start (or resume) a waiting request if the engine and its class allow. `fair_only`:
+        admissions have stopped for this step, but a tenant below its fair share may still come in,
+        by what is free or by fairness preemption only."""
         cls = req.priority_class
+        if fair_only and not self._below_share(req):
+            return _STOP
+
+        def victim(by_blocks: bool, need: int) -> Request | None:
+            lower = None if fair_only else self._pick_victim(req, strictly_lower=True)
+            return lower if lower is not None else self._fair_victim(req, by_blocks, need)
+
         bm = self.block_manager
         reserve = self._reserve[cls.name]
         if self._applied_level >= 2 and cls.sheddable:
@@ -191,17 +209,15 @@ class Scheduler:
             if sum(1 for r in self.running if r.priority_class is cls) >= cap:
                 return _SKIP
         while len(self.running) + 1 + len(req.forks_pending) > self.max_num_seqs:
-            victim = self._pick_victim(req, strictly_lower=True)
-            if victim is None:
+            if (given := victim(False, 1 + len(req.forks_pending))) is None:
                 return _STOP
-            self._preempt(victim, out)
+            self._preempt(given, out)
 
         if req.swapped:
             while (pairs := bm.swap_in(req.seq_id, reserve=reserve)) is None:
-                victim = self._pick_victim(req, strictly_lower=True)
-                if victim is None:
+                if (given := victim(True, bm.num_swapped_blocks(req.seq_id))) is None:
                     return _SKIP if bm.can_swap_in(req.seq_id) else _STOP
-                self._preempt(victim, out)
+                self._preempt(given, out)
             out.swap_in += pairs
             req.swapped = False
             self._start(req, now, out)
@@ -220,10 +236,10 @@ class Scheduler:
             n = min(req.num_tokens - cached, self._budget)
             if bm.allocate(req.seq_id, cached + n, tokens, reserve=reserve, root=req.cache_salt) is not None:
                 break
-            victim = self._pick_victim(req, strictly_lower=True)
-            if victim is None:  # short for everyone, or only for this class (its KV reserve)?
+            need = max(1, -(-(cached + n) // bm.block_size) - cached // bm.block_size)
+            if (given := victim(True, need)) is None:  # short for everyone, or only for this class (its KV reserve)?
                 return _SKIP if bm.can_allocate(cached + n, tokens, root=req.cache_salt) else _STOP
-            self._preempt(victim, out)
+            self._preempt(given, out)
         req.num_computed_tokens = cached
         if req.num_preemptions == 0:
             req.num_cached_tokens = cached
@@ -270,6 +286,30 @@ class Scheduler:
         # still lets the most important of them progress, so nothing waits forever.
         victim = max(pool, key=worse)
         return None if victim is needy else victim
+
+    def _rank_view(self, rank: int, by_blocks: bool) -> RankView:
+        assert self.fair is not None
+        bm = self.block_manager
+        if by_blocks:
+            return self.fair.rank_view(rank, itertools.chain(self.waiting, self.running), self.running,
+                                       bm.pool.num_blocks, lambda r: len(bm.block_table(r.seq_id)))
+        return self.fair.rank_view(rank, itertools.chain(self.waiting, self.running), self.running,
+                                   self.max_num_seqs, lambda r: 1)
+
+    def _below_share(self, req: Request) -> bool:
+        """(vtc) `req`'s tenant may take a seat by fairness preemption (RankView.fits)."""
+        return self.fair is not None and self._rank_view(req.rank, False).fits(req.tenant, 1)
+
+    def _fair_victim(self, needy: Request, by_blocks: bool, need: int) -> Request | None:
+        """(vtc) Whom to preempt so that a tenant below its share of the rank's seats (or blocks)
+        gets `need` more; None under fcfs, or when none may give (fairness.py)."""
+        if self.fair is None:
+            return None
+        given = self.fair.victim(needy, self._rank_view(needy.rank, by_blocks), need,
+                                 lambda r: not self._protected(r))
+        if given is not None:
+            self.fair.record_preemption(given.tenant)
+        return given
 
     @staticmethod
     def _protected(req: Request) -> bool:
