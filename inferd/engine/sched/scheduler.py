@@ -20,11 +20,8 @@ When blocks or `max_num_seqs` run short, a waiting request may preempt running r
 *lower class*; a running one that needs a block may preempt requests of its own class or lower.
 Victims are the lowest class first, then (vtc) the tenant furthest over its share, then the
 cheapest to resume (fewest computed tokens); a request that was resumed is not chosen again
-before it has made progress, unless nothing else can give way. With vtc, a waiting request of a
-tenant below half its share of its rank's seats (or blocks) may also take them from the rank's tenant
-furthest over its share, so one tenant holding every seat cannot keep another out until its
-requests end (fairness.py says when, and why it cannot flap); such a request may go ahead of
-others that found the engine full, its own tenant's earlier requests excepted.
+before it has made progress, unless nothing else can give way. With vtc, a tenant below half
+its share of a rank's seats (or blocks) may take them from one over its share (fairness.py).
 A preempted request either frees its blocks and recomputes later (reusing the prefix cache) or
 has them copied to host memory (swap); it keeps its arrival, so it keeps its place.
 """
@@ -144,6 +141,11 @@ class Scheduler:
             candidates.sort(key=lambda r: order_key(r, now, self.policy.aging_seconds))
         else:  # each rank shared between its tenants
             candidates = self.fair.order(candidates, lambda r: order_key(r, now, self.policy.aging_seconds))
+        self._prefill_and_admit(candidates, now, out)
+        return out
+
+    def _prefill_and_admit(self, candidates: list[Request], now: float, out: SchedulerOutput) -> None:
+        """Step 4 over the merged candidates, within what is left of the step's budget."""
         held_back: set[str] = set()  # classes at a limit of their own (KV reserve, shedding)
         admitting = True
         stopped: set[object] = set()  # (vtc) tenants a request of which found the engine full
@@ -170,7 +172,6 @@ class Scheduler:
             # NOTE: requests already running go on even after admissions stop. Whoever stopped
             # them found no one to preempt, so the rest are at least as important, and their
             # progress is what frees the seat or the blocks it waits for.
-        return out
 
     # ------------------------------------------------------------------- growing and admitting
 
@@ -195,8 +196,8 @@ class Scheduler:
         admissions have stopped for this step, but a tenant below its fair share may still come in,
         by what is free or by fairness preemption only."""
         cls = req.priority_class
-        if fair_only and not self._below_share(req):
-            return _STOP
+        if fair_only and not (self.fair is not None and self._rank_view(req.rank, False).fits(req.tenant, 1)):
+            return _STOP  # (not below half its share of the seats: RankView.fits)
 
         def victim(by_blocks: bool, need: int) -> Request | None:
             lower = None if fair_only else self._pick_victim(req, strictly_lower=True)
@@ -288,25 +289,19 @@ class Scheduler:
         return None if victim is needy else victim
 
     def _rank_view(self, rank: int, by_blocks: bool) -> RankView:
+        """(vtc) The rank's seats, or its blocks, between its tenants now."""
         assert self.fair is not None
         bm = self.block_manager
-        if by_blocks:
-            return self.fair.rank_view(rank, itertools.chain(self.waiting, self.running), self.running,
-                                       bm.pool.num_blocks, lambda r: len(bm.block_table(r.seq_id)))
-        return self.fair.rank_view(rank, itertools.chain(self.waiting, self.running), self.running,
-                                   self.max_num_seqs, lambda r: 1)
-
-    def _below_share(self, req: Request) -> bool:
-        """(vtc) `req`'s tenant may take a seat by fairness preemption (RankView.fits)."""
-        return self.fair is not None and self._rank_view(req.rank, False).fits(req.tenant, 1)
+        capacity, held = ((bm.pool.num_blocks, lambda r: len(bm.block_table(r.seq_id))) if by_blocks
+                          else (self.max_num_seqs, lambda r: 1))
+        return self.fair.rank_view(rank, itertools.chain(self.waiting, self.running), self.running, capacity, held)
 
     def _fair_victim(self, needy: Request, by_blocks: bool, need: int) -> Request | None:
         """(vtc) Whom to preempt so that a tenant below its share of the rank's seats (or blocks)
         gets `need` more; None under fcfs, or when none may give (fairness.py)."""
         if self.fair is None:
             return None
-        given = self.fair.victim(needy, self._rank_view(needy.rank, by_blocks), need,
-                                 lambda r: not self._protected(r))
+        given = self.fair.victim(needy, self._rank_view(needy.rank, by_blocks), need, lambda r: not self._protected(r))
         if given is not None:
             self.fair.record_preemption(given.tenant)
         return given
