@@ -100,7 +100,7 @@ async def test_behind_a_heavy_tenants_backlog_a_light_one_is_admitted_next(llm: 
 
 @pytest.mark.asyncio
 async def test_when_a_heavy_tenant_holds_every_seat_a_light_one_takes_one_at_once(float32_weights: tuple) -> None:
-    """Two seats, both a's (and two more of a's waiting), 24-token answers; then b asks. b is
+    """Two seats, both a's (and one more of a's waiting), 16-token answers; then b asks. b is
     below its share (1 of 2 seats), so it takes a seat from a by preemption and its answer ends
     before a's first ones do; a's preempted stream loses and repeats nothing (float32: the
     recomputed request's tokens equal those of an unpreempted run); the preemption is counted for
@@ -110,9 +110,9 @@ async def test_when_a_heavy_tenant_holds_every_seat_a_light_one_takes_one_at_onc
     config = EngineConfig(dtype="float32", kv_cache_memory=32 * 2**20, max_num_seqs=2,
                           policy=SchedulingPolicy(fairness="vtc", shedding=ShedConfig(enabled=False)))
     llm = LLMEngine(model, tokenizer, config)
-    prompts = [f"Item {i}: the printing press" for i in range(4)]
+    prompts = [f"Item {i}: the printing press" for i in range(3)]
     alone = [c.text for c in LLMEngine(model, tokenizer, config).generate(
-        prompts, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))]
+        prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))]
 
     async def text_and_end(tenant: str, prompt: str, max_tokens: int) -> tuple[str, float]:
         headers = {"Authorization": f"Bearer {KEYS[tenant]}"}
@@ -126,7 +126,7 @@ async def test_when_a_heavy_tenant_holds_every_seat_a_light_one_takes_one_at_onc
         return text, time.perf_counter()
 
     async with serve(llm, settings()) as server:
-        heavy = [asyncio.ensure_future(text_and_end("a", p, 24)) for p in prompts]
+        heavy = [asyncio.ensure_future(text_and_end("a", p, 16)) for p in prompts]
         admin = {"headers": {"Authorization": f"Bearer {KEYS['a']}"}}
         while (await server.get("/v1/status", **admin))[1]["running"] < 2:
             await asyncio.sleep(0.01)
