@@ -143,9 +143,9 @@ class FairShare:
         """A running request of `needy`'s rank to preempt so that `needy` gets `need` more units
         (seats or blocks, as `rank` counts them): None unless `needy`'s tenant holds less than half
         its weighted share and stays at or below it, and the giver, served at least as much, stays
-        at or above its own (see the
-        module's docstring). The giver is the tenant furthest over its share; its request given up is one `may_give` allows, preempted
-        least often, then the cheapest to resume, then the latest."""
+        at or above its own (see the module's docstring). The giver is the tenant furthest over its
+        share; the request it gives up is one `may_give` allows, preempted least often, then the
+        cheapest to resume, then the latest."""
         if not rank.fits(needy.tenant, need):
             return None
         served = self.counter(needy.tenant)
