@@ -19,7 +19,7 @@ import random
 import time
 
 import pytest
-from apiserver import MODEL, Server, serve
+from apiserver import MODEL, Server, assert_pool_whole, serve
 
 from inferd.settings.config import Settings
 from inferd.engine.protocol import percentile
@@ -135,20 +135,13 @@ async def test_when_a_heavy_tenant_holds_every_seat_a_light_one_takes_one_at_onc
         _, status = await server.get("/v1/status", **admin)
         async with server.session.get("/metrics") as r:
             metrics = await r.text()
-        await wait_pool_whole(server)
+        await assert_pool_whole(server.engine, server.door)
     assert light_end < min(end for _, end in answers)  # b did not wait for a's wave
     assert [text for text, _ in answers] == alone
     [row] = [t for t in status["tenants"] if t["name"] == "a"]
     assert row["fair_preemptions"] >= 1
     assert f'inferd_tenant_fair_preemptions_total{{tenant="a"}} {float(row["fair_preemptions"])}' in metrics
     assert 'inferd_tenant_fair_preemptions_total{tenant="b"} 0.0' in metrics
-
-
-async def wait_pool_whole(server: Server, within: float = 2.0) -> None:
-    deadline = time.monotonic() + within
-    while (s := server.engine.snapshot).kv_blocks_used or s.running or s.waiting:
-        assert time.monotonic() < deadline, s
-        await asyncio.sleep(0.02)
 
 
 @pytest.mark.asyncio

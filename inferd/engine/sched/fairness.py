@@ -139,6 +139,11 @@ class FairShare:
             self.charge(tenant, tokens)
         step.clear()
 
+    @property
+    def shared(self) -> bool:
+        """More than one tenant had requests at the last lift(): only then can a share be short."""
+        return len(self._active) > 1
+
     def victim(self, needy: Request, rank: RankView, need: int, may_give: Callable[[Request], bool]) -> Request | None:
         """A running request of `needy`'s rank to preempt so that `needy` gets `need` more units
         (seats or blocks, as `rank` counts them): None unless `needy`'s tenant holds less than half

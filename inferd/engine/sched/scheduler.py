@@ -196,7 +196,8 @@ class Scheduler:
         admissions have stopped for this step, but a tenant below its fair share may still come in,
         by what is free or by fairness preemption only."""
         cls = req.priority_class
-        if fair_only and not (self.fair is not None and self._rank_view(req.rank, False).fits(req.tenant, 1)):
+        if fair_only and not (self.fair is not None and self.fair.shared
+                              and self._rank_view(req.rank, False).fits(req.tenant, 1)):
             return _STOP  # (not below half its share of the seats: RankView.fits)
 
         def victim(by_blocks: bool, need: int) -> Request | None:
@@ -299,7 +300,7 @@ class Scheduler:
     def _fair_victim(self, needy: Request, by_blocks: bool, need: int) -> Request | None:
         """(vtc) Whom to preempt so that a tenant below its share of the rank's seats (or blocks)
         gets `need` more; None under fcfs, or when none may give (fairness.py)."""
-        if self.fair is None:
+        if self.fair is None or not self.fair.shared:  # (one tenant, the common case: no O(n) view)
             return None
         given = self.fair.victim(needy, self._rank_view(needy.rank, by_blocks), need, lambda r: not self._protected(r))
         if given is not None:
