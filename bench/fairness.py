@@ -19,10 +19,13 @@ one as in real traffic, not in waves of identical requests; each tenant runs clo
    client's usage events; the claim is a / b = 2 within +-15% under VTC.
 3. every seat taken (`--scenario seats`): `a` keeps 2 x max_num_seqs streams open, each asking
    exactly --heavy-tokens (64, then 512), so they start and end in waves; `b` sends one 8-token
-   request every 0.5 s from 5 s in. Reported: b's p95 TTFT against a's (claim <= 1/3; a request of
-   a's still waiting at the cut counts with what it waited) and against an unloaded request's TTFT
-   + 2 loaded steps (a's TPOT p50); a's tokens / s, and a's + b's, against a run of a alone (claim:
-   a within 10%); fairness preemptions per minute (from /metrics).
+   request every --light-interval seconds (0.5) from 5 s in. Reported: b's p95 TTFT against a's
+   (claim <= 1/3; a request of a's still waiting at the cut counts with what it waited) and
+   against an unloaded request's TTFT + 2 loaded steps (a's TPOT p50); a's tokens / s, and a's +
+   b's, against a run of a alone (claim: a within 10%); fairness preemptions per minute (from
+   /metrics). b's demand at 0.5 s is 16 tokens a second, a share of the machine that depends on
+   the machine: for the same share on a slower CPU, --light-interval grows by the ratio of the
+   two machines' throughputs (b's demand against a alone's is printed).
 
     .venv/bin/python bench/fairness.py --scenario seats --max-num-seqs 64 --seconds 40
 """
@@ -106,7 +109,7 @@ async def closed_loop(url: str, model: str, streams: dict[str, int], seconds: fl
 
 
 async def seats_taken(url: str, model: str, heavy_streams: int, heavy_tokens: int, seconds: float,
-                      light: bool) -> dict[str, Any]:
+                      light_interval: float | None) -> dict[str, Any]:
     """Scenario 3 against one server: an unloaded request's TTFT first, then the load."""
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None)) as session:
@@ -127,11 +130,11 @@ async def seats_taken(url: str, model: str, heavy_streams: int, heavy_tokens: in
             while (now := time.perf_counter() - t0) < seconds:
                 samples.append(sample := Sample("b", now))
                 sent.append(asyncio.ensure_future(stream(session, url, model, sample, 8)))
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(light_interval)
             await asyncio.gather(*sent)
 
         heavy = [asyncio.ensure_future(heavy_worker()) for _ in range(heavy_streams)]
-        await (light_sender() if light else asyncio.sleep(seconds))
+        await (light_sender() if light_interval else asyncio.sleep(seconds))
         wall = time.perf_counter() - t0
         streamed = {t: sum(s.streamed for s in samples if s.tenant == t) for t in KEYS}  # (at the cut)
         for s in samples:  # a request still without a token at the cut waited at least this long
@@ -159,13 +162,15 @@ async def fair_preemptions(session: aiohttp.ClientSession, url: str) -> float:
 def seats_scenario(tmp: Path, args: argparse.Namespace, results: dict[str, Any]) -> None:
     heavy = 2 * args.max_num_seqs
     for tokens in args.heavy_tokens:
-        print(f"3. every seat taken: a keeps {heavy} streams of {tokens} tokens, b one 8-token request / 0.5 s "
+        print(f"3. every seat taken: a keeps {heavy} streams of {tokens} tokens, b one 8-token request / "
+              f"{args.light_interval} s "
               f"from 5 s, {args.seconds:.0f} s")
         rows = {}
         for label, fairness, light in (("alone", "vtc", False), ("fcfs", "fcfs", True), ("vtc", "vtc", True)):
             with inferd_serve(tmp, f"seats-{label}-{tokens}", config(fairness, args.max_num_seqs,
                                                                      {"a": 1, "b": 1})) as (_, model, url):
-                rows[label] = row = asyncio.run(seats_taken(url, model, heavy, tokens, args.seconds, light))
+                rows[label] = row = asyncio.run(seats_taken(url, model, heavy, tokens, args.seconds,
+                                                            args.light_interval if light else None))
             line = (f"   {label:<6} a {row['a_tokens_per_second']:6.1f} tok/s, a's TTFT p95 {row['a']['ttft_p95']:6.2f} s, "
                     f"TPOT p50 {row['a_tpot_p50'] * 1000:5.0f} ms")
             if light:
@@ -177,7 +182,8 @@ def seats_scenario(tmp: Path, args: argparse.Namespace, results: dict[str, Any])
         print(f"   vtc: b's p95 / a's p95 = {vtc['b']['ttft_p95'] / vtc['a']['ttft_p95']:.3f} (claim <= 0.333); "
               f"b's p95 {vtc['b']['ttft_p95']:.3f} s against unloaded TTFT + 2 steps = {bound:.3f} s; "
               f"a's throughput {vtc['a_tokens_per_second'] / alone['a_tokens_per_second']:.3f}x of alone, "
-              f"a's + b's {(vtc['a_tokens_per_second'] + vtc['b_tokens_per_second']) / alone['a_tokens_per_second']:.3f}x")
+              f"a's + b's {(vtc['a_tokens_per_second'] + vtc['b_tokens_per_second']) / alone['a_tokens_per_second']:.3f}x; "
+              f"b's demand {8 / args.light_interval / alone['a_tokens_per_second']:.3f} of a alone's")
         results[f"seats_{tokens}"] = rows
 
 
@@ -206,6 +212,7 @@ def main() -> None:
     parser.add_argument("--scenario", choices=("shares", "seats"), default="shares",
                         help="shares: 1 and 2 (the default); seats: 3, every seat taken")
     parser.add_argument("--heavy-tokens", type=int, nargs="+", default=[64, 512], help="scenario 3's answers")
+    parser.add_argument("--light-interval", type=float, default=0.5, help="scenario 3: seconds between b's requests")
     args = parser.parse_args()
     heavy = 2 * args.max_num_seqs
     results: dict[str, Any] = {"args": vars(args) | {"json": None}}
