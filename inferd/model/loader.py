@@ -1,12 +1,15 @@
-"""Load a Llama-family checkpoint (a GGUF file or a Hugging Face folder) into canonical tensors.
+"""Load a checkpoint (a GGUF file or a Hugging Face folder) into canonical tensors.
 
-Every source is mapped to the same unfused names, which `model.llama` checks and fuses:
+Every source is mapped to the same unfused names, which `model.decoder` checks and fuses; a
+tensor name the family does not know is refused, never dropped:
 
     embed                       [vocab, hidden]
     layers.{i}.attn_norm        [hidden]
     layers.{i}.q / k / v        [n_heads * head_dim | n_kv_heads * head_dim, hidden]
     layers.{i}.q_bias / k_bias / v_bias   (Qwen2)
     layers.{i}.o                [hidden, n_heads * head_dim]
+    layers.{i}.q_norm / k_norm  [head_dim]   (Qwen3, Gemma 3)
+    layers.{i}.post_attn_norm / post_mlp_norm   [hidden]   (Gemma's sandwich norms)
     layers.{i}.mlp_norm         [hidden]
     layers.{i}.gate / up        [intermediate, hidden]
     layers.{i}.down             [hidden, intermediate]
@@ -28,7 +31,8 @@ import numpy as np
 import torch
 
 from inferd.model import quant
-from inferd.model.config import ModelConfig, config_from_gguf, config_from_hf
+from inferd.model.config import ModelConfig, config_from_gguf
+from inferd.model.families import TOP_NAMES, Family, config_from_hf, family_of
 from inferd.model.errors import ModelLoadError
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -48,20 +52,6 @@ _GGUF_LAYER_NAMES = {
     "ffn_down.weight": "down",
 }
 _GGUF_TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
-_HF_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "q",
-    "self_attn.k_proj.weight": "k",
-    "self_attn.v_proj.weight": "v",
-    "self_attn.q_proj.bias": "q_bias",
-    "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias",
-    "self_attn.o_proj.weight": "o",
-    "post_attention_layernorm.weight": "mlp_norm",
-    "mlp.gate_proj.weight": "gate",
-    "mlp.up_proj.weight": "up",
-    "mlp.down_proj.weight": "down",
-}
 # Types that gguf.quants can turn back into floats; everything else is named in the error.
 _GGUF_DEQUANTIZABLE = {
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -137,13 +127,15 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
     # gguf name -> (canonical name, heads to un-permute by or 0)
     wanted: dict[str, tuple[str, int]] = {}
     for name in gguf.tensors:
-        if name.startswith("blk."):
+        if name.startswith("blk.") and name.split(".", 2)[2] in _GGUF_LAYER_NAMES:
             _, layer, rest = name.split(".", 2)
-            short = _GGUF_LAYER_NAMES.get(rest)
-            if short is not None:
-                wanted[name] = (f"layers.{layer}.{short}", unpermute.get(short.removesuffix("_bias"), 0))
+            short = _GGUF_LAYER_NAMES[rest]
+            wanted[name] = (f"layers.{layer}.{short}", unpermute.get(short.removesuffix("_bias"), 0))
         elif name in _GGUF_TOP_NAMES:
             wanted[name] = (_GGUF_TOP_NAMES[name], 0)
+        elif name != "rope_freqs.weight":  # (read below)
+            raise ModelLoadError(f"{path}: tensor {name!r} is not part of a {config.architecture} GGUF as inferd "
+                                 "reads it (refused rather than dropped: the model would run without it)")
 
     def convert(name: str) -> torch.Tensor | quant.Int4Codes:
         heads = wanted[name][1]
@@ -189,6 +181,7 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{config_file}: invalid JSON ({e})") from None
     config = config_from_hf(hf_config, str(folder))
+    family = family_of(hf_config, str(folder))
 
     index_file = folder / "model.safetensors.index.json"
     if index_file.is_file():
@@ -212,9 +205,8 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    short = _hf_short_name(name)
-                    if short is not None:
-                        tensors[short] = f.get_tensor(name).to(dtype)
+                    for short, tensor in _hf_tensors(family, config, name, lambda: f.get_tensor(name), file):
+                        tensors[short] = tensor.to(dtype)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{file}: truncated or corrupt safetensors file ({e})") from None
     if config.tie_word_embeddings:
@@ -224,11 +216,29 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
     return Checkpoint(config, tensors, folder)
 
 
-def _hf_short_name(name: str) -> str | None:
-    name = name.removeprefix("model.")
-    if name.startswith("layers."):
-        _, layer, rest = name.split(".", 2)
-        short = _HF_LAYER_NAMES.get(rest)
-        return None if short is None else f"layers.{layer}.{short}"
-    return {"embed_tokens.weight": "embed", "norm.weight": "norm", "lm_head.weight": "lm_head"}.get(name)
+# buffers some checkpoints carry that hold no weights (transformers recomputes them)
+_HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+
+def _hf_tensors(family: Family, config: ModelConfig, name: str, read: Any, file: Path) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor under its canonical name(s): a fused one split into its parts."""
+    short = name.removeprefix("model.")
+    if short.endswith(_HF_IGNORED_SUFFIXES):
+        return []
+    if short in TOP_NAMES:
+        return [(TOP_NAMES[short], read())]
+    if short.startswith("layers."):
+        _, layer, rest = short.split(".", 2)
+        if rest in family.layer_names:
+            return [(f"layers.{layer}.{family.layer_names[rest]}", read())]
+        if rest in family.fused:
+            parts = family.fused[rest]
+            sizes = [{"q": config.q_size, "k": config.kv_size, "v": config.kv_size}.get(p, config.intermediate_size)
+                     for p in parts]
+            tensor = read()
+            if tensor.shape[0] != sum(sizes):
+                raise ModelLoadError(f"{file}: tensor {name!r} has {tensor.shape[0]} rows, but the config implies "
+                                     f"{sum(sizes)} ({' + '.join(map(str, sizes))})")
+            return [(f"layers.{layer}.{p}", t) for p, t in zip(parts, tensor.split(sizes))]
+    raise ModelLoadError(f"{file}: tensor {name!r} is not part of a {family.name} checkpoint as inferd reads it "
+                         "(refused rather than dropped: the model would run without it)")

@@ -21,7 +21,7 @@ import torch
 from inferd.engine.worker.kv_cache import KVCache
 from inferd.engine.sched.plan import ScheduledChunk
 from inferd.model.attention import CudaAttention
-from inferd.model.llama import LlamaModel, StepAttention
+from inferd.model.decoder import DecoderModel, StepAttention
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, model: DecoderModel, kv_cache: KVCache, max_num_seqs: int, max_model_len: int) -> None:
         if not isinstance(model.attention, CudaAttention):
             raise ValueError("CUDA graphs need the CUDA attention backend (their launches are capturable)")
         self.model = model
