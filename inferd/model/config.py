@@ -1,5 +1,5 @@
-"""Hyper-parameters of a decoder model: the dataclass, and GGUF metadata read into it (a Hugging
-Face config.json is read by its family, inferd.model.families)."""
+"""Hyper-parameters of a decoder model (a Hugging Face config.json or GGUF metadata is read into
+them by the model's family, inferd.model.families)."""
 
 from __future__ import annotations
 
@@ -91,52 +91,3 @@ class ModelConfig:
         original = int((self.rope_scaling or {}).get("original_max_position_embeddings") or 0)
         return Rope(self.rope_theta, rotary_dim, self.rope_scaling, self.max_position_embeddings,
                     long=bool(original) and self.max_position_embeddings > original)
-
-
-# GGUF files of these families load (their tensor names and llama.cpp's conventions are mapped)
-GGUF_ARCHITECTURES = ("llama", "qwen2")
-
-
-def config_from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
-    arch = meta.get("general.architecture", "")
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"{source}: unsupported architecture {arch!r} in a GGUF (supported: {', '.join(GGUF_ARCHITECTURES)}; "
-                             "other families load from Hugging Face folders)")
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ModelLoadError(f"{source}: GGUF metadata lacks {arch}.{name}")
-        return value
-
-    num_heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
-    num_kv_heads = key("attention.head_count_kv", num_heads)
-    if isinstance(num_kv_heads, list):  # per-layer counts: only uniform ones are supported
-        if len(set(num_kv_heads)) != 1:
-            raise ModelLoadError(f"{source}: per-layer KV head counts are not supported")
-        num_kv_heads = num_kv_heads[0]
-    scaling_type = meta.get(f"{arch}.rope.scaling.type")
-    rope_scaling = None
-    if scaling_type == "linear":
-        rope_scaling = {"type": "linear", "factor": meta[f"{arch}.rope.scaling.factor"]}
-    elif scaling_type not in (None, "none"):
-        raise ModelLoadError(f"{source}: unsupported rope scaling type {scaling_type!r}")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0)),
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(num_kv_heads),
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // num_heads),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(key("context_length")),
-        tie_word_embeddings=False,  # decided by the loader: tied when output.weight is absent
-        attention_bias=arch == "qwen2",
-        rope_scaling=rope_scaling,
-        name=meta.get("general.name", source),
-    )

@@ -9,7 +9,10 @@ sliding-window layers, per-layer RoPE, partial rotary. A family says
 - its tensors' names in a Hugging Face checkpoint (per layer, suffix -> canonical name), and
   which fused tensors split into canonical ones at load (Phi-3's qkv_proj, gate_up_proj),
 - the config keys that change the maths which it does not implement (`refuse`): a checkpoint
-  setting one is refused with its name rather than served wrong.
+  setting one is refused with its name rather than served wrong,
+- and the same for a GGUF file as llama.cpp's converter writes one: its architecture name,
+  tensor names and metadata keys, and the converter's own conventions (Gemma's norms stored as
+  1 + w, Llama's q/k rows interleaved for its RoPE, Phi-3's fused tensors).
 
 Adding a family: a `Family(...)` entry below; a new switch goes into ModelConfig, the decoder
 and every attention backend (inferd.model.attention), with a test that fails with it off.
@@ -61,6 +64,11 @@ class Family:
     layer_names: dict[str, str] = field(default_factory=lambda: LLAMA_LAYER_NAMES)
     fused: dict[str, tuple[str, ...]] = field(default_factory=dict)  # HF suffix -> canonical parts
     refuse: dict[str, object] = field(default_factory=dict)  # key -> the only value implemented
+    # GGUF (llama.cpp's converter): the general.architecture it writes, its per-layer tensor names
+    # (a tuple: a fused tensor's parts), and the metadata -> ModelConfig fields; None: no GGUF
+    gguf_architecture: str | None = None
+    gguf_layer_names: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
+    read_gguf: Callable[[Callable[..., Any], dict[str, Any]], dict[str, Any]] | None = None
 
 
 def _window(cfg: dict[str, Any], all_sliding: bool) -> dict[str, Any]:
@@ -133,21 +141,89 @@ def _variant(rope: dict[str, Any]) -> dict[str, Any] | None:
     return None if kind == "default" else dict(rope)
 
 
+GGUF_LAYER_NAMES: dict[str, str | tuple[str, ...]] = {
+    "attn_norm.weight": "attn_norm",
+    "attn_q.weight": "q",
+    "attn_k.weight": "k",
+    "attn_v.weight": "v",
+    "attn_q.bias": "q_bias",
+    "attn_k.bias": "k_bias",
+    "attn_v.bias": "v_bias",
+    "attn_output.weight": "o",
+    "ffn_norm.weight": "mlp_norm",
+    "ffn_gate.weight": "gate",
+    "ffn_up.weight": "up",
+    "ffn_down.weight": "down",
+}
+GGUF_QK_NORM_NAMES = {"attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm"}
+GGUF_GEMMA_NAMES = GGUF_LAYER_NAMES | {"post_attention_norm.weight": "post_attn_norm",
+                                      "post_ffw_norm.weight": "post_mlp_norm"}
+GGUF_PHI3_NAMES = {k: v for k, v in GGUF_LAYER_NAMES.items() if not k.startswith(("attn_q", "attn_k", "attn_v"))} | {
+    "attn_qkv.weight": ("q", "k", "v"), "ffn_up.weight": ("gate", "up")}
+GGUF_TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
+
+
+def _gguf_plain(key: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
+    return {}
+
+
+def _gguf_gemma(version: int) -> Callable[[Callable[..., Any], dict[str, Any]], dict[str, Any]]:
+    def read(key: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
+        layers, hidden = common["num_layers"], common["hidden_size"]
+        # llama.cpp's rule: 1 / sqrt(head_dim), but 1 / sqrt(hidden / heads) on the 27B models
+        # (their query_pre_attn_scalar), which it tells by their depth
+        big = layers == (46 if version == 2 else 62)
+        scale = (hidden / common["num_heads"] if big else common["head_dim"]) ** -0.5
+        every = 2 if version == 2 else 6  # every 2nd (6th) layer full, from the first sliding
+        fields: dict[str, Any] = {
+            "norm_offset": 0.0,  # the converter stored 1 + w
+            "sandwich_norms": True, "activation": "gelu_tanh", "embed_scale": math.sqrt(hidden), "query_scale": scale,
+            "sliding_window": int(key("attention.sliding_window", 4096)),
+            "layer_types": tuple("full" if i % every == every - 1 else "sliding" for i in range(layers)),
+        }
+        if version == 2:
+            fields |= {"attn_softcap": float(key("attn_logit_softcapping", 50.0)),
+                       "final_softcap": float(key("final_logit_softcapping", 30.0))}
+        else:
+            fields |= {"qk_norm": True, "local_rope_theta": 10000.0}  # (llama.cpp's fixed local base)
+        return fields
+
+    return read
+
+
+def _gguf_phi3(key: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
+    head_dim = common["hidden_size"] // common["num_heads"]
+    fields: dict[str, Any] = {"head_dim": head_dim,
+                              "partial_rotary_factor": int(key("rope.dimension_count", head_dim)) / head_dim}
+    window = key("attention.sliding_window", 0)
+    if window:
+        fields |= {"sliding_window": int(window), "layer_types": ("sliding",) * common["num_layers"]}
+    return fields
+
+
 SILU = {"hidden_act": "silu", "mlp_bias": False}
 GEMMA = {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False}
 FAMILIES = (
-    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), ("llama", "mistral"), _llama, refuse=SILU),
-    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), lambda c: _qwen(c, bias=True), refuse=SILU),
+    Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), ("llama", "mistral"), _llama, refuse=SILU,
+           gguf_architecture="llama", gguf_layer_names=GGUF_LAYER_NAMES, read_gguf=_gguf_plain),
+    Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), lambda c: _qwen(c, bias=True), refuse=SILU,
+           gguf_architecture="qwen2", gguf_layer_names=GGUF_LAYER_NAMES,
+           read_gguf=lambda key, common: {"attention_bias": True}),
     Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), lambda c: _qwen(c, bias=False) | {"qk_norm": True},
-           layer_names=LLAMA_LAYER_NAMES | QK_NORM_NAMES, refuse=SILU),
+           layer_names=LLAMA_LAYER_NAMES | QK_NORM_NAMES, refuse=SILU,
+           gguf_architecture="qwen3", gguf_layer_names=GGUF_LAYER_NAMES | GGUF_QK_NORM_NAMES,
+           read_gguf=lambda key, common: {"qk_norm": True}),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), lambda c: _gemma(c, 2), layer_names=GEMMA_LAYER_NAMES,
-           refuse=GEMMA),
+           refuse=GEMMA, gguf_architecture="gemma2", gguf_layer_names=GGUF_GEMMA_NAMES, read_gguf=_gguf_gemma(2)),
     Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), lambda c: _gemma(c, 3),
-           layer_names=GEMMA_LAYER_NAMES | QK_NORM_NAMES, refuse=GEMMA),
+           layer_names=GEMMA_LAYER_NAMES | QK_NORM_NAMES, refuse=GEMMA, gguf_architecture="gemma3",
+           gguf_layer_names=GGUF_GEMMA_NAMES | GGUF_QK_NORM_NAMES, read_gguf=_gguf_gemma(3)),
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), _phi3,
            fused={"self_attn.qkv_proj.weight": ("q", "k", "v"), "mlp.gate_up_proj.weight": ("gate", "up")},
-           refuse={"hidden_act": "silu"}),
+           refuse={"hidden_act": "silu"}, gguf_architecture="phi3", gguf_layer_names=GGUF_PHI3_NAMES,
+           read_gguf=_gguf_phi3),
 )
+BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
 BY_NAME = {f.name: f for f in FAMILIES}
 
 
@@ -194,5 +270,60 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
         raise ModelLoadError(f"{source}: config.json lacks {e.args[0]!r}") from None
     try:
         return ModelConfig(**fields)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{source}: {e}") from None
+
+
+def gguf_family(meta: dict[str, Any], source: str) -> Family:
+    arch = meta.get("general.architecture", "")
+    if arch not in BY_GGUF:
+        raise ModelLoadError(f"{source}: unsupported architecture {arch!r} in a GGUF (supported: {', '.join(BY_GGUF)})")
+    return BY_GGUF[arch]
+
+
+def config_from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
+    family = gguf_family(meta, source)
+    arch = family.gguf_architecture
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise ModelLoadError(f"{source}: GGUF metadata lacks {arch}.{name}")
+        return value
+
+    num_heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
+    num_kv_heads = key("attention.head_count_kv", num_heads)
+    if isinstance(num_kv_heads, list):  # per-layer counts: only uniform ones are supported
+        if len(set(num_kv_heads)) != 1:
+            raise ModelLoadError(f"{source}: per-layer KV head counts are not supported")
+        num_kv_heads = num_kv_heads[0]
+    scaling_type = meta.get(f"{arch}.rope.scaling.type")
+    rope_scaling = None
+    if scaling_type == "linear":
+        rope_scaling = {"type": "linear", "factor": meta[f"{arch}.rope.scaling.factor"]}
+    elif scaling_type not in (None, "none"):
+        raise ModelLoadError(f"{source}: unsupported rope scaling type {scaling_type!r}")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    common: dict[str, Any] = dict(
+        architecture=family.name,
+        vocab_size=int(meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0)),
+        hidden_size=hidden,
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(num_kv_heads),
+        head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
+                     or hidden // num_heads),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length")),
+        tie_word_embeddings=False,  # decided by the loader: tied when output.weight is absent
+        rope_scaling=rope_scaling,
+        name=meta.get("general.name", source),
+    )
+    assert family.read_gguf is not None
+    try:
+        return ModelConfig(**(common | family.read_gguf(key, common)))
     except ModelLoadError as e:
         raise ModelLoadError(f"{source}: {e}") from None
