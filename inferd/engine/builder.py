@@ -87,8 +87,7 @@ def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: in
     deterministic = config.deterministic and model.dtype == torch.bfloat16 and model.device.type == "cpu"
     model.set_attention(select_attention(
         model.device, model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-        config.block_size, config.max_num_seqs, max_model_len, deterministic,
-        layer_options=cfg.has_sliding_layers or cfg.attn_softcap is not None))
+        config.block_size, config.max_num_seqs, max_model_len, deterministic))
     model.set_batch_invariant(deterministic)
     graphs = None
     if config.cuda_graphs and isinstance(model.attention, CudaAttention):

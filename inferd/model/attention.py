@@ -94,15 +94,15 @@ class CudaAttention(TorchAttention):
 
     def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,
                     device: torch.device, window: int | None = None) -> object:
-        assert window is None, "select_attention gives models with sliding windows the reference on CUDA"
         return self.decode_plan(device_tensor(block_tables, torch.int32, device),
-                                device_tensor(seq_lens, torch.int32, device), max(seq_lens))
+                                device_tensor(seq_lens, torch.int32, device), max(seq_lens), window)
 
-    def decode_plan(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int) -> object:
+    def decode_plan(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                    window: int | None = None) -> object:
         """A plan over device tensors (a captured graph's static buffers, say)."""
         num_partitions = self._cuda.choose_num_partitions(seq_lens.shape[0], self.num_kv_heads, max_seq_len,
                                                           self.num_sms)
-        return self._cuda.DecodePlan(block_tables, seq_lens, max_seq_len, num_partitions, self.workspace)
+        return self._cuda.DecodePlan(block_tables, seq_lens, max_seq_len, num_partitions, self.workspace, window)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
@@ -110,20 +110,18 @@ class CudaAttention(TorchAttention):
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: object,
                scale: float, softcap: float | None = None) -> torch.Tensor:
-        assert softcap is None, "select_attention gives models with soft-caps the reference on CUDA"
         return self._cuda.decode_attention(
             query.contiguous(), key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,  # type: ignore[attr-defined]
             max_seq_len=plan.max_seq_len, num_partitions=plan.num_partitions,  # type: ignore[attr-defined]
-            workspace=plan.workspace)  # type: ignore[attr-defined]
+            workspace=plan.workspace, window=plan.window, softcap=softcap)  # type: ignore[attr-defined]
 
 
 def select_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                      block_size: int, max_num_seqs: int, max_model_len: int,
-                     deterministic: bool = False, layer_options: bool = False) -> TorchAttention:
+                     deterministic: bool = False) -> TorchAttention:
     """Our kernels where the device (CuPy on CUDA, a compiler on the CPU) and the shapes allow;
     otherwise the reference. `deterministic`: prefill contexts padded to whole blocks (the CPU's
-    batch-invariant mode; decode on our CPU kernel is invariant as it is). `layer_options`: the
-    model has sliding-window or soft-capped layers, which the CUDA kernels do not know yet."""
+    batch-invariant mode; decode on our CPU kernel is invariant as it is)."""
     if device.type != "cuda":
         kv_block = reference.KV_BLOCK if deterministic else None
         if cpu.supports(head_dim, num_heads, num_kv_heads) and cpu.available():
@@ -133,9 +131,6 @@ def select_attention(device: torch.device, dtype: torch.dtype, num_heads: int, n
         log.warning("[model] deterministic is a CPU mode: on CUDA, results may still vary with the batch")
     from inferd.kernels import cuda
 
-    if layer_options:
-        log.warning("the CUDA kernels have no sliding window or soft-cap yet: attention runs on the torch reference")
-        return TorchAttention()
     if not cuda.is_available():
         log.warning("CuPy is not installed (pip install 'inferd[cuda]'): attention runs on the torch reference")
         return TorchAttention()

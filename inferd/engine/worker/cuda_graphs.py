@@ -87,11 +87,13 @@ class DecodeGraphs:
         seq_lens = self._ints[:b]
         tables = self._ints[self._largest: self._largest + b * self.max_blocks].view(b, self.max_blocks)
         backend: CudaAttention = self.model.attention  # type: ignore[assignment]
+        window = self.model.cfg.sliding_window if self.model.cfg.has_sliding_layers else None
         attn = StepAttention(
             slot_mapping=self._longs[2, :b],
             num_prefill_tokens=0,
             prefill=None,
             decode=backend.decode_plan(tables, seq_lens, self.max_model_len),
+            window_decode=None if window is None else backend.decode_plan(tables, seq_lens, self.max_model_len, window),
         )
         return self.model.forward(self._longs[0, :b], self._longs[1, :b], self.kv_cache.layers, attn,
                                   self._rows[:b])
