@@ -40,7 +40,7 @@ from inferd.engine.worker.runner import ModelRunner  # noqa: E402
 from inferd.engine.sched.scheduler import ScheduledChunk, Scheduler, SchedulerOutput  # noqa: E402
 from inferd.model.attention import select_attention  # noqa: E402
 from inferd.model.config import ModelConfig  # noqa: E402
-from inferd.model.llama import LlamaModel  # noqa: E402
+from inferd.model.decoder import DecoderModel  # noqa: E402
 from inferd.model.sampling_params import SamplingParams  # noqa: E402
 
 from gpu_kernels import copy_bandwidth  # noqa: E402 - bench/, this script's folder
@@ -79,7 +79,7 @@ def random_weights(cfg: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tens
 class EngineLoop:
     """The engine's hot loop (schedule, execute, update) over a model, as LLMEngine runs it."""
 
-    def __init__(self, model: LlamaModel, max_num_seqs: int, max_model_len: int, num_blocks: int) -> None:
+    def __init__(self, model: DecoderModel, max_num_seqs: int, max_model_len: int, num_blocks: int) -> None:
         cfg = model.cfg
         model.set_attention(select_attention(model.device, model.dtype, cfg.num_heads, cfg.num_kv_heads,
                                              cfg.head_dim, BLOCK_SIZE, max_num_seqs, max_model_len))
@@ -132,7 +132,7 @@ def bench_8b(lines: list[str], bandwidth: float) -> None:
     cfg = LLAMA3_8B
     weights = random_weights(cfg, torch.bfloat16)
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
-    model = LlamaModel(cfg, weights, torch.bfloat16)
+    model = DecoderModel(cfg, weights, torch.bfloat16)
     context, batches = 512, (1, 16, 64, 128)
     loop = EngineLoop(model, max_num_seqs=max(batches), max_model_len=1024,
                       num_blocks=max(batches) * (-(-(context + 1) // BLOCK_SIZE)))
@@ -153,7 +153,7 @@ def bench_8b(lines: list[str], bandwidth: float) -> None:
     torch.cuda.empty_cache()
 
 
-def smollm2_models() -> tuple[LlamaModel, object, str]:
+def smollm2_models() -> tuple[DecoderModel, object, str]:
     """inferd's model and transformers' on the same weights: the default GGUF if installed."""
     import transformers
 
@@ -162,13 +162,13 @@ def smollm2_models() -> tuple[LlamaModel, object, str]:
 
         path = default_model_path()
         checkpoint = load_checkpoint(path, torch.bfloat16)
-        ours = LlamaModel(checkpoint.config, {k: v.cuda() for k, v in checkpoint.tensors.items()}, torch.bfloat16)
+        ours = DecoderModel(checkpoint.config, {k: v.cuda() for k, v in checkpoint.tensors.items()}, torch.bfloat16)
         theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                                                    dtype=torch.bfloat16).cuda()
         return ours, theirs, "SmolLM2-135M-Instruct (the default GGUF)"
     cfg = SMOLLM2_135M
     weights = random_weights(cfg, torch.bfloat16)
-    ours = LlamaModel(cfg, weights, torch.bfloat16)
+    ours = DecoderModel(cfg, weights, torch.bfloat16)
     hf_config = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
         num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,

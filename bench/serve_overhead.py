@@ -62,7 +62,7 @@ PROMPT = "The way we can have more of this and that: it is not for you or for th
 # ------------------------------------------------------------------------------ the model
 
 class SyntheticZeroCostModel:
-    """A zero-cost stand-in for `LlamaModel`, used only by this benchmark.
+    """A zero-cost stand-in for `DecoderModel`, used only by this benchmark.
 
     It has the surface `LLMEngine` and `ModelRunner` use (`cfg`, `dtype`, `device`, `forward`,
     `set_attention`/`attention`)

@@ -20,7 +20,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def float32_weights() -> tuple[Any, Any]:
-    """(LlamaModel, Tokenizer) of the embedded default model in float32."""
+    """(DecoderModel, Tokenizer) of the embedded default model in float32."""
     from inferd.engine.builder import load_model
     from inferd.engine.config import EngineConfig
 
@@ -29,7 +29,7 @@ def float32_weights() -> tuple[Any, Any]:
 
 @pytest.fixture(scope="session")
 def served_weights() -> tuple[Any, Any]:
-    """(LlamaModel, Tokenizer) of the embedded default model as served by default."""
+    """(DecoderModel, Tokenizer) of the embedded default model as served by default."""
     from inferd.engine.builder import load_model
     from inferd.engine.config import EngineConfig
 

@@ -19,7 +19,7 @@ from inferd.engine.worker.kv_cache import KVCache, auto_kv_cache_memory, host_bl
 from inferd.engine.worker.runner import ModelRunner
 from inferd.model.attention import CudaAttention, select_attention
 from inferd.model.errors import ModelLoadError
-from inferd.model.llama import LlamaModel
+from inferd.model.decoder import DecoderModel
 from inferd.model.loader import default_model_path, load_checkpoint
 from inferd.model.tokenizer import Tokenizer
 from inferd.model.tokenizer_loader import load_tokenizer
@@ -41,7 +41,7 @@ def in_passing_thread(build: Callable[..., T], *args: object) -> T:
         return builder.submit(build, *args).result()
 
 
-def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer]:
+def load_model(config: EngineConfig) -> tuple[DecoderModel, Tokenizer]:
     """The model's weights on its device, and its tokenizer; ModelLoadError names what is wrong."""
     path = Path(config.model) if config.model else default_model_path()
     device, dtype = config.resolved_device(), config.resolved_dtype()
@@ -51,7 +51,7 @@ def load_model(config: EngineConfig) -> tuple[LlamaModel, Tokenizer]:
     # (packed weights are CPU-only: resolved_weights)
     weights = {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in checkpoint.tensors.items()}
     try:
-        model = LlamaModel(checkpoint.config, weights, dtype)
+        model = DecoderModel(checkpoint.config, weights, dtype)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     log.info("loaded %s (%s, weights %s, %s) in %.2f s", path, dtype, config.resolved_weights(), device,
@@ -69,7 +69,7 @@ class Execution:
     num_host_blocks: int  # for swapped-out blocks (0: swapping off)
 
 
-def build_execution(model: LlamaModel, config: EngineConfig, max_model_len: int) -> Execution:
+def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: int) -> Execution:
     """The KV cache (from `kv_cache_memory`), the attention backend, CUDA graphs, the runner."""
     cfg = model.cfg
     memory = config.kv_cache_memory

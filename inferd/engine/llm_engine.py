@@ -40,7 +40,7 @@ from inferd.engine.sched.request import Request, RequestStatus
 from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
 from inferd.engine.worker.executor import StepExecutor, StepFailed
 from inferd.engine.worker.faults import FaultInjector
-from inferd.model.llama import LlamaModel
+from inferd.model.decoder import DecoderModel
 from inferd.model.loader import default_model_path
 from inferd.model.sampling_params import SamplingParams
 from inferd.model.tokenizer import Tokenizer
@@ -84,7 +84,7 @@ class Completion:
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
+    def __init__(self, model: DecoderModel, tokenizer: Tokenizer, config: EngineConfig) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config

@@ -116,8 +116,11 @@ def decode_attention(query: torch.Tensor,  # [N, heads, head_dim]
                      value_cache: torch.Tensor,
                      block_tables: torch.Tensor,  # [N, width] int32
                      seq_lens: torch.Tensor,  # [N] int32
-                     scale: float) -> torch.Tensor:  # [N, heads, head_dim]
-    return torch.ops.inferd_cpu.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+                     scale: float,
+                     window: int | None = None,  # a sliding layer's: only the last `window` positions
+                     softcap: float | None = None) -> torch.Tensor:  # [N, heads, head_dim]
+    return torch.ops.inferd_cpu.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                                 window or 0, softcap or 0.0)
 
 
 if __name__ == "__main__":

@@ -215,6 +215,8 @@ def decode_attention(
     num_partitions: int | None = None,  # None: choose_num_partitions; 1: the single-pass kernel
     out: torch.Tensor | None = None,  # [N, H, D]
     workspace: DecodeWorkspace | None = None,  # for the split variant; None allocates one
+    window: int | None = None,  # a sliding layer's: only the last `window` positions
+    softcap: float | None = None,  # scores s -> tanh(s / softcap) * softcap
 ) -> torch.Tensor:
     """One query token per sequence against its paged context (spec: `reference.decode_attention`).
     Capturable in a CUDA graph when max_seq_len, num_partitions, out and workspace are given."""
@@ -242,7 +244,8 @@ def decode_attention(
     group = num_heads // n_kv
     decode = _kernel("paged_attention.cu", decode_kernel_name(query.dtype, head_dim, block_size, group), index)
     common = (_ptr(query), _ptr(key_cache), _ptr(value_cache), _ptr(block_tables), _ptr(seq_lens),
-              np.int32(block_tables.shape[1]), np.float32(scale), np.int32(partition_size))
+              np.int32(block_tables.shape[1]), np.float32(scale), np.int32(partition_size),
+              np.int32(window or 0), np.float32(softcap or 0.0))
     if num_partitions == 1:
         null = np.uint64(0)
         _launch(decode, query.device, (n_kv, n, 1), (_ptr(out), null, null, null, *common))
@@ -288,3 +291,4 @@ class DecodePlan:
     max_seq_len: int  # a bound on seq_lens, known on the host
     num_partitions: int
     workspace: DecodeWorkspace | None
+    window: int | None = None  # the sliding layers' plan

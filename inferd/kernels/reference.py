@@ -65,6 +65,7 @@ def plan_attention(
     max_query_len: int | None = None,  # them on the host; else read (on a GPU, a host sync)
     num_query_tokens: int | None = None,  # sum(query_lens), likewise
     kv_block: int | None = None,  # pad the context to a multiple of this (KV_BLOCK: batch invariance)
+    window: int | None = None,  # a sliding layer's: a query sees a key iff q_pos - k_pos < window
 ) -> AttentionPlan:
     device = block_tables.device
     n = block_tables.shape[0]
@@ -81,6 +82,9 @@ def plan_attention(
     # padded query rows (i >= query_len) see the whole context, so no row is fully masked
     q_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_q, device=device)[None, :]  # [N, Q]
     mask = (positions[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # [N, Q, L]
+    if window is not None:
+        padded = torch.arange(max_q, device=device)[None, :] >= query_lens[:, None]  # [N, Q]: (see above)
+        mask &= (positions[None, None, :] > q_pos[:, :, None] - window) | padded[:, :, None]
     pad_index = None
     if max_q > 1:
         starts = torch.cumsum(query_lens, 0) - query_lens  # [N]
@@ -96,6 +100,7 @@ def attention_planned(
     value_cache: torch.Tensor,  # [num_blocks, block_size, n_kv_heads, head_dim]
     plan: AttentionPlan,
     scale: float,
+    softcap: float | None = None,  # scores s -> tanh(s / softcap) * softcap before the mask (Gemma 2)
 ) -> torch.Tensor:  # [T, n_heads, head_dim]
     _, n_heads, head_dim = query.shape
     n_kv = key_cache.shape[2]
@@ -113,11 +118,26 @@ def attention_planned(
     k = k.view(n, ctx_len, n_kv, head_dim).transpose(1, 2)  # [N, kv, L, D]
     v = v.view(n, ctx_len, n_kv, head_dim).transpose(1, 2)  # [N, kv, L, D]
     q = query.view(n, q_len, n_heads, head_dim).transpose(1, 2)  # [N, H, Q, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True)
+    else:  # (SDPA has no soft-cap: the scores written out, as transformers' eager attention does)
+        out = _capped_attention(q, k, v, plan.mask, scale, softcap)
     out = out.transpose(1, 2).reshape(n * q_len, n_heads, head_dim)  # [N * Q, H, D]
     if plan.pad_index is not None:
         out = out[plan.pad_index]
     return out
+
+
+def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                      softcap: float) -> torch.Tensor:
+    """q [N, H, Q, D], k / v [N, kv, L, D], mask [N, 1, Q, L] -> [N, H, Q, D]."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [N, H, Q, L]
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v)
 
 
 def decode_attention(
@@ -127,9 +147,11 @@ def decode_attention(
     block_tables: torch.Tensor,  # [N, max_blocks]
     seq_lens: torch.Tensor,  # [N]
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [N, n_heads, head_dim]
-    plan = plan_attention(block_tables, seq_lens, torch.ones_like(seq_lens), key_cache.shape[1])
-    return attention_planned(query, key_cache, value_cache, plan, scale)
+    plan = plan_attention(block_tables, seq_lens, torch.ones_like(seq_lens), key_cache.shape[1], window=window)
+    return attention_planned(query, key_cache, value_cache, plan, scale, softcap)
 
 
 def prefill_attention(
@@ -140,6 +162,8 @@ def prefill_attention(
     query_lens: torch.Tensor,  # [N]: the chunk lengths
     seq_lens: torch.Tensor,  # [N]: cached prefix + chunk
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [T, n_heads, head_dim]
-    plan = plan_attention(block_tables, seq_lens, query_lens, key_cache.shape[1])
-    return attention_planned(query, key_cache, value_cache, plan, scale)
+    plan = plan_attention(block_tables, seq_lens, query_lens, key_cache.shape[1], window=window)
+    return attention_planned(query, key_cache, value_cache, plan, scale, softcap)

@@ -31,31 +31,31 @@ class TorchAttention:
         self.kv_block = kv_block
 
     def plan_prefill(self, block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
-                     block_size: int, device: torch.device) -> reference.AttentionPlan:
+                     block_size: int, device: torch.device, window: int | None = None) -> reference.AttentionPlan:
         return reference.plan_attention(
             device_tensor(block_tables, torch.int64, device),  # [N, max_blocks]
             device_tensor(seq_lens, torch.int64, device),  # [N]
             device_tensor(query_lens, torch.int64, device),  # [N]
             block_size,
             max_seq_len=max(seq_lens), max_query_len=max(query_lens), num_query_tokens=sum(query_lens),
-            kv_block=self.kv_block,
+            kv_block=self.kv_block, window=window,
         )
 
     def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,
-                    device: torch.device) -> object:
-        return self.plan_prefill(block_tables, seq_lens, [1] * len(seq_lens), block_size, device)
+                    device: torch.device, window: int | None = None) -> object:
+        return self.plan_prefill(block_tables, seq_lens, [1] * len(seq_lens), block_size, device, window)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def prefill(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: object,
-                scale: float) -> torch.Tensor:
-        return reference.attention_planned(query, key_cache, value_cache, plan, scale)  # type: ignore[arg-type]
+                scale: float, softcap: float | None = None) -> torch.Tensor:
+        return reference.attention_planned(query, key_cache, value_cache, plan, scale, softcap)  # type: ignore[arg-type]
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: object,
-               scale: float) -> torch.Tensor:
-        return reference.attention_planned(query, key_cache, value_cache, plan, scale)  # type: ignore[arg-type]
+               scale: float, softcap: float | None = None) -> torch.Tensor:
+        return reference.attention_planned(query, key_cache, value_cache, plan, scale, softcap)  # type: ignore[arg-type]
 
 
 class CpuAttention(TorchAttention):
@@ -63,13 +63,13 @@ class CpuAttention(TorchAttention):
     row_prefill = True
 
     def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,
-                    device: torch.device) -> object:
-        return device_tensor(block_tables, torch.int32, device), device_tensor(seq_lens, torch.int32, device)
+                    device: torch.device, window: int | None = None) -> object:
+        return device_tensor(block_tables, torch.int32, device), device_tensor(seq_lens, torch.int32, device), window
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: object,
-               scale: float) -> torch.Tensor:
-        block_tables, seq_lens = plan  # type: ignore[misc]
-        return cpu.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale)
+               scale: float, softcap: float | None = None) -> torch.Tensor:
+        block_tables, seq_lens, window = plan  # type: ignore[misc]
+        return cpu.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap)
 
 
 class CudaAttention(TorchAttention):
@@ -93,26 +93,27 @@ class CudaAttention(TorchAttention):
         self.workspace = cuda.DecodeWorkspace(max_num_seqs, num_heads, head_dim, max_partitions, device)
 
     def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,
-                    device: torch.device) -> object:
+                    device: torch.device, window: int | None = None) -> object:
         return self.decode_plan(device_tensor(block_tables, torch.int32, device),
-                                device_tensor(seq_lens, torch.int32, device), max(seq_lens))
+                                device_tensor(seq_lens, torch.int32, device), max(seq_lens), window)
 
-    def decode_plan(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int) -> object:
+    def decode_plan(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, max_seq_len: int,
+                    window: int | None = None) -> object:
         """A plan over device tensors (a captured graph's static buffers, say)."""
         num_partitions = self._cuda.choose_num_partitions(seq_lens.shape[0], self.num_kv_heads, max_seq_len,
                                                           self.num_sms)
-        return self._cuda.DecodePlan(block_tables, seq_lens, max_seq_len, num_partitions, self.workspace)
+        return self._cuda.DecodePlan(block_tables, seq_lens, max_seq_len, num_partitions, self.workspace, window)
 
     def write_kv(self, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:
         self._cuda.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def decode(self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, plan: object,
-               scale: float) -> torch.Tensor:
+               scale: float, softcap: float | None = None) -> torch.Tensor:
         return self._cuda.decode_attention(
             query.contiguous(), key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,  # type: ignore[attr-defined]
             max_seq_len=plan.max_seq_len, num_partitions=plan.num_partitions,  # type: ignore[attr-defined]
-            workspace=plan.workspace)  # type: ignore[attr-defined]
+            workspace=plan.workspace, window=plan.window, softcap=softcap)  # type: ignore[attr-defined]
 
 
 def select_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,

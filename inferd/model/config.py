@@ -1,21 +1,22 @@
-"""Hyper-parameters of a Llama-family model, read from GGUF metadata or a Hugging Face config.json."""
+"""Hyper-parameters of a decoder model (a Hugging Face config.json or GGUF metadata is read into
+them by the model's family, inferd.model.families)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from inferd.model.errors import ModelLoadError
+from inferd.model.rope import Rope
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+# the families (inferd.model.families): what a GGUF's general.architecture or a config.json's
+# model_type may say
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # the family (SUPPORTED_ARCHITECTURES)
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -28,8 +29,23 @@ class ModelConfig:
     max_position_embeddings: int
     tie_word_embeddings: bool
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
-    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    rope_scaling: dict[str, Any] | None = field(default=None, hash=False)  # a non-default RoPE variant (rope.py)
     name: str = ""
+    # What the families beyond Llama change; the defaults are Llama's (families.py sets them).
+    qk_norm: bool = False  # an RMSNorm over each q and k head before RoPE (Qwen3, Gemma 3)
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + w): 1 for Gemma's x̂·(1 + w)
+    sandwich_norms: bool = False  # a norm after attention and after the MLP too (Gemma 2/3)
+    activation: str = "silu"  # the MLP's gate: "silu" or "gelu_tanh"
+    embed_scale: float = 1.0  # embeddings times this (Gemma: √hidden)
+    query_scale: float | None = None  # attention's score scale; None: head_dim^-0.5
+    attn_softcap: float | None = None  # scores s -> tanh(s / c) · c (Gemma 2)
+    final_softcap: float | None = None  # logits likewise (Gemma 2): changes sampling, not greedy
+    sliding_window: int | None = None  # a sliding layer's query sees a key iff q_pos - k_pos < W
+    layer_types: tuple[str, ...] = ()  # "full" or "sliding" per layer; () all full
+    # sliding layers' own RoPE (Gemma 3: base 10k where full layers have 1M and linear scaling)
+    local_rope_theta: float | None = None
+    local_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
+    partial_rotary_factor: float = 1.0  # the share of each head RoPE rotates (Phi-4-mini: 0.75)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -38,6 +54,14 @@ class ModelConfig:
             )
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ModelLoadError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+        if "sliding" in self.layer_types and not self.sliding_window:
+            raise ModelLoadError("sliding layers without a sliding_window")
+        if self.activation not in ("silu", "gelu_tanh"):
+            raise ModelLoadError(f"unsupported activation {self.activation!r} (supported: silu, gelu_tanh)")
+        for local in (False, True):
+            self.rope(local).check(self.name or self.architecture)
 
     @property
     def q_size(self) -> int:
@@ -47,123 +71,23 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def rope_inv_freq(self) -> torch.Tensor:
-        """`[head_dim // 2]` float32 inverse frequencies, with Llama-3 / linear scaling applied."""
-        inv_freq = 1.0 / (
-            self.rope_theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.int64).float() / self.head_dim)
-        )
-        scaling = self.rope_scaling or {}
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind == "default":
-            return inv_freq
-        if kind == "linear":
-            return inv_freq / float(scaling["factor"])
-        if kind == "llama3":
-            return _llama3_inv_freq(inv_freq, scaling)
-        if kind == "factors":  # per-frequency divisors stored in a GGUF's rope_freqs tensor
-            return inv_freq / torch.tensor(scaling["factors"], dtype=torch.float32)
-        raise ModelLoadError(f"unsupported rope scaling type {kind!r} (supported: default, linear, llama3)")
+    @property
+    def attention_scale(self) -> float:
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_types) and self.layer_types[layer] == "sliding"
 
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    # Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-    factor = float(scaling["factor"])
-    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
-    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
-    old_context = float(scaling.get("original_max_position_embeddings", 8192))
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+    @property
+    def has_sliding_layers(self) -> bool:
+        return "sliding" in self.layer_types
 
-
-def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
-    archs = cfg.get("architectures") or []
-    model_type = cfg.get("model_type", "")
-    if "Qwen2ForCausalLM" in archs or model_type == "qwen2":
-        arch = "qwen2"
-    elif any(a in ("LlamaForCausalLM", "MistralForCausalLM") for a in archs) or model_type in ("llama", "mistral"):
-        arch = "llama"
-        if cfg.get("sliding_window") and model_type == "mistral":
-            raise ModelLoadError(f"{source}: Mistral with sliding-window attention is not supported")
-    else:
-        raise ModelLoadError(f"{source}: unsupported architecture {archs or model_type!r} "
-                             "(supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM)")
-    try:
-        num_heads = int(cfg["num_attention_heads"])
-        hidden = int(cfg["hidden_size"])
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=int(cfg["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
-            num_layers=int(cfg["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-            head_dim=int(cfg.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(cfg.get("attention_bias", False)),
-            rope_scaling=_hf_rope_scaling(cfg),
-            name=cfg.get("_name_or_path", "") or source,
-        )
-    except KeyError as e:
-        raise ModelLoadError(f"{source}: config.json lacks {e.args[0]!r}") from None
-
-
-def _hf_rope_scaling(cfg: dict[str, Any]) -> dict[str, Any] | None:
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters")
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    return None if kind == "default" else dict(scaling)
-
-
-def config_from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
-    arch = meta.get("general.architecture", "")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{source}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise ModelLoadError(f"{source}: GGUF metadata lacks {arch}.{name}")
-        return value
-
-    num_heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
-    num_kv_heads = key("attention.head_count_kv", num_heads)
-    if isinstance(num_kv_heads, list):  # per-layer counts: only uniform ones are supported
-        if len(set(num_kv_heads)) != 1:
-            raise ModelLoadError(f"{source}: per-layer KV head counts are not supported")
-        num_kv_heads = num_kv_heads[0]
-    scaling_type = meta.get(f"{arch}.rope.scaling.type")
-    rope_scaling = None
-    if scaling_type == "linear":
-        rope_scaling = {"type": "linear", "factor": meta[f"{arch}.rope.scaling.factor"]}
-    elif scaling_type not in (None, "none"):
-        raise ModelLoadError(f"{source}: unsupported rope scaling type {scaling_type!r}")
-    tokens = meta.get("tokenizer.ggml.tokens")
-    return ModelConfig(
-        architecture=arch,
-        vocab_size=int(meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0)),
-        hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
-        num_layers=int(key("block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(num_kv_heads),
-        head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count") or hidden // num_heads),
-        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
-        rope_theta=float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(key("context_length")),
-        tie_word_embeddings=False,  # decided by the loader: tied when output.weight is absent
-        attention_bias=arch == "qwen2",
-        rope_scaling=rope_scaling,
-        name=meta.get("general.name", source),
-    )
+    def rope(self, local: bool = False) -> Rope:
+        """The RoPE of full layers, or (`local`) of sliding ones where the family gives them their own."""
+        rotary_dim = int(self.head_dim * self.partial_rotary_factor)
+        rotary_dim -= rotary_dim % 2
+        if local and self.local_rope_theta is not None:
+            return Rope(self.local_rope_theta, rotary_dim, self.local_rope_scaling, self.max_position_embeddings)
+        original = int((self.rope_scaling or {}).get("original_max_position_embeddings") or 0)
+        return Rope(self.rope_theta, rotary_dim, self.rope_scaling, self.max_position_embeddings,
+                    long=bool(original) and self.max_position_embeddings > original)

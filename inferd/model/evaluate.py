@@ -12,12 +12,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from inferd.model.llama import LlamaModel, StepAttention
+from inferd.model.decoder import DecoderModel, StepAttention
 from inferd.model.quant import DENSE_PREFILL_MIN_TOKENS
 from inferd.model.tensors import device_tensor
 
 
-def perplexity(model: LlamaModel, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
+def perplexity(model: DecoderModel, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                token_ids: list[int], window: int = 512) -> float:
     device = model.device
     total_nll, count = 0.0, 0

@@ -1,12 +1,15 @@
-"""Load a Llama-family checkpoint (a GGUF file or a Hugging Face folder) into canonical tensors.
+"""Load a checkpoint (a GGUF file or a Hugging Face folder) into canonical tensors.
 
-Every source is mapped to the same unfused names, which `model.llama` checks and fuses:
+Every source is mapped to the same unfused names, which `model.decoder` checks and fuses; a
+tensor name the family does not know is refused, never dropped:
 
     embed                       [vocab, hidden]
     layers.{i}.attn_norm        [hidden]
     layers.{i}.q / k / v        [n_heads * head_dim | n_kv_heads * head_dim, hidden]
     layers.{i}.q_bias / k_bias / v_bias   (Qwen2)
     layers.{i}.o                [hidden, n_heads * head_dim]
+    layers.{i}.q_norm / k_norm  [head_dim]   (Qwen3, Gemma 3)
+    layers.{i}.post_attn_norm / post_mlp_norm   [hidden]   (Gemma's sandwich norms)
     layers.{i}.mlp_norm         [hidden]
     layers.{i}.gate / up        [intermediate, hidden]
     layers.{i}.down             [hidden, intermediate]
@@ -28,40 +31,13 @@ import numpy as np
 import torch
 
 from inferd.model import quant
-from inferd.model.config import ModelConfig, config_from_gguf, config_from_hf
+from inferd.model.config import ModelConfig
+from inferd.model.families import (GGUF_TOP_NAMES, TOP_NAMES, Family, config_from_gguf, config_from_hf,
+                                     family_of, gguf_family)
 from inferd.model.errors import ModelLoadError
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm.weight": "attn_norm",
-    "attn_q.weight": "q",
-    "attn_k.weight": "k",
-    "attn_v.weight": "v",
-    "attn_q.bias": "q_bias",
-    "attn_k.bias": "k_bias",
-    "attn_v.bias": "v_bias",
-    "attn_output.weight": "o",
-    "ffn_norm.weight": "mlp_norm",
-    "ffn_gate.weight": "gate",
-    "ffn_up.weight": "up",
-    "ffn_down.weight": "down",
-}
-_GGUF_TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
-_HF_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm",
-    "self_attn.q_proj.weight": "q",
-    "self_attn.k_proj.weight": "k",
-    "self_attn.v_proj.weight": "v",
-    "self_attn.q_proj.bias": "q_bias",
-    "self_attn.k_proj.bias": "k_bias",
-    "self_attn.v_proj.bias": "v_bias",
-    "self_attn.o_proj.weight": "o",
-    "post_attention_layernorm.weight": "mlp_norm",
-    "mlp.gate_proj.weight": "gate",
-    "mlp.up_proj.weight": "up",
-    "mlp.down_proj.weight": "down",
-}
 # Types that gguf.quants can turn back into floats; everything else is named in the error.
 _GGUF_DEQUANTIZABLE = {
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -122,7 +98,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
 
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf.metadata, str(path))
-    unpermute = {"q": config.num_heads, "k": config.num_kv_heads} if config.architecture == "llama" else {}
+    wanted = _gguf_names(gguf.tensors, gguf_family(gguf.metadata, str(path)), config, path)
 
     def load(name: str) -> np.ndarray:
         info = gguf.tensors[name]
@@ -134,40 +110,77 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
             raise ModelLoadError(f"{path}: cannot dequantize {name!r} ({info.ggml_type.name}): {e}") from None
         return array
 
-    # gguf name -> (canonical name, heads to un-permute by or 0)
-    wanted: dict[str, tuple[str, int]] = {}
-    for name in gguf.tensors:
-        if name.startswith("blk."):
-            _, layer, rest = name.split(".", 2)
-            short = _GGUF_LAYER_NAMES.get(rest)
-            if short is not None:
-                wanted[name] = (f"layers.{layer}.{short}", unpermute.get(short.removesuffix("_bias"), 0))
-        elif name in _GGUF_TOP_NAMES:
-            wanted[name] = (_GGUF_TOP_NAMES[name], 0)
-
-    def convert(name: str) -> torch.Tensor | quant.Int4Codes:
-        heads = wanted[name][1]
+    def convert(name: str) -> list[torch.Tensor | quant.Int4Codes]:
+        parts, heads = wanted[name]
         codes = None
-        if weights in ("auto", "int4") and quant.is_linear(wanted[name][0]):
+        if weights in ("auto", "int4") and len(parts) == 1 and quant.is_linear(parts[0]):
             codes = quant.int4_from_gguf(gguf.raw(name), gguf.tensors[name].ggml_type.name)
         if codes is not None:  # kept as stored: 4-bit codes, not dequantized
             if heads:
                 codes = quant.Int4Codes(*(torch.from_numpy(_unpermute_qk(t.numpy(), heads))
                                           for t in (codes.codes, codes.scale, codes.minimum)))
-            return codes
-        array = load(name)
-        return _to_torch(_unpermute_qk(array, heads) if heads else array, dtype)
+            return [codes]
+        tensor = _to_torch(_unpermute_qk(load(name), heads) if heads else load(name), dtype)
+        if len(parts) == 1:
+            return [tensor]
+        return list(tensor.split([_rows(config, p.rsplit(".", 1)[-1]) for p in parts]))  # a fused tensor (Phi-3's)
 
     # NOTE: numpy releases the GIL inside dequantization, so threads use every core.
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         converted = dict(zip(wanted, pool.map(convert, wanted)))
-    tensors = {wanted[name][0]: tensor for name, tensor in converted.items()}
-    if "rope_freqs.weight" in gguf.tensors:  # Llama 3.1 GGUFs carry the scaled factors as a tensor
-        factors = load("rope_freqs.weight").astype(np.float32).tolist()
-        config = replace(config, rope_scaling={"rope_type": "factors", "factors": factors})
-    config = replace(config, tie_word_embeddings="lm_head" not in tensors)
-    stored = {canonical: gguf.tensors[name].ggml_type.name for name, (canonical, _) in wanted.items()}
+    tensors = {part: t for name, ts in converted.items() for part, t in zip(wanted[name][0], ts)}
+    config = replace(_gguf_rope(config, gguf.metadata, gguf.tensors, load), tie_word_embeddings="lm_head" not in tensors)
+    stored = {part: gguf.tensors[name].ggml_type.name for name, (parts, _) in wanted.items() for part in parts}
     return Checkpoint(config, tensors, path, gguf_metadata=gguf.metadata, stored_types=stored)
+
+
+# tensors that are RoPE's parameters, read by _gguf_rope
+_GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def _gguf_names(names: Any, family: Family, config: ModelConfig, path: Path) -> dict[str, tuple[tuple[str, ...], int]]:
+    """GGUF name -> (canonical names: one, or a fused tensor's parts; heads to un-permute by or 0)."""
+    # llama.cpp's converter interleaves q/k rows for Llama only
+    unpermute = {"q": config.num_heads, "k": config.num_kv_heads} if family.name == "llama" else {}
+    wanted: dict[str, tuple[tuple[str, ...], int]] = {}
+    for name in names:
+        rest = name.split(".", 2)[2] if name.startswith("blk.") and name.count(".") >= 2 else None
+        if rest in family.gguf_layer_names:
+            layer = name.split(".", 2)[1]
+            short = family.gguf_layer_names[rest]
+            parts = (short,) if isinstance(short, str) else short
+            heads = unpermute.get(parts[0].removesuffix("_bias"), 0) if len(parts) == 1 else 0
+            wanted[name] = (tuple(f"layers.{layer}.{p}" for p in parts), heads)
+        elif name in GGUF_TOP_NAMES:
+            wanted[name] = ((GGUF_TOP_NAMES[name],), 0)
+        elif name not in _GGUF_ROPE_TENSORS:
+            raise ModelLoadError(f"{path}: tensor {name!r} is not part of a {family.name} GGUF as inferd "
+                                 "reads it (refused rather than dropped: the model would run without it)")
+    return wanted
+
+
+def _rows(config: ModelConfig, part: str) -> int:
+    """Rows of one part of a fused tensor."""
+    return {"q": config.q_size, "k": config.kv_size, "v": config.kv_size}.get(part, config.intermediate_size)
+
+
+def _gguf_rope(config: ModelConfig, meta: dict[str, Any], names: Any, load: Any) -> ModelConfig:
+    """RoPE parameters stored as tensors: Llama 3.1's scaled factors, Phi-3's LongRoPE factors."""
+    if "rope_freqs.weight" in names:
+        factors = load("rope_freqs.weight").astype(np.float32).tolist()
+        return replace(config, rope_scaling={"rope_type": "factors", "factors": factors})
+    if "rope_factors_short.weight" in names:
+        arch = meta.get("general.architecture")
+        scaling: dict[str, Any] = {
+            "rope_type": "longrope",
+            "short_factor": load("rope_factors_short.weight").astype(np.float32).tolist(),
+            "long_factor": load("rope_factors_long.weight").astype(np.float32).tolist(),
+            "original_max_position_embeddings": int(meta.get(f"{arch}.rope.scaling.original_context_length")
+                                                    or config.max_position_embeddings)}
+        if meta.get(f"{arch}.rope.scaling.attn_factor") is not None:
+            scaling["attention_factor"] = float(meta[f"{arch}.rope.scaling.attn_factor"])
+        return replace(config, rope_scaling=scaling)
+    return config
 
 
 def _to_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -189,6 +202,7 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
     except json.JSONDecodeError as e:
         raise ModelLoadError(f"{config_file}: invalid JSON ({e})") from None
     config = config_from_hf(hf_config, str(folder))
+    family = family_of(hf_config, str(folder))
 
     index_file = folder / "model.safetensors.index.json"
     if index_file.is_file():
@@ -212,9 +226,8 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
-                    short = _hf_short_name(name)
-                    if short is not None:
-                        tensors[short] = f.get_tensor(name).to(dtype)
+                    for short, tensor in _hf_tensors(family, config, name, lambda: f.get_tensor(name), file):
+                        tensors[short] = tensor.to(dtype)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{file}: truncated or corrupt safetensors file ({e})") from None
     if config.tie_word_embeddings:
@@ -224,11 +237,29 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
     return Checkpoint(config, tensors, folder)
 
 
-def _hf_short_name(name: str) -> str | None:
-    name = name.removeprefix("model.")
-    if name.startswith("layers."):
-        _, layer, rest = name.split(".", 2)
-        short = _HF_LAYER_NAMES.get(rest)
-        return None if short is None else f"layers.{layer}.{short}"
-    return {"embed_tokens.weight": "embed", "norm.weight": "norm", "lm_head.weight": "lm_head"}.get(name)
+# buffers some checkpoints carry that hold no weights (transformers recomputes them)
+_HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
+
+def _hf_tensors(family: Family, config: ModelConfig, name: str, read: Any, file: Path) -> list[tuple[str, torch.Tensor]]:
+    """A checkpoint tensor under its canonical name(s): a fused one split into its parts."""
+    short = name.removeprefix("model.")
+    if short.endswith(_HF_IGNORED_SUFFIXES):
+        return []
+    if short in TOP_NAMES:
+        return [(TOP_NAMES[short], read())]
+    if short.startswith("layers."):
+        _, layer, rest = short.split(".", 2)
+        if rest in family.layer_names:
+            return [(f"layers.{layer}.{family.layer_names[rest]}", read())]
+        if rest in family.fused:
+            parts = family.fused[rest]
+            sizes = [{"q": config.q_size, "k": config.kv_size, "v": config.kv_size}.get(p, config.intermediate_size)
+                     for p in parts]
+            tensor = read()
+            if tensor.shape[0] != sum(sizes):
+                raise ModelLoadError(f"{file}: tensor {name!r} has {tensor.shape[0]} rows, but the config implies "
+                                     f"{sum(sizes)} ({' + '.join(map(str, sizes))})")
+            return [(f"layers.{layer}.{p}", t) for p, t in zip(parts, tensor.split(sizes))]
+    raise ModelLoadError(f"{file}: tensor {name!r} is not part of a {family.name} checkpoint as inferd reads it "
+                         "(refused rather than dropped: the model would run without it)")

@@ -223,6 +223,25 @@ async def test_chat_template_raise_exception(server: Server, llm: LLMEngine, mon
     assert "System message must be first" in body["error"]["message"]
 
 
+async def test_chat_template_kwargs_reach_the_template(server: Server, llm: LLMEngine,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's chat_template_kwargs: Qwen3's template closes an empty think block when
+    enable_thinking is false (the same test as its own); the server's own variables are refused."""
+    template = ("{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+                "{% if enable_thinking is defined and enable_thinking is false %}"
+                "{{ '<think>\n\n</think>\n\n' }}{% endif %}")
+    monkeypatch.setattr(server.engine.tokenizer, "chat_template", template)
+    body = {**CHAT_BODY, "max_tokens": 1}
+    status, plain = await server.post(CHAT, body)
+    assert status == 200, plain
+    status, closed = await server.post(CHAT, {**body, "chat_template_kwargs": {"enable_thinking": False}})
+    assert status == 200, closed
+    think = len(server.engine.tokenizer.encode("<think>\n\n</think>\n\n", add_special_tokens=False))
+    assert closed["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"] + think
+    status, refused = await server.post(CHAT, {**body, "chat_template_kwargs": {"messages": []}})
+    assert_error(status, refused, 400, param="chat_template_kwargs")
+
+
 async def test_chat_template_type_error(server: Server, llm: LLMEngine, monkeypatch: pytest.MonkeyPatch) -> None:
     # a template doing arithmetic on client input: not a jinja error, still the client's 400
     monkeypatch.setattr(server.engine.tokenizer, "chat_template", "{{ messages[0]['content'] + 1 }}")

@@ -36,6 +36,26 @@ def test_decode_matches_the_reference(dtype: torch.dtype, heads: int, kv_heads: 
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("window", [1, 5, 16, 21, 600])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_windowed_and_capped_decode_matches_the_reference(dtype: torch.dtype, window: int,
+                                                          softcap: float | None) -> None:
+    """Sliding windows that cut blocks in the middle, match one, or cover every context; GQA 3:1."""
+    torch.manual_seed(window)
+    heads, kv_heads, head_dim, block_size, num_blocks = 12, 4, 32, 16, 100
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    value_cache = torch.randn_like(key_cache)
+    lens = [1, 5, 17, 33, 100, 513]
+    tables = torch.stack([torch.randperm(num_blocks)[: -(-max(lens) // block_size)] for _ in lens])
+    query = torch.randn(len(lens), heads, head_dim, dtype=dtype)
+    seq_lens = torch.tensor(lens)
+    expected = reference.decode_attention(query, key_cache, value_cache, tables, seq_lens, 0.3, window, softcap)
+    got = cpu.decode_attention(query, key_cache, value_cache, tables.int(), seq_lens.int(), 0.3, window, softcap)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
 def test_a_context_of_one_key_returns_its_value() -> None:
     key_cache = torch.randn(4, 16, 2, 32)
     value_cache = torch.randn_like(key_cache)

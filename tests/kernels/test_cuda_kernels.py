@@ -95,6 +95,8 @@ def reference_decode(
     value_cache: torch.Tensor,
     block_tables: torch.Tensor,  # [N, max_blocks]
     seq_lens: torch.Tensor,  # [N]
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:  # [N, H, D] float32
     """reference.decode_attention in float32 on the upcast inputs; padding rows (seq_len 0) are zeros."""
     keep = seq_lens > 0  # the reference has no padding rows: a fully masked row would be NaN
@@ -106,6 +108,8 @@ def reference_decode(
         block_tables[keep],
         seq_lens[keep],
         query.shape[-1] ** -0.5,
+        window,
+        softcap,
     )
     return out
 
@@ -197,6 +201,25 @@ def test_decode_matches_reference(kernels: ModuleType, dtype: torch.dtype, head_
             assert_matches(out, expected, dtype, what)
             padding = seq_lens == 0
             assert torch.equal(out[padding], torch.zeros_like(out[padding])), f"{what}: padding row not zero"
+
+
+@pytest.mark.parametrize("window, softcap", [(7, None), (600, 30.0), (None, 5.0)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_windowed_and_capped_decode_matches_reference(kernels: ModuleType, dtype: torch.dtype, window: int | None,
+                                                      softcap: float | None) -> None:
+    """Sliding windows (one cutting blocks, one leaving whole partitions behind it) and soft-caps."""
+    block_size, head_dim = BLOCK_SIZES[0], HEAD_SIZES[0]
+    lengths = decode_lengths(block_size, 2 * kernels.MIN_PARTITION_SIZE)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    for group, n_kv in KV_HEADS_OF_GROUP.items():
+        seed = head_dim * 1000 + block_size * 10 + group
+        key_cache, value_cache, tables = make_paged_kv(lengths, block_size, n_kv, head_dim, dtype, seed)
+        query = random_query(len(lengths), group * n_kv, head_dim, dtype, seed)
+        expected = reference_decode(query, key_cache, value_cache, tables, seq_lens, window, softcap)
+        for num_partitions in (1, 5):
+            out = kernels.decode_attention(query, key_cache, value_cache, tables, seq_lens, head_dim**-0.5,
+                                           num_partitions=num_partitions, window=window, softcap=softcap)
+            assert_matches(out, expected, dtype, f"group={group} window={window} num_partitions={num_partitions}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

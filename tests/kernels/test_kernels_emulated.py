@@ -87,6 +87,27 @@ def test_decode_single_pass_and_split_match_the_reference(kernels, case) -> None
         assert torch.equal(out[~live], torch.zeros_like(out[~live]))
 
 
+@pytest.mark.parametrize("case, window, softcap", [(CASES[0], 5, None), (CASES[1], 40, 3.0), (CASES[2], 300, None),
+                                                   (CASES[0], None, 2.0)], ids=["w5", "w40-cap", "w300", "cap"])
+def test_windowed_and_capped_decode_matches_the_reference(kernels, case, window: int | None,
+                                                          softcap: float | None) -> None:
+    """Windows that cut blocks in the middle (5, 40), leave whole 256-token partitions before them
+    (300 of 520), or no window with a soft-cap; single pass and split."""
+    dtype, head_dim, block_size, group = case
+    gen = torch.Generator().manual_seed(head_dim + (window or 0))
+    lengths = [1, block_size + 3, 0, 45, 520]
+    key_cache, value_cache, tables = paged(lengths, block_size, 2, head_dim, dtype, gen)
+    query = torch.randn(len(lengths), 2 * group, head_dim, generator=gen).to(dtype)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    live = seq_lens > 0
+    expected = reference.decode_attention(query[live].float(), key_cache.float(), value_cache.float(),
+                                          tables[live].long(), seq_lens[live].long(), head_dim**-0.5, window, softcap)
+    for num_partitions in (1, 3):
+        out = kernels.decode_attention(query, key_cache, value_cache, tables, seq_lens, head_dim**-0.5,
+                                       num_partitions=num_partitions, window=window, softcap=softcap)
+        torch.testing.assert_close(out[live].float(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+
+
 def test_split_workspace_can_be_larger_than_the_batch(kernels) -> None:
     dtype, head_dim, block_size, group = CASES[0]
     gen = torch.Generator().manual_seed(5)
@@ -120,10 +141,12 @@ def test_reshape_and_cache_is_bit_exact(kernels, dtype: torch.dtype) -> None:
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
 
-def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path) -> None:
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path, family: str) -> None:
     """The CUDA attention backend end to end (strided K/V into reshape_and_cache, int32 decode
     plans, the split kernel for a context past 512 tokens), inside the engine on the CPU: greedy
-    tokens equal transformers' in float32, as with the reference backend."""
+    tokens equal transformers' in float32, as with the reference backend. Gemma 2: a sliding layer
+    (window 40) and a full one, both soft-capped."""
     pytest.importorskip("transformers")
     pytest.importorskip("sentencepiece")
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
@@ -136,8 +159,21 @@ def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path) -> 
 
     vocab_size = tm.train_sentencepiece(tmp_path)
     # head size 64, 3 query heads per KV head: the decode specialization CASES[0] compiles
-    model = tm.tiny_llama(vocab_size, hidden_size=192, num_attention_heads=3, num_key_value_heads=1,
-                          intermediate_size=256, max_position_embeddings=1024)
+    shape = dict(hidden_size=192, num_attention_heads=3, num_key_value_heads=1, intermediate_size=256,
+                 max_position_embeddings=1024)
+    if family == "llama":
+        model = tm.tiny_llama(vocab_size, **shape)
+    else:
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+
+        torch.manual_seed(0)
+        model = tm.randomize(Gemma2ForCausalLM(Gemma2Config(
+            vocab_size=vocab_size, num_hidden_layers=2, head_dim=64, query_pre_attn_scalar=64, sliding_window=40,
+            attn_logit_softcapping=5.0, tie_word_embeddings=False, **shape)), 0)
+        with torch.no_grad():  # (1 + w) norms: w around 0, as Gemma's are
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p -= 1
     model.save_pretrained(tmp_path, safe_serialization=True)
     engine = LLMEngine.from_config(EngineConfig(model=str(tmp_path), dtype="float32", kv_cache_memory=16 * 2**20,
                                                 block_size=16, max_num_seqs=8))

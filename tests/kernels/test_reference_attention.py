@@ -10,14 +10,19 @@ from inferd.kernels import reference
 HEAD_DIM = 32
 
 
-def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int) -> torch.Tensor:
-    """Textbook causal attention for one sequence. q: [Q, H, D] at positions q_start.., k/v: [L, KV, D]."""
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_start: int, window: int | None = None,
+                    softcap: float | None = None) -> torch.Tensor:
+    """Textbook causal attention for one sequence. q: [Q, H, D] at positions q_start.., k/v: [L, KV, D];
+    a sliding window keeps keys with q_pos - k_pos < window; a soft-cap maps s to tanh(s / c) * c."""
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) / q.shape[-1] ** 0.5
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     q_pos = torch.arange(q.shape[0])[:, None] + q_start
-    mask = torch.arange(k.shape[0])[None, :] <= q_pos
+    k_pos = torch.arange(k.shape[0])[None, :]
+    mask = (k_pos <= q_pos) & ((q_pos - k_pos < window) if window is not None else True)
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v.double()).float()
 
@@ -102,3 +107,31 @@ def test_write_kv_places_tokens_in_their_slots() -> None:
     reference.write_kv(k, -k, key_cache, value_cache, torch.tensor([5, 0, 6]))
     assert key_cache.flatten().tolist() == [2.0, 0, 0, 0, 0, 1.0, 3.0, 0]
     assert value_cache.flatten().tolist() == [-2.0, 0, 0, 0, 0, -1.0, -3.0, 0]
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 21])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("group", [1, 3])
+def test_windowed_and_capped_prefill_and_decode_match_dense(window: int | None, softcap: float | None,
+                                                            group: int) -> None:
+    """Windows that cut 16-token blocks in the middle (5, 21) or match one (16), chunks that start
+    past the window's edge (a cached prefix of 40), and decode rows."""
+    gen = torch.Generator().manual_seed(7 * group + (window or 0))
+    n_kv, block_size = 2, 16
+    lengths, chunks = [9, 50, 70], [9, 10, 30]  # prefixes cached: 0, 40, 40
+    keys = [torch.randn(n, n_kv, HEAD_DIM, generator=gen) for n in lengths]
+    values = [torch.randn(n, n_kv, HEAD_DIM, generator=gen) for n in lengths]
+    key_cache, value_cache, tables = scatter_into_cache(keys, values, block_size, n_kv, gen)
+    query = torch.randn(sum(chunks), n_kv * group, HEAD_DIM, generator=gen)
+    out = reference.prefill_attention(query, key_cache, value_cache, tables, torch.tensor(chunks),
+                                      torch.tensor(lengths), HEAD_DIM**-0.5, window=window, softcap=softcap)
+    start = 0
+    for s, (n, c) in enumerate(zip(lengths, chunks)):
+        expected = dense_attention(query[start : start + c], keys[s], values[s], n - c, window, softcap)
+        torch.testing.assert_close(out[start : start + c], expected, atol=1e-5, rtol=1e-5)
+        start += c
+    decoded = reference.decode_attention(query[: len(lengths)], key_cache, value_cache, tables,
+                                         torch.tensor(lengths), HEAD_DIM**-0.5, window=window, softcap=softcap)
+    for s, n in enumerate(lengths):
+        expected = dense_attention(query[s : s + 1], keys[s], values[s], n - 1, window, softcap)
+        torch.testing.assert_close(decoded[s : s + 1], expected, atol=1e-5, rtol=1e-5)

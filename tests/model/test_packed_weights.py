@@ -22,7 +22,7 @@ from inferd.engine.llm_engine import LLMEngine
 from inferd.model import quant
 from inferd.model.evaluate import perplexity
 from inferd.model.gguf_file import GGUFFile
-from inferd.model.llama import LlamaModel
+from inferd.model.decoder import DecoderModel
 from inferd.model.loader import default_model_path
 from inferd.model.sampling_params import SamplingParams
 
@@ -54,7 +54,7 @@ def test_the_default_model_packs_its_layers_and_keeps_a_dense_head() -> None:
     assert isinstance(float32.layers[0].qkv, quant.DenseLinear)
 
 
-def _dequantized_reference(packed: LlamaModel) -> LLMEngine:
+def _dequantized_reference(packed: DecoderModel) -> LLMEngine:
     """A float32 engine whose every product multiplies by the packed model's own weights, dequantized."""
     engine = LLMEngine.from_config(EngineConfig(dtype="float32", weights="bf16", kv_cache_memory=64 * 2**20))
     for ours, theirs in zip(packed.layers, engine.model.layers):
@@ -83,7 +83,7 @@ def test_packed_greedy_tokens_equal_a_float32_reference_over_the_same_weights(nu
     assert got == expected
 
 
-def _packed_only(model: LlamaModel) -> LlamaModel:
+def _packed_only(model: DecoderModel) -> DecoderModel:
     """Every row through the packed kernels (perplexity prefills: it would meet the dense copy)."""
     for layer in model.layers:
         for name in ("qkv", "o", "gate_up", "down"):

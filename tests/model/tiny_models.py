@@ -253,7 +253,7 @@ def byte_level_bpe_vocab(tokenizer_json: Path) -> dict[str, Any]:
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's converter: interleave the two rotary halves of every head (`LlamaModel.permute`)."""
+    """llama.cpp's converter: interleave the two rotary halves of every head (`DecoderModel.permute`)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 

@@ -37,7 +37,7 @@ from inferd.model.tokenizer import Tokenizer
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], tools: Sequence[Tool] | None,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:
     """The messages (and the tools offered, if any) as the model's prompt, through its chat
     template: one that takes `tools` (as transformers passes them) renders them and earlier calls
     itself; for one that does not (the default model's), they become plain text in the Hermes
@@ -53,7 +53,7 @@ def chat_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], tools: Se
             rendered.insert(0, {"role": "system", "content": instructions})
     try:
         text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
-                                             tools=specs if specs and native else None)
+                                             tools=specs if specs and native else None, **(template_kwargs or {}))
     except ChatTemplateError as e:
         raise bad_request(str(e), param="messages") from None
     except Exception as e:  # noqa: BLE001 - the template ran on client input: a TypeError there is a 400
@@ -96,7 +96,8 @@ class ChatShape:
 
     def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
         body = self.body
-        return [chat_prompt(tokenizer, body.messages, body.tools if body.calls_tools else None)]
+        return [chat_prompt(tokenizer, body.messages, body.tools if body.calls_tools else None,
+                            template_kwargs=body.chat_template_kwargs)]
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return tokenizer.decode(prompts[0])

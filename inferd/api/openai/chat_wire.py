@@ -79,6 +79,10 @@ UNSUPPORTED_CHAT_FIELDS = {
 }
 
 
+# what the server itself passes to a chat template
+TEMPLATE_VARIABLES = {"messages", "add_generation_prompt", "tools", "documents", "bos_token", "eos_token"}
+
+
 class ChatCompletionRequest(SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -88,6 +92,8 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # extra variables for the model's chat template (vLLM's field): Qwen3's enable_thinking, say
+    chat_template_kwargs: dict[str, Any] | None = None
     store: Literal[False] | None = None  # completions are not stored
     service_tier: Literal["auto", "default"] | None = None  # one tier: see `priority` for classes
     modalities: list[Literal["text"]] | None = None
@@ -101,6 +107,14 @@ class ChatCompletionRequest(SamplingFields):
     metadata: Any = None
     prompt_cache_key: Any = None
     safety_identifier: Any = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _not_reserved(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(value or {}) & TEMPLATE_VARIABLES)
+        if taken:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(taken)} (the request's own fields do)")
+        return value
 
     @field_validator("top_logprobs")
     @classmethod

@@ -21,7 +21,7 @@ import torch
 from inferd.engine.worker.kv_cache import KVCache
 from inferd.engine.sched.plan import ScheduledChunk
 from inferd.model.attention import CudaAttention
-from inferd.model.llama import LlamaModel, StepAttention
+from inferd.model.decoder import DecoderModel, StepAttention
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, model: DecoderModel, kv_cache: KVCache, max_num_seqs: int, max_model_len: int) -> None:
         if not isinstance(model.attention, CudaAttention):
             raise ValueError("CUDA graphs need the CUDA attention backend (their launches are capturable)")
         self.model = model
@@ -87,11 +87,13 @@ class DecodeGraphs:
         seq_lens = self._ints[:b]
         tables = self._ints[self._largest: self._largest + b * self.max_blocks].view(b, self.max_blocks)
         backend: CudaAttention = self.model.attention  # type: ignore[assignment]
+        window = self.model.cfg.sliding_window if self.model.cfg.has_sliding_layers else None
         attn = StepAttention(
             slot_mapping=self._longs[2, :b],
             num_prefill_tokens=0,
             prefill=None,
             decode=backend.decode_plan(tables, seq_lens, self.max_model_len),
+            window_decode=None if window is None else backend.decode_plan(tables, seq_lens, self.max_model_len, window),
         )
         return self.model.forward(self._longs[0, :b], self._longs[1, :b], self.kv_cache.layers, attn,
                                   self._rows[:b])

@@ -11,7 +11,7 @@ from inferd.engine.worker.kv_cache import KVCache
 from inferd.engine.structured.masks import MaskFiller
 from inferd.engine.sched.request import Request
 from inferd.engine.sched.plan import ScheduledChunk, SchedulerOutput
-from inferd.model.llama import LlamaModel, StepAttention
+from inferd.model.decoder import DecoderModel, StepAttention
 from inferd.model.quant import DENSE_PREFILL_MIN_TOKENS
 from inferd.model.sampler import Sampler, SamplerOutput
 from inferd.model.tensors import device_tensor
@@ -41,7 +41,7 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, sampler: Sampler | None = None,
+    def __init__(self, model: DecoderModel, kv_cache: KVCache, sampler: Sampler | None = None,
                  graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -50,6 +50,10 @@ class ModelRunner:
         self.graphs = graphs  # CUDA graphs for decode-only steps, if captured
         self._generators: dict[int, torch.Generator] = {}  # per seeded request, advanced every step
         self.masks = MaskFiller(model.cfg.vocab_size)
+        # one set of attention plans per kind of layer the model has (None: full attention)
+        cfg = model.cfg
+        self.windows = sorted({cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)},
+                              key=lambda w: w or 0)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         self.apply_block_ops(out)
@@ -160,15 +164,29 @@ class ModelRunner:
             slot_mapping=device_tensor(slot_mapping, torch.int64, device),
             num_prefill_tokens=sum(query_lens[:p]),
             dense_rows=sum(query_lens[:dense]),
-            prefill=backend.plan_prefill(rows[:p], seq_lens[:p], query_lens[:p], bs, device) if p else None,
-            decode=backend.plan_decode(tables, lens, bs, device) if tables else None,
+            prefill=None,
+            decode=None,
         )
+        self._plan(attn, (rows[:p], seq_lens[:p], query_lens[:p]), (tables, lens))
         return (
             device_tensor(ids, torch.int64, device),
             device_tensor(positions, torch.int64, device),
             attn,
             device_tensor(logits_indices, torch.int64, device),
         )
+
+    def _plan(self, attn: StepAttention, prefill: tuple[list[list[int]], list[int], list[int]],
+              decode: tuple[list[list[int]], list[int]]) -> None:
+        """The step's attention plans: (block tables, context lengths, query lengths) of the
+        prefill group and (block tables, context lengths) of the rows, for each kind of layer."""
+        backend, bs, device = self.model.attention, self.kv_cache.block_size, self.device
+        for window in self.windows:
+            pre = backend.plan_prefill(*prefill, bs, device, window) if prefill[0] else None
+            dec = backend.plan_decode(*decode, bs, device, window) if decode[0] else None
+            if window is None:
+                attn.prefill, attn.decode = pre, dec
+            else:
+                attn.window_prefill, attn.window_decode = pre, dec
 
 
 def _dense_prefill(chunk: ScheduledChunk) -> bool:

@@ -1,5 +1,6 @@
 // Paged attention for the CPU, one query row at a time: row i attends to the first seq_lens[i]
-// positions of its block table, read straight from the cache (no gather), in float32. A decode
+// positions of its block table (the last `window` of them on a sliding layer), read straight from
+// the cache (no gather), in float32; scores optionally soft-capped (tanh(s / cap) * cap). A decode
 // step passes one row per sequence; a short prompt's prefill one row per token, each with its
 // context up to itself (inferd/engine/runner.py).
 //
@@ -61,13 +62,16 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 struct Shapes {
   int64_t num_heads, num_kv_heads, head_dim, block_size, table_width, query_row_stride;
   float scale;
+  int64_t window;  // 0: every position; else only the last `window` (sliding-window layers)
+  float softcap;   // 0: none
 };
 
-// One sequence's one KV head: its `group` query heads against the sequence's `len` keys.
+// One sequence's one KV head: its `group` query heads against keys [first, end) of the sequence.
 template <typename T>
-void attend(const T* query, const T* key_cache, const T* value_cache, const int32_t* table, int64_t len,
+void attend(const T* query, const T* key_cache, const T* value_cache, const int32_t* table, int64_t end,
             int64_t kv_head, const Shapes& s, T* out, std::vector<float>& scratch) {
   const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_dim;
+  const int64_t first = s.window > 0 ? std::max<int64_t>(0, end - s.window) : 0, len = end - first;
   // NOTE: 64-byte aligned. The vectorized sums peel iterations until a pointer is aligned, so
   // an address that moved with the batch (the heap) would move the order of additions too.
   scratch.resize(group * dim * 2 + dim + group * len + kLanes);
@@ -83,9 +87,11 @@ void attend(const T* query, const T* key_cache, const T* value_cache, const int3
     return cache + (slot * s.num_kv_heads + kv_head) * dim;
   };
   for (int64_t l = 0; l < len; ++l) {
-    load_row(cache_row(key_cache, l), row, dim);
+    load_row(cache_row(key_cache, first + l), row, dim);
     for (int64_t g = 0; g < group; ++g) weights[g * len + l] = dot(q + g * dim, row, dim) * s.scale;
   }
+  if (s.softcap > 0.0f)
+    for (int64_t i = 0; i < group * len; ++i) weights[i] = std::tanh(weights[i] / s.softcap) * s.softcap;
   std::vector<float> total(group, 0.0f);
   for (int64_t g = 0; g < group; ++g) {
     float* w = weights + g * len;
@@ -96,7 +102,7 @@ void attend(const T* query, const T* key_cache, const T* value_cache, const int3
   }
   std::fill(acc, acc + group * dim, 0.0f);
   for (int64_t l = 0; l < len; ++l) {
-    load_row(cache_row(value_cache, l), row, dim);
+    load_row(cache_row(value_cache, first + l), row, dim);
     for (int64_t g = 0; g < group; ++g) {
       const float w = weights[g * len + l];
       float* a = acc + g * dim;
@@ -115,7 +121,7 @@ at::Tensor decode_attention(const at::Tensor& query,        // [N, heads, dim], 
                             const at::Tensor& value_cache,  // [blocks, block_size, kv_heads, dim]
                             const at::Tensor& block_tables, // [N, width] int32
                             const at::Tensor& seq_lens,     // [N] int32: context length, the new token included
-                            double scale) {
+                            double scale, int64_t window, double softcap) {
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "decode_attention: query [N, H, D], caches [B, S, KV, D]");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "decode_attention: query rows must be dense");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "decode_attention: caches must be contiguous");
@@ -126,7 +132,7 @@ at::Tensor decode_attention(const at::Tensor& query,        // [N, heads, dim], 
   const auto lens = seq_lens.contiguous();
   const int64_t n = query.size(0);
   const Shapes s{query.size(1), key_cache.size(2), query.size(2), key_cache.size(1), tables.size(1),
-                 query.stride(0), static_cast<float>(scale)};
+                 query.stride(0), static_cast<float>(scale), window, static_cast<float>(softcap)};
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && s.head_dim % kLanes == 0,
               "decode_attention: heads a multiple of KV heads, head size a multiple of 16");
   auto out = at::empty({n, s.num_heads, s.head_dim}, query.options());
@@ -154,6 +160,6 @@ at::Tensor decode_attention(const at::Tensor& query,        // [N, heads, dim], 
 
 TORCH_LIBRARY(inferd_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> Tensor");
+        "Tensor seq_lens, float scale, int window, float softcap) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
 }

@@ -11,7 +11,9 @@
 //   part_out      [num_seqs, num_heads, num_partitions, HEAD_DIM] float32  (split variant only)
 //   part_max, part_sum
 //                 [num_seqs, num_heads, num_partitions] float32           (split variant only)
-// Query head h reads KV head h / GROUP (grouped-query attention).
+// Query head h reads KV head h / GROUP (grouped-query attention). A sliding-window layer
+// (window > 0) sees only the last `window` positions of the context; softcap > 0 maps each score
+// s to tanh(s / softcap) * softcap (Gemma 2).
 //
 // Grid: (num_kv_heads, num_seqs, num_partitions), 128 threads. A CTA serves the GROUP query heads
 // of one KV head, so every K and V row is read from memory once for all of them. It walks its
@@ -46,7 +48,9 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode(
     const int* __restrict__ seq_lens,
     const int max_blocks,
     const float scale,
-    const int partition_size)
+    const int partition_size,
+    const int window,
+    const float softcap)
 {
     using namespace inferd;
     constexpr int VEC = Vec16<T>::N;                          // elements per 16-byte load
@@ -82,6 +86,18 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode(
     }
     if (start >= ctx) return;  // past this sequence's context: the reduce step never reads it
     const int end = min(start + partition_size, ctx);
+    const int first = window > 0 ? max(0, ctx - window) : 0;  // the first position the query sees
+    if (end <= first) {  // (split variant) a partition wholly before the window: weighs nothing
+        for (int i = tid; i < GROUP * HEAD_DIM; i += kDecodeThreads) {
+            const long long p = ((long long)seq * num_heads + kv_head * GROUP + i / HEAD_DIM) * num_partitions + part;
+            part_out[p * HEAD_DIM + i % HEAD_DIM] = 0.f;
+            if (i % HEAD_DIM == 0) {
+                part_max[p] = INFERD_NEG_INF;
+                part_sum[p] = 0.f;
+            }
+        }
+        return;
+    }
 
     __shared__ float scores[GROUP][TILE];
     __shared__ int tile_blocks[kDecodeWarps];
@@ -119,7 +135,8 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode(
     }
     __syncthreads();
 
-    for (int tile_start = start; tile_start < end; tile_start += TILE) {
+    // from the tile that holds `first` (tiles stay block-aligned; positions before it are masked)
+    for (int tile_start = start + max(0, first - start) / TILE * TILE; tile_start < end; tile_start += TILE) {
         // 1. scores of this warp's block
         const int block_index = tile_start / BLOCK_SIZE + warp;
         const int block_first = block_index * BLOCK_SIZE;
@@ -129,7 +146,7 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode(
 #pragma unroll
         for (int pass = 0; pass < BLOCK_SIZE / K_TOKENS; ++pass) {
             const int row = pass * K_TOKENS + lane / K_LANES;
-            const bool valid = block_first + row < end;
+            const bool valid = block_first + row < end && block_first + row >= first;
             float dot[GROUP];
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) dot[g] = 0.f;
@@ -148,6 +165,10 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode(
             }
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) dot[g] = group_sum<K_LANES>(dot[g]);
+            if (softcap > 0.f) {
+#pragma unroll
+                for (int g = 0; g < GROUP; ++g) dot[g] = tanhf(dot[g] / softcap) * softcap;
+            }
             if (k_sub == 0) {
 #pragma unroll
                 for (int g = 0; g < GROUP; ++g) scores[g][warp * BLOCK_SIZE + row] = valid ? dot[g] : INFERD_NEG_INF;

@@ -1,8 +1,14 @@
-"""A Llama-family decoder (Llama 2/3, TinyLlama, SmolLM, Mistral, Qwen2) over a paged KV cache.
+"""The decoder every family runs (inferd.model.families): Llama's, with the switches the other
+families set, over a paged KV cache.
 
 One forward runs a whole step: the flattened tokens of every sequence (prefill chunks first,
 then single decode tokens), their positions, and per-step attention plans built by the runner.
 q/k/v and gate/up projections are fused into one matmul each.
+
+The switches (ModelConfig): RMSNorm as x̂·w or x̂·(1 + w); q/k norms per head; sandwich norms
+around attention and the MLP; SiLU or GELU-tanh gate; embeddings scaled; attention scale,
+logit soft-cap and sliding window per layer; a second RoPE table for sliding layers; partial
+rotary; a final-logit soft-cap.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from inferd.model.attention import TorchAttention
 from inferd.model.config import ModelConfig
 from inferd.model.errors import ModelLoadError
 from inferd.model.quant import DenseLinear, Linear, fuse, make_linear
+from inferd.model.rope import rotate
 
 
 @dataclass
@@ -29,27 +36,43 @@ class StepAttention:
     # tokens [0, dense_rows) multiply by packed layers' dense copies (quant.SplitLinear): the
     # prefill rows of long prompts, which the runner puts first
     dense_rows: int = 0
+    # the sliding layers' plans (their window in the mask), when the model has such layers
+    window_prefill: object | None = None
+    window_decode: object | None = None
 
 
 class RMSNorm:
-    def __init__(self, weight: torch.Tensor, eps: float) -> None:
-        self.weight = weight  # [hidden]
+    def __init__(self, weight: torch.Tensor, eps: float, offset: float = 0.0) -> None:
+        # Gemma's x̂·(1 + w) scales in float32 (as its transformers code does), Llama's x̂·w in
+        # the model's dtype: the token-exact tests rely on the same arithmetic
+        self.weight = weight if not offset else offset + weight.float()  # [dim]
+        self.offset = offset
         self.eps = eps
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        # Same arithmetic as transformers (float32 statistics), which the token-exact tests rely on.
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * self.weight).to(dtype)
         return self.weight * x.to(dtype)
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, attention: TorchAttention) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, attention: TorchAttention,
+                 index: int) -> None:
         self.cfg = cfg
         self.attention = attention
-        self.attn_norm = RMSNorm(w[f"{prefix}.attn_norm"], cfg.rms_norm_eps)
-        self.mlp_norm = RMSNorm(w[f"{prefix}.mlp_norm"], cfg.rms_norm_eps)
+        self.sliding = cfg.is_sliding(index)
+
+        def norm(name: str) -> RMSNorm:
+            return RMSNorm(w[f"{prefix}.{name}"], cfg.rms_norm_eps, cfg.norm_offset)
+
+        self.attn_norm, self.mlp_norm = norm("attn_norm"), norm("mlp_norm")
+        self.q_norm, self.k_norm = (norm("q_norm"), norm("k_norm")) if cfg.qk_norm else (None, None)
+        self.post_attn_norm, self.post_mlp_norm = ((norm("post_attn_norm"), norm("post_mlp_norm"))
+                                                   if cfg.sandwich_norms else (None, None))
+        self.act = F.silu if cfg.activation == "silu" else _gelu_tanh
         bias = (
             torch.cat([w[f"{prefix}.q_bias"], w[f"{prefix}.k_bias"], w[f"{prefix}.v_bias"]])
             if cfg.attention_bias
@@ -62,13 +85,13 @@ class DecoderLayer:
         self.o = make_linear(w[f"{prefix}.o"], None, dtype, split=True)  # [hidden, q]
         self.gate_up = make_linear(fuse([w[f"{prefix}.gate"], w[f"{prefix}.up"]]), None, dtype, split=True)  # [2 * intermediate, hidden]
         self.down = make_linear(w[f"{prefix}.down"], None, dtype, split=True)  # [hidden, intermediate]
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
+        self.softcap = cfg.attn_softcap
 
     def __call__(
         self,
         x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, head_dim]
-        sin: torch.Tensor,  # [T, head_dim]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin: [T, rotary_dim] each
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, n_kv, head_dim]
         attn: StepAttention,
     ) -> torch.Tensor:
@@ -78,31 +101,33 @@ class DecoderLayer:
         p, d = attn.num_prefill_tokens, attn.dense_rows
         qkv = self.qkv(self.attn_norm(x), d)  # [T, q + 2 kv]
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-        qk = _rope(qk, cos, sin)  # q and k heads rotated in one go
+        if self.q_norm is not None:
+            qk = torch.cat([self.q_norm(qk[:, : cfg.num_heads]), self.k_norm(qk[:, cfg.num_heads :])], dim=1)
+        qk = rotate(qk, *rope)  # q and k heads rotated in one go
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         key_cache, value_cache = kv_cache
         self.attention.write_kv(k, v, key_cache, value_cache, attn.slot_mapping)
+        prefill, decode = (attn.window_prefill, attn.window_decode) if self.sliding else (attn.prefill, attn.decode)
         parts = []
-        if attn.prefill is not None:
-            parts.append(self.attention.prefill(q[:p], key_cache, value_cache, attn.prefill, self.scale))
-        if attn.decode is not None:
-            parts.append(self.attention.decode(q[p:], key_cache, value_cache, attn.decode, self.scale))
+        if prefill is not None:
+            parts.append(self.attention.prefill(q[:p], key_cache, value_cache, prefill, self.scale, self.softcap))
+        if decode is not None:
+            parts.append(self.attention.decode(q[p:], key_cache, value_cache, decode, self.scale, self.softcap))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        x = x + self.o(out.reshape(t, cfg.q_size), d)
+        out = self.o(out.reshape(t, cfg.q_size), d)
+        x = x + (out if self.post_attn_norm is None else self.post_attn_norm(out))
         # mlp
         gate, up = self.gate_up(self.mlp_norm(x), d).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up, d)
+        out = self.down(self.act(gate) * up, d)
+        return x + (out if self.post_mlp_norm is None else self.post_mlp_norm(out))
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    # rotate-half RoPE (transformers' convention): x * cos + cat(-x2, x1) * sin, written as
-    # x * cos + cat(x2, x1) * cat(-sin, sin), which is bit-identical and one op shorter.
-    # x: [T, heads, head_dim], cos / signed_sin: [T, head_dim]
-    return x * cos[:, None, :] + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin[:, None, :]
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
 
 
-class LlamaModel:
+class DecoderModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
         check_shapes(cfg, weights)
         self.cfg = cfg
@@ -111,17 +136,18 @@ class LlamaModel:
         self.attention = TorchAttention()
         self.min_rows = 1
         self.embed = weights["embed"]  # [vocab, hidden]
+        # (Gemma's √hidden, rounded to the weights' dtype as transformers does)
+        self.embed_scale = None if cfg.embed_scale == 1.0 else torch.tensor(cfg.embed_scale, dtype=self.embed.dtype)
         # [vocab, hidden]; a tied head has its own entry only when packed (quant.pack_weights)
         self.lm_head = make_linear(weights.get("lm_head", self.embed), None, dtype)
-        self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps)
-        self.layers = [DecoderLayer(cfg, weights, f"layers.{i}", self.attention) for i in range(cfg.num_layers)]
-        # Rotary tables for every position, computed once like transformers does per forward.
-        positions = torch.arange(cfg.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, cfg.rope_inv_freq())  # [max_pos, head_dim // 2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_pos, head_dim]
-        half = cfg.head_dim // 2
-        self.cos = emb.cos().to(dtype)  # [max_pos, head_dim]
-        self.signed_sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1).to(dtype)  # [max_pos, head_dim]
+        self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps, cfg.norm_offset)
+        self.layers = [DecoderLayer(cfg, weights, f"layers.{i}", self.attention, i) for i in range(cfg.num_layers)]
+        # Rotary tables for every position, computed once like transformers does per forward;
+        # sliding layers have their own where the family gives them another RoPE (Gemma 3)
+        self.rope = cfg.rope().tables(cfg.max_position_embeddings, dtype)  # cos, signed sin: [max_pos, rotary_dim]
+        local = cfg.rope(local=True)
+        self.local_rope = (local.tables(cfg.max_position_embeddings, dtype)
+                           if cfg.has_sliding_layers and local != cfg.rope() else None)
 
     @property
     def device(self) -> torch.device:
@@ -154,15 +180,23 @@ class LlamaModel:
         logits_indices: torch.Tensor,  # [S] int64: the tokens whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, vocab] float32
         x = self.embed[input_ids]  # [T, hidden]
-        cos, sin = self.cos[positions], self.signed_sin[positions]  # [T, head_dim]
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        rope = self.rope[0][positions], self.rope[1][positions]  # [T, rotary_dim] each
+        local = rope if self.local_rope is None else (self.local_rope[0][positions], self.local_rope[1][positions])
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, attn)
+            x = layer(x, local if layer.sliding else rope, kv_cache, attn)
         x = self.norm(x[logits_indices])  # [S, hidden]: the final norm and head only where sampled
-        return self.lm_head(x).float()
+        logits = self.lm_head(x).float()
+        if self.cfg.final_softcap is not None:
+            cap = self.cfg.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def check_shapes(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:
-    """Every tensor the config implies is present with the implied shape (one-line errors)."""
+    """Every tensor the config implies is present with the implied shape, and nothing else is
+    (a tensor the maths would not use means the config and the checkpoint disagree)."""
     h, i = cfg.hidden_size, cfg.intermediate_size
     expected: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, h), "norm": (h,)}
     if not cfg.tie_word_embeddings:
@@ -176,6 +210,10 @@ def check_shapes(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:
         }
         if cfg.attention_bias:
             expected |= {f"{p}.q_bias": (cfg.q_size,), f"{p}.k_bias": (cfg.kv_size,), f"{p}.v_bias": (cfg.kv_size,)}
+        if cfg.qk_norm:
+            expected |= {f"{p}.q_norm": (cfg.head_dim,), f"{p}.k_norm": (cfg.head_dim,)}
+        if cfg.sandwich_norms:
+            expected |= {f"{p}.post_attn_norm": (h,), f"{p}.post_mlp_norm": (h,)}
     for name, shape in expected.items():
         if name not in w:
             raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint")
@@ -183,3 +221,7 @@ def check_shapes(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:
             raise ModelLoadError(
                 f"tensor {name!r} has shape {tuple(w[name].shape)}, but the config implies {shape}"
             )
+    unused = sorted(set(w) - set(expected) - {"lm_head"})  # (a tied head's packed copy: quant.pack_weights)
+    if unused:
+        raise ModelLoadError(f"tensors the config does not use: {', '.join(unused[:5])}"
+                             f"{f' and {len(unused) - 5} more' if len(unused) > 5 else ''}")
