@@ -19,6 +19,7 @@ from inferd.api.openai.tokenize import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     TokenizeResponse,
+    TokenizerInfo,
 )
 from inferd.api.telemetry import status_wire as s
 from inferd.api.wire import ErrorResponse
@@ -33,8 +34,8 @@ _REQUESTS: tuple[type[BaseModel], ...] = (p.CompletionRequest, cp.ChatCompletion
 _SCHEMAS: list[type[BaseModel]] = [
     *_REQUESTS,
     p.CompletionResponse, p.CompletionStreamResponse, cp.ChatCompletionResponse, cp.ChatCompletionChunk,
-    p.ModelList, ErrorResponse, s.HealthResponse, s.ReadyResponse, s.StatusResponse, TokenizeResponse,
-    DetokenizeResponse,
+    p.ModelList, p.ModelCard, ErrorResponse, s.HealthResponse, s.ReadyResponse, s.StatusResponse, TokenizeResponse,
+    DetokenizeResponse, TokenizerInfo,
 ]
 
 
@@ -141,6 +142,16 @@ def _paths() -> dict[str, Any]:
                              {"200": _json(DetokenizeResponse, "the text"), **_INVALID}),
         "/v1/streams/{response_id}": _streams(),
         "/v1/models": _get("List the served models, aliases and routes", {"200": _json(p.ModelList, "the models")}),
+        "/v1/models/{model}": {"get": {
+            "summary": "One served model, alias or route", "parameters": [
+                {"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": _json(p.ModelCard, "its card"), "404": _error("no model, alias or route of that name"),
+                          **_UNAUTHORIZED}}},
+        "/tokenizer_info": {"get": {
+            "summary": "A model's special tokens, chat template and context length (vLLM's)", "parameters": [
+                {"name": "model", "in": "query", "schema": {"type": "string"}, "description": "default: the first model"}],
+            "responses": {"200": _json(TokenizerInfo, "the tokenizer's information"),
+                          "404": _error("no model of that name"), **_UNAUTHORIZED}}},
         "/v1/status": _get("Engine statistics", {"200": _json(s.StatusResponse, "a snapshot")}),
         "/health": _get("Liveness", {"200": _json(s.HealthResponse, "the engine runs"),
                                      "503": _json(s.HealthResponse, "the engine stopped, or its loop hangs")},

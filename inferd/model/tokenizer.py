@@ -184,6 +184,11 @@ class Tokenizer:
         self.bos_token = self._piece_or_none(bos_token_id)
         self.eos_token = self._piece_or_none(eos_token_id)
 
+    @property
+    def eos_token_id(self) -> int | None:
+        """The model's own end-of-sequence id (eos_token's); eos_token_ids may hold more."""
+        return self._eos_token_id
+
     def _piece_or_none(self, token_id: int | None) -> str | None:
         return self._pieces[token_id] if token_id is not None and 0 <= token_id < len(self._pieces) else None
 

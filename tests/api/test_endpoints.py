@@ -58,6 +58,11 @@ def check_sse(response: aiohttp.ClientResponse, events: list[str]) -> list[Any]:
     return chunks
 
 
+def counts(usage: dict[str, Any]) -> dict[str, Any]:
+    """Usage without prompt_tokens_details (a repeated prompt's cached tokens differ)."""
+    return {k: v for k, v in usage.items() if k != "prompt_tokens_details"}
+
+
 # ------------------------------------------------------------------------------ completions
 
 
@@ -69,13 +74,14 @@ async def test_completion_streamed_equals_non_streamed(server: Server) -> None:
     assert full["object"] == "text_completion" and full["model"] == MODEL and full["id"].startswith("cmpl-")
     assert choice["index"] == 0 and choice["finish_reason"] == "length" and choice["logprobs"] is None
     prompt_tokens = len(server.engine.tokenizer.encode("Once upon a time"))
-    assert full["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 8, "total_tokens": prompt_tokens + 8}
+    assert counts(full["usage"]) == {"prompt_tokens": prompt_tokens, "completion_tokens": 8,
+                                     "total_tokens": prompt_tokens + 8}
 
     response, events = await server.stream("/v1/completions", {**body, "stream_options": {"include_usage": True}})
     chunks = check_sse(response, events)
     assert "".join(c["choices"][0]["text"] for c in chunks[:-1]) == choice["text"]
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+    assert chunks[-1]["choices"] == [] and counts(chunks[-1]["usage"]) == counts(full["usage"])
     assert {c["id"] for c in chunks} == {chunks[0]["id"]}
     await wait_idle(server)
 
@@ -102,7 +108,8 @@ async def test_n_and_batched_prompts(server: Server) -> None:
     # choice index = prompt * n + choice; greedy choices of one prompt agree
     assert [c["text"] for c in body["choices"]] == [singles[0], singles[0], singles[1], singles[1]]
     prompt_tokens = sum(len(server.engine.tokenizer.encode(p)) for p in prompts)
-    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 32, "total_tokens": prompt_tokens + 32}
+    assert counts(body["usage"]) == {"prompt_tokens": prompt_tokens, "completion_tokens": 32,
+                                     "total_tokens": prompt_tokens + 32}
 
     response, events = await server.stream("/v1/completions", {**GREEDY, "prompt": prompts, "n": 2})
     texts = ["", "", "", ""]
@@ -149,7 +156,8 @@ async def test_chat_streamed_equals_non_streamed(server: Server) -> None:
     tokenizer = server.engine.tokenizer
     rendered = tokenizer.apply_chat_template(CHAT["messages"], add_generation_prompt=True)
     prompt_tokens = len(tokenizer.encode(rendered, add_special_tokens=False))
-    assert full["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 8, "total_tokens": prompt_tokens + 8}
+    assert counts(full["usage"]) == {"prompt_tokens": prompt_tokens, "completion_tokens": 8,
+                                     "total_tokens": prompt_tokens + 8}
 
     response, events = await server.stream("/v1/chat/completions", {**CHAT, "stream_options": {"include_usage": True}})
     chunks = check_sse(response, events)
@@ -158,7 +166,7 @@ async def test_chat_streamed_equals_non_streamed(server: Server) -> None:
     content = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[1:-1])
     assert content == choice["message"]["content"]
     assert [c["choices"][0]["finish_reason"] for c in chunks[1:-1]][-1] == "length"
-    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == full["usage"]
+    assert chunks[-1]["choices"] == [] and counts(chunks[-1]["usage"]) == counts(full["usage"])
     await wait_idle(server)
 
 
@@ -196,6 +204,59 @@ async def test_models(server: Server) -> None:
     assert status == 200
     assert body["object"] == "list" and [m["id"] for m in body["data"]] == [MODEL]
     assert body["data"][0]["object"] == "model"
+
+
+async def test_a_model_is_retrieved_by_name_with_the_official_client(server: Server) -> None:
+    client = openai.AsyncOpenAI(base_url=str(server.test_server.make_url("/v1")), api_key="unused", max_retries=0)
+    try:
+        card = await client.models.retrieve(MODEL)
+        assert card.id == MODEL and card.object == "model"
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.models.retrieve("no-such-model")
+        assert missing.value.code == "model_not_found"
+    finally:
+        await client.close()
+
+
+async def test_tokenizer_info(server: Server) -> None:
+    status, info = await server.get("/tokenizer_info")
+    assert status == 200, info
+    tokenizer = server.engine.tokenizer
+    assert info["eos_token"] == tokenizer.eos_token and info["eos_token_id"] == tokenizer.eos_token_id
+    assert info["bos_token"] == tokenizer.bos_token and info["chat_template"] == tokenizer.chat_template
+    assert info["model_max_length"] == server.engine.limits.max_model_len and info["vocab_size"] == tokenizer.vocab_size
+    status, body = await server.get("/tokenizer_info?model=nope")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+async def test_usage_counts_the_prompt_tokens_the_cache_served(server: Server) -> None:
+    """usage.prompt_tokens_details.cached_tokens, on both endpoints, whole and streamed."""
+    prompt = f"{time.time_ns()} " + " ".join(f"item {i} of the list" for i in range(12))  # ~70 tokens, new
+    body = {**GREEDY, "prompt": prompt, "max_tokens": 1}
+    status, cold = await server.post("/v1/completions", body)
+    assert status == 200 and cold["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    status, warm = await server.post("/v1/completions", body)
+    cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 48 and cached % 16 == 0 and cached < warm["usage"]["prompt_tokens"]  # whole blocks
+    response, events = await server.stream("/v1/chat/completions", {
+        **CHAT, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1,
+        "stream_options": {"include_usage": True}})
+    status, again = await server.post("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": prompt}],
+                                                               "max_tokens": 1})
+    assert check_sse(response, events)[-1]["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
+
+
+async def test_continuous_usage_stats_put_usage_on_every_chunk(server: Server) -> None:
+    """vLLM's stream_options.continuous_usage_stats (guidellm sends it on every streamed request)."""
+    for path, body in (("/v1/completions", {**GREEDY, "prompt": "Once upon a time"}), ("/v1/chat/completions", CHAT)):
+        response, events = await server.stream(path, {**body, "stream_options": {"include_usage": True,
+                                                                                 "continuous_usage_stats": True}})
+        chunks = check_sse(response, events)
+        token_chunks = [c for c in chunks if c["choices"] and c["usage"]["completion_tokens"] > 0]
+        assert [c["usage"]["completion_tokens"] for c in token_chunks] == list(range(1, 9))
+        assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in token_chunks)
+        assert counts(chunks[-1]["usage"]) == counts(token_chunks[-1]["usage"])
 
 
 async def test_openapi(server: Server) -> None:

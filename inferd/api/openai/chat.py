@@ -13,7 +13,7 @@ from aiohttp import web
 from inferd.api.body import read_json
 from inferd.api.errors import bad_request
 from inferd.api.openai.ask import to_ask
-from inferd.api.openai.events import StreamEvents
+from inferd.api.openai.events import StreamEvents, with_usage
 from inferd.api.openai.logprobs import TokenTexts, chat_logprobs, token_texts
 from inferd.api.openai.chat_wire import (
     ChatChoice,
@@ -130,12 +130,14 @@ class ChatShape:
         body = self.body
         events = StreamEvents("chat.completion.chunk", reply.id, reply.created, reply.model)
         head = [events.event([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                               "finish_reason": None}]) for i in range(body.n)]
+                               "finish_reason": None}], reply.usage() if body.continuous_usage else None)
+                for i in range(body.n)]
 
         def tail() -> list[dict[str, Any]]:
             return [events.event([], reply.usage())] if body.include_usage else []
 
-        return Events(head, self._renderer(token_texts(reply.tokenizer), events), tail)
+        render = self._renderer(token_texts(reply.tokenizer), events)
+        return Events(head, with_usage(render, reply.usage) if body.continuous_usage else render, tail)
 
     def _renderer(self, token_text: TokenTexts, events: StreamEvents) -> Render:
         body = self.body

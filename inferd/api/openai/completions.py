@@ -11,7 +11,7 @@ from aiohttp import web
 from inferd.api.body import read_json
 from inferd.api.errors import bad_request
 from inferd.api.openai.ask import to_ask
-from inferd.api.openai.events import StreamEvents
+from inferd.api.openai.events import StreamEvents, with_usage
 from inferd.api.openai.logprobs import TokenTexts, completion_logprobs, token_texts
 from inferd.api.openai.wire import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from inferd.api.pipeline.generate import generate
@@ -70,7 +70,8 @@ class CompletionShape:
         def tail() -> list[dict[str, Any]]:
             return [events.event([], reply.usage())] if body.include_usage else []
 
-        return Events([], self._renderer(token_texts(reply.tokenizer), events), tail)
+        render = self._renderer(token_texts(reply.tokenizer), events)
+        return Events([], with_usage(render, reply.usage) if body.continuous_usage else render, tail)
 
     def _renderer(self, token_text: TokenTexts, events: StreamEvents) -> Render:
         body = self.body

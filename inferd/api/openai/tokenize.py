@@ -1,8 +1,10 @@
-"""POST /tokenize and POST /detokenize, in vLLM's shapes (llama-server has them too):
+"""POST /tokenize, POST /detokenize and GET /tokenizer_info, in vLLM's shapes (llama-server has
+the first two too):
 
     {"prompt": "Hi", "add_special_tokens": true}             -> {"count", "max_model_len", "tokens"}
     {"messages": [...], "add_generation_prompt": true}      -> the same, through the chat template
     {"tokens": [1, 2, 3]}                                    -> {"prompt": "..."}
+    GET /tokenizer_info[?model=NAME]                         -> special tokens, chat template, max length
 
 Messages become tokens exactly as /v1/chat/completions makes them (chat_prompt), so
 `count` is that endpoint's usage.prompt_tokens. Nothing here reaches the engine loop: the
@@ -44,6 +46,21 @@ class TokenizeResponse(ResponseModel):
     count: int
     max_model_len: int
     tokens: list[int]
+
+
+class TokenizerInfo(ResponseModel):
+    """What a client tokenizing on its own side asks for (lm-evaluation-harness's remote tokenizer)."""
+
+    tokenizer_class: str = "inferd"
+    bos_token: str | None
+    eos_token: str | None
+    pad_token: str | None
+    bos_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    chat_template: str | None
+    model_max_length: int
+    vocab_size: int
 
 
 class DetokenizeRequest(RequestModel):
@@ -90,3 +107,18 @@ async def detokenize(request: web.Request) -> web.Response:
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param="tokens")
     return web.json_response(dump(DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))))
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    engine = _engine(request, request.query.get("model"))
+    tok = engine.tokenizer
+    pad = tok.pad_token_id
+
+    def piece(token_id: int | None) -> str | None:
+        return None if token_id is None else tok.decode([token_id], skip_special_tokens=False)
+
+    info = TokenizerInfo(
+        bos_token=tok.bos_token, eos_token=tok.eos_token, pad_token=piece(pad), bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=pad,
+        chat_template=tok.chat_template, model_max_length=engine.limits.max_model_len, vocab_size=tok.vocab_size)
+    return web.json_response(dump(info))

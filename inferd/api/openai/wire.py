@@ -29,6 +29,8 @@ SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - 128  # torch generator range, less ro
 
 class StreamOptions(RequestModel):
     include_usage: bool = False
+    # vLLM's: usage so far on every chunk too (with include_usage), as guidellm asks for
+    continuous_usage_stats: bool = False
 
 
 StopField = Annotated[str | Annotated[list[str], Field(max_length=4)] | None, Field(default=None)]
@@ -139,6 +141,10 @@ class SamplingFields(RequestModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+
 
 # ------------------------------------------------------------------------------ completions
 
@@ -197,10 +203,15 @@ class CompletionChoice(ResponseModel):
     finish_reason: Literal["stop", "length", "content_filter", "timeout"] | None
 
 
+class PromptTokensDetails(ResponseModel):
+    cached_tokens: int  # of the prompt's tokens, how many the prefix cache supplied
+
+
 class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionResponse(ResponseModel):

@@ -19,7 +19,7 @@ class Reply:
     created: int  # unix seconds
     model: str  # the model that answered (a route's or a fallback's target, not the name asked)
     tokenizer: Tokenizer  # that model's
-    usage: Callable[[], dict[str, int]]  # prompt_tokens, completion_tokens, total_tokens so far
+    usage: Callable[[], dict[str, Any]]  # prompt_tokens, completion_tokens, total_tokens (and details) so far
 
 
 @dataclass(frozen=True)

@@ -72,14 +72,16 @@ class Generation:
         self.created = int(time.time())
         self.streams: list[RequestStream] = []
         self.completion_tokens = 0
+        self.cached_tokens = 0  # prompt tokens the prefix cache supplied (each prompt's first choice)
 
     @property
     def prompt_tokens(self) -> int:
         return self.prepared.prompt_tokens
 
-    def usage(self) -> dict[str, int]:
+    def usage(self) -> dict[str, Any]:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     def __enter__(self) -> Generation:
         ticket = self.ticket
@@ -117,6 +119,8 @@ class Generation:
             record.texts.add(out)
         if not out.finished:
             return
+        if metrics is not None and out.index == 0:
+            self.cached_tokens += metrics.cached_tokens
         if self.ticket is not None and metrics is not None:
             self.ticket.finished(metrics)
         if record is None:
