@@ -81,6 +81,7 @@ class Completion:
     text: str
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # (params.prompt_logprobs) prompt tokens 1..
 
 
 class LLMEngine:
@@ -225,6 +226,7 @@ class LLMEngine:
         if plan.prefills:
             step.prefill_tokens, step.step_seconds = plan.num_prefill_tokens, time.perf_counter() - start
         sampled = result.sampled
+        self._note_prompt_logprobs(result.prompt_logprobs)
         self.scheduler.update(plan, dict(zip(result.seq_ids, sampled.token_ids)))
         faults = self.faults
         for row, seq_id in enumerate(result.seq_ids):
@@ -237,6 +239,8 @@ class LLMEngine:
                 if faults is not None:
                     faults.check_output(request.group_id)
                 out, ending = self.outputs.on_token(request, sampled.token_ids[row], sampled, row)
+                if request.params.prompt_logprobs is not None and len(request.output_ids) == 1:
+                    out.prompt_logprobs = request.prompt_logprobs  # (with the first token: all of them)
             except ConstraintError as e:  # the client's grammar met a limit: its fault, not the engine's
                 log.info("request %d: its grammar could not go on: %s", request.group_id, e)
                 step.outputs += self._fail_group(request.group_id, "invalid_grammar", str(e))
@@ -254,6 +258,16 @@ class LLMEngine:
                 self._retire(request)
             step.outputs.append(out)
         return step
+
+    def _note_prompt_logprobs(self, computed: dict[int, tuple[int, list[TokenLogprob]]]) -> None:
+        """Add each prompt position's logprobs once: a prefill recomputed after a preemption
+        computes some again."""
+        for seq_id, (first, entries) in computed.items():
+            request = self.requests.get(seq_id)
+            if request is None:
+                continue
+            done = request.prompt_logprobs
+            done += entries[max(0, len(done) - first):] if first <= len(done) else []
 
     def _after_run(self, plan: SchedulerOutput, step: StepOutputs) -> None:
         """Health and memory bookkeeping of a step whose forward ran (whole or in pieces)."""
@@ -349,17 +363,20 @@ class LLMEngine:
         tokens: dict[int, list[int]] = {i: [] for i in ids}
         texts: dict[int, list[str]] = {i: [] for i in ids}
         logprobs: dict[int, list[TokenLogprob]] = {i: [] for i in ids}
+        prompt_logprobs: dict[int, list[TokenLogprob]] = {}
         finish: dict[int, str | None] = {}
         while self.has_work():
             for out in self.step().outputs:
                 tokens[out.group_id] += out.new_token_ids
                 texts[out.group_id].append(out.text)
                 logprobs[out.group_id] += out.logprobs or []
+                if out.prompt_logprobs is not None:
+                    prompt_logprobs[out.group_id] = out.prompt_logprobs
                 if out.finished:
                     finish[out.group_id] = out.finish_reason
         return [
             Completion(i, prompt_ids[i], tokens[i], "".join(texts[i]), finish.get(i),
-                       logprobs[i] if params_list[n].logprobs is not None else None)
+                       logprobs[i] if params_list[n].logprobs is not None else None, prompt_logprobs.get(i))
             for n, i in enumerate(ids)
         ]
 

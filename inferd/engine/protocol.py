@@ -228,6 +228,8 @@ class EngineOutput:
     # timeout's kind ("queue", "ttft", "token", "total") with "timeout"; a message with "abort"
     # and "error"
     logprobs: list[TokenLogprob] | None = None
+    # (prompt_logprobs) with a choice's first output: every prompt token's after the first
+    prompt_logprobs: list[TokenLogprob] | None = None
     metrics: RequestMetrics | None = None  # with the finished output
     error: str | None = None  # with "error", which: ERROR_CODES
 

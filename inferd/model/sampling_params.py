@@ -18,6 +18,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI semantics, in [-2, 2]
     seed: int | None = None  # same seed -> same tokens, alone or inside any batch
     logprobs: int | None = None  # None: none; k in [0, 20]: chosen token's logprob + top k
+    # the same for every prompt token after the first (its logprob given the tokens before it),
+    # computed in the prefill; such a request's prompt is never served from the prefix cache
+    prompt_logprobs: int | None = None
     stop: tuple[str, ...] = ()  # stop strings; the matched text is not emitted
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -38,8 +41,10 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOGPROBS}], got {value}")
 
     @property
     def greedy(self) -> bool:

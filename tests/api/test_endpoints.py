@@ -96,6 +96,41 @@ async def test_completion_with_token_ids_and_stop(server: Server) -> None:
     assert cut["choices"][0] == {"index": 0, "text": text[: text.index(stop)], "logprobs": None, "finish_reason": "stop"}
 
 
+async def test_echo_with_logprobs_scores_the_prompt_in_vllms_layout(server: Server) -> None:
+    """What lm-evaluation-harness's loglikelihood tasks send: echo, logprobs, max_tokens 0 (the
+    prompt alone) or 1; they read token_logprobs[context:] and top_logprobs."""
+    tokenizer = server.engine.tokenizer
+
+    async def score(prompt: str, max_tokens: int = 0) -> dict[str, Any]:
+        status, body = await server.post("/v1/completions", {"model": MODEL, "prompt": prompt, "echo": True,
+                                                             "logprobs": 2, "max_tokens": max_tokens, "temperature": 0})
+        assert status == 200, body
+        return body
+
+    body = await score("The capital of France is Paris")
+    [choice] = body["choices"]
+    ids = tokenizer.encode("The capital of France is Paris")
+    lp = choice["logprobs"]
+    assert choice["text"] == "The capital of France is Paris" and len(lp["tokens"]) == len(ids)
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v <= 0 for v in lp["token_logprobs"][1:]) and all(len(t) == 2 for t in lp["top_logprobs"][1:])
+    assert all(v <= max(top.values()) + 1e-6 for v, top in zip(lp["token_logprobs"][1:], lp["top_logprobs"][1:]))
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(ids)
+    wrong = await score("The capital of France is Banana")
+    assert lp["token_logprobs"][-1] > wrong["choices"][0]["logprobs"]["token_logprobs"][-1]  # the model knows
+    # max_tokens 1: the prompt's entries, then the completion's, its offset after the prompt's text
+    one = (await score("The capital of France is", max_tokens=1))["choices"][0]
+    assert one["text"].startswith("The capital of France is") and len(one["logprobs"]["tokens"]) == len(ids)
+    assert one["logprobs"]["token_logprobs"][: len(ids) - 1] == lp["token_logprobs"][: len(ids) - 1]
+    assert one["logprobs"]["text_offset"][-1] == len("The capital of France is")
+    assert_error(*await server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 0}), 400,
+                 param="max_tokens")
+    assert_error(*await server.post("/v1/completions", {"model": MODEL, "prompt": "Hi", "echo": True,
+                                                        "stream": True}), 400, param="echo")
+    await wait_idle(server)
+
+
 async def test_n_and_batched_prompts(server: Server) -> None:
     prompts = ["The sky is", "My name is"]
     singles = []

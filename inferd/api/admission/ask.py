@@ -44,6 +44,7 @@ class Sampling:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias): ids are checked at the door
+    prompt_logprobs: int | None = None  # the prompt's own logprobs, top alternatives per token (echo)
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,6 +4,7 @@ text_completion, whole or streamed; the shared path (api/pipeline/) does the res
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from aiohttp import web
@@ -12,7 +13,7 @@ from inferd.api.body import read_json
 from inferd.api.errors import bad_request
 from inferd.api.openai.ask import to_ask
 from inferd.api.openai.events import StreamEvents, with_usage
-from inferd.api.openai.logprobs import TokenTexts, completion_logprobs, token_texts
+from inferd.api.openai.logprobs import TokenTexts, completion_logprobs, echo_logprobs, token_texts
 from inferd.api.openai.wire import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from inferd.api.pipeline.generate import generate
 from inferd.api.pipeline.shape import Events, Reply
@@ -29,6 +30,7 @@ class CompletionShape:
 
     def __init__(self, body: CompletionRequest) -> None:
         self.body = body
+        self.prompt_ids: list[list[int]] = []  # (echo) each prompt's tokens, as prompts() made them
 
     def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
         """The token ids of each prompt of the request."""
@@ -43,25 +45,54 @@ class CompletionShape:
             batch = prompt  # type: ignore[assignment]
         if len(batch) > max_prompts:
             raise bad_request(f"at most {max_prompts} prompts per request, got {len(batch)}", param="prompt")
-        return [tokenizer.encode(p) if isinstance(p, str) else p for p in batch]
+        self.prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in batch]
+        return self.prompt_ids
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return repr(self.body.prompt)
 
     def whole(self, reply: Reply, results: dict[int, ChoiceResult]) -> dict[str, Any]:
         token_text = token_texts(reply.tokenizer)
-        choices = [self._choice(token_text, index, result) for index, result in sorted(results.items())]
+        choices = [self._choice(reply.tokenizer, token_text, index, result, results)
+                   for index, result in sorted(results.items())]
         return CompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=choices,
-                                  usage=Usage(**reply.usage())).model_dump(mode="json")
+                                  usage=Usage(**self._usage(reply))).model_dump(mode="json")
 
-    def _choice(self, token_text: TokenTexts, index: int, result: ChoiceResult) -> CompletionChoice:
+    def _choice(self, tokenizer: Tokenizer, token_text: TokenTexts, index: int, result: ChoiceResult,
+                results: dict[int, ChoiceResult]) -> CompletionChoice:
+        body = self.body
+        text, logprobs = result.text, result.logprobs
+        if body.max_tokens == 0:  # the prompt alone (the engine sampled one token, not shown)
+            text, logprobs = "", []
+        prompt = index // body.n
+        echo = self._echo_text(tokenizer, prompt) if body.echo else ""
+        shown = None
+        if body.logprobs is not None:
+            shown = completion_logprobs(token_text, logprobs, len(echo))
+            if body.echo:  # the prompt's entries first (they come with its choice 0)
+                scored = echo_logprobs(token_text, self.prompt_ids[prompt], results[prompt * body.n].prompt_logprobs or [])
+                shown = {key: scored[key] + shown[key] for key in shown}
         return CompletionChoice(
             index=index,
-            text=result.text,
-            logprobs=CompletionLogprobs(**completion_logprobs(token_text, result.logprobs, 0))
-            if self.body.logprobs is not None else None,
+            text=echo + text,
+            logprobs=CompletionLogprobs(**shown) if shown is not None else None,
             finish_reason=result.finish_reason,  # type: ignore[arg-type]
         )
+
+    def _echo_text(self, tokenizer: Tokenizer, prompt: int) -> str:
+        """The prompt as echoed: as sent when it was text, else its tokens decoded."""
+        sent = self.body.prompt
+        if isinstance(sent, str):
+            return sent
+        if sent and isinstance(sent[0], str):
+            return sent[prompt]  # type: ignore[return-value]
+        return tokenizer.decode(self.prompt_ids[prompt], skip_special_tokens=False)
+
+    def _usage(self, reply: Reply) -> dict[str, Any]:
+        usage = reply.usage()
+        if self.body.max_tokens == 0:  # (its one sampled token is not shown, nor counted)
+            usage |= {"completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
+        return usage
 
     def stream(self, reply: Reply) -> Events:
         body = self.body
@@ -91,5 +122,13 @@ class CompletionShape:
 
 async def create_completion(request: web.Request) -> web.StreamResponse:
     body = CompletionRequest.model_validate(await read_json(request))
-    ask = to_ask(body, max_tokens=body.max_tokens, logprobs=body.logprobs, fit_default=False, prompt_param="prompt")
+    if body.max_tokens == 0 and not body.echo:
+        raise bad_request("max_tokens must be at least 1 (0, the prompt's logprobs alone, needs echo)",
+                          param="max_tokens")
+    if body.echo and body.stream:
+        raise bad_request("echo is answered whole: set stream to false", param="echo")
+    ask = to_ask(body, max_tokens=1 if body.max_tokens == 0 else body.max_tokens, logprobs=body.logprobs,
+                 fit_default=False, prompt_param="prompt")
+    if body.echo and body.logprobs is not None:  # the prompt's own logprobs, from its prefill
+        ask = dataclasses.replace(ask, sampling=dataclasses.replace(ask.sampling, prompt_logprobs=body.logprobs))
     return await generate(request, ask, CompletionShape(body))

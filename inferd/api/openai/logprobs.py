@@ -57,6 +57,15 @@ def completion_logprobs(token_text: TokenTexts, logprobs: list[TokenLogprob], of
             "text_offset": text_offset}
 
 
+def echo_logprobs(token_text: TokenTexts, prompt_ids: list[int], logprobs: list[TokenLogprob]) -> dict[str, list[Any]]:
+    """The prompt in the completions shape (echo), vLLM's layout: its first token has no logprob
+    and no alternatives (null); `logprobs` score tokens 1.. given the ones before them."""
+    first = token_text(prompt_ids[0])[0]
+    scored = completion_logprobs(token_text, logprobs, len(first))
+    return {"tokens": [first, *scored["tokens"]], "token_logprobs": [None, *scored["token_logprobs"]],
+            "top_logprobs": [None, *scored["top_logprobs"]], "text_offset": [0, *scored["text_offset"]]}
+
+
 def chat_logprobs(token_text: TokenTexts, logprobs: list[TokenLogprob]) -> dict[str, list[Any]]:
     """OpenAI's chat shape: {"content": [{token, logprob, bytes, top_logprobs: [...]}]}."""
     content = []

@@ -153,7 +153,10 @@ class CompletionRequest(SamplingFields):
     # a string, token ids, or a batch of either; each prompt becomes its own engine request
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=5)
+    # the prompt before the completion, in text and (with logprobs) in logprobs, the first
+    # token's null (vLLM's layout, what lm-evaluation-harness reads); with max_tokens 0, the prompt alone
     echo: bool = False
+    max_tokens: int | None = Field(default=None, ge=0)
     suffix: str | None = None
     best_of: int | None = Field(default=None, ge=1)
 
@@ -174,13 +177,6 @@ class CompletionRequest(SamplingFields):
                 "must be a string, a list of strings, a list of token ids, or a list of lists of token ids"
             ) from None
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported")
-        return value
-
     @field_validator("suffix")
     @classmethod
     def _no_suffix(cls, value: str | None) -> str | None:
@@ -191,8 +187,8 @@ class CompletionRequest(SamplingFields):
 
 class CompletionLogprobs(ResponseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # (echo: null for the prompt's first token)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

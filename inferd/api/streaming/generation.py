@@ -41,6 +41,7 @@ class ChoiceResult:
     texts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # (asked for) its prompt's, with choice 0
 
     @property
     def text(self) -> str:
@@ -155,6 +156,8 @@ class Generation:
                     self.completion_tokens += len(out.new_token_ids)
                     if out.logprobs:
                         result.logprobs += out.logprobs
+                    if out.prompt_logprobs is not None:
+                        result.prompt_logprobs = out.prompt_logprobs
                     if out.finished:
                         result.finish_reason = out.finish_reason
         finally:

@@ -145,11 +145,11 @@ class BlockManager:
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
-    def cached_prefix(self, token_ids: Sequence[int], root: bytes = b"") -> int:
+    def cached_prefix(self, token_ids: Sequence[int] | None, root: bytes = b"") -> int:
         """How many leading tokens cached blocks hold in namespace `root`: a multiple of
         block_size, at most len(token_ids) - 1 (the last token is always computed, for its
-        logits). Changes nothing."""
-        if not self.enable_prefix_caching:
+        logits); 0 without token ids (a sequence that reuses nothing). Changes nothing."""
+        if not self.enable_prefix_caching or token_ids is None:
             return 0
         return len(self.prefix_cache.match(token_ids, len(token_ids) - 1, self.block_size, root)[0]) * self.block_size
 

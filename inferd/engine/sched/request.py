@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from inferd.engine.protocol import LogitsConstraint
+from inferd.engine.protocol import LogitsConstraint, TokenLogprob
 from inferd.model.sampling_params import SamplingParams
 from inferd.settings.policy import PriorityClass, Timeouts
 
@@ -74,6 +74,9 @@ class Request:
     # its own logits constraint (a grammar's matcher), advanced with every token it samples; its
     # state survives a preemption, as the sampled tokens do
     constraint: LogitsConstraint | None = None
+    # (params.prompt_logprobs) entry p: prompt token p + 1 given the tokens before it, as the
+    # prefill computes them; a recomputed prefill does not add them twice
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.group_id < 0:

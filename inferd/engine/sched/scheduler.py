@@ -232,7 +232,8 @@ class Scheduler:
                 self._add_chunk(out, req, n, copies)
             return _ADMITTED
 
-        tokens = req.token_ids(0, req.num_tokens)
+        # (a request that wants its prompt's logprobs computes all of it: it reuses no cached block)
+        tokens = req.token_ids(0, req.num_tokens) if req.params.prompt_logprobs is None else None
         while True:
             cached = bm.cached_prefix(tokens, req.cache_salt)
             n = min(req.num_tokens - cached, self._budget)

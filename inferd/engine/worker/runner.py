@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inferd.engine.protocol import TokenLogprob
 from inferd.engine.worker.cuda_graphs import DecodeGraphs
 from inferd.engine.worker.kv_cache import KVCache
 from inferd.engine.structured.masks import MaskFiller
@@ -23,6 +24,9 @@ class StepResult:
     sampled: SamplerOutput
     # choices whose own logits constraint raised: their row sampled unconstrained, to be failed
     failed: dict[int, Exception] = field(default_factory=dict)
+    # (params.prompt_logprobs) seq_id -> (first prompt position, the logprobs of the tokens after
+    # it and its successors in this step's chunk)
+    prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
 
     @classmethod
     def concat(cls, parts: list[StepResult]) -> StepResult:
@@ -32,12 +36,13 @@ class StepResult:
         seq_ids = [s for p in parts for s in p.seq_ids]
         token_ids = [t for p in parts for t in p.sampled.token_ids]
         failed = {k: v for p in parts for k, v in p.failed.items()}
+        prompt = {k: v for p in parts for k, v in p.prompt_logprobs.items()}
         if all(p.sampled.logprobs is None for p in parts):
-            return cls(seq_ids, SamplerOutput(token_ids, None, None), failed)
+            return cls(seq_ids, SamplerOutput(token_ids, None, None), failed, prompt)
         # a piece whose rows asked for no logprobs has none: its rows never read them
         logprobs = [x for p in parts for x in (p.sampled.logprobs or [0.0] * len(p.seq_ids))]
         top = [x for p in parts for x in (p.sampled.top_logprobs or [[] for _ in p.seq_ids])]
-        return cls(seq_ids, SamplerOutput(token_ids, logprobs, top), failed)
+        return cls(seq_ids, SamplerOutput(token_ids, logprobs, top), failed, prompt)
 
 
 class ModelRunner:
@@ -77,12 +82,18 @@ class ModelRunner:
             for request in (chunk.request, *chunk.request.forks_pending):
                 rows.append(request)
                 logit_rows.append(i)
+        prompt_rows = _prompt_rows(prefills)
+        extra = [i for _, _, indices in prompt_rows for i in indices]
         # the grammar masks are computed while the model runs; never left running past this call
         pending = self.masks.start([r.constraint for r in rows])
         try:
-            logits = self._forward(prefills, decodes)
+            logits = self._forward(prefills, decodes, extra)
         finally:
             masks, failed_rows = pending.result() if pending is not None else (None, {})
+        prompt_logprobs = {}
+        if extra:  # (their rows come after the sampled ones)
+            prompt_logprobs = _prompt_logprobs(prompt_rows, logits[-len(extra):])
+            logits = logits[: -len(extra)]
         if len(logit_rows) != logits.shape[0]:
             logits = logits[logit_rows]
         sampled = self.sampler(
@@ -92,12 +103,17 @@ class ModelRunner:
             [self._generator(r) for r in rows],
             None if masks is None else torch.from_numpy(masks).to(self.device, non_blocking=True),
         )
-        return StepResult([r.seq_id for r in rows], sampled, {rows[i].seq_id: e for i, e in failed_rows.items()})
+        return StepResult([r.seq_id for r in rows], sampled, {rows[i].seq_id: e for i, e in failed_rows.items()},
+                          prompt_logprobs)
 
-    def _forward(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> torch.Tensor:
+    def _forward(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk],
+                 extra_rows: list[int] | None = None) -> torch.Tensor:
+        """The logits of every sampled row, then of `extra_rows` (flat token indices)."""
         if self.graphs is not None and not prefills and self.graphs.covers(decodes):
             return self.graphs.run(decodes)
         input_ids, positions, attn, logits_indices = self._prepare(prefills, decodes)
+        if extra_rows:
+            logits_indices = torch.cat([logits_indices, device_tensor(extra_rows, torch.int64, self.device)])
         return self.model.forward(input_ids, positions, self.kv_cache.layers, attn, logits_indices)
 
     def release(self, seq_id: int) -> None:
@@ -187,6 +203,38 @@ class ModelRunner:
                 attn.prefill, attn.decode = pre, dec
             else:
                 attn.window_prefill, attn.window_decode = pre, dec
+
+
+def _prompt_rows(prefills: list[ScheduledChunk]) -> list[tuple[Request, int, list[int]]]:
+    """(request, first position, flat token indices) of the prefill positions whose logits score
+    the next prompt token, for the requests that want their prompt's logprobs."""
+    rows, offset = [], 0
+    for c in prefills:
+        if c.request.params.prompt_logprobs is not None:
+            end = min(c.start + c.num_tokens, len(c.request.prompt_ids) - 1)
+            if end > c.start:
+                rows.append((c.request, c.start, list(range(offset, offset + end - c.start))))
+        offset += c.num_tokens
+    return rows
+
+
+def _prompt_logprobs(rows: list[tuple[Request, int, list[int]]],
+                     logits: torch.Tensor) -> dict[int, tuple[int, list[TokenLogprob]]]:
+    """Each position's log-softmax at the prompt's next token, and its top alternatives."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [rows, vocab]
+    out: dict[int, tuple[int, list[TokenLogprob]]] = {}
+    row = 0
+    for request, first, indices in rows:
+        part = logprobs[row: row + len(indices)]
+        row += len(indices)
+        nexts = request.prompt_ids[first + 1: first + 1 + len(indices)]
+        chosen = part.gather(1, torch.tensor(nexts, device=part.device)[:, None])[:, 0].tolist()
+        k = request.params.prompt_logprobs or 0
+        top_values, top_ids = part.topk(k, dim=-1) if k else (part[:, :0], part[:, :0].long())
+        out[request.seq_id] = (first, [
+            TokenLogprob(token, lp, list(zip(ids, values)))
+            for token, lp, ids, values in zip(nexts, chosen, top_ids.tolist(), top_values.tolist())])
+    return out
 
 
 def _dense_prefill(chunk: ScheduledChunk) -> bool:
