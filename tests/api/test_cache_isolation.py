@@ -34,8 +34,9 @@ async def tenants_server(llm: LLMEngine) -> AsyncIterator[Server]:
 
 
 def long_prompt() -> str:
-    """~300 tokens no earlier test has sent (a fresh uuid first: nothing of it is cached yet)."""
-    return f"{uuid.uuid4()} " + " ".join(f"Clause {i}: the parties agree to item {i * 7}." for i in range(30))
+    """~160 tokens (ten 16-token blocks) no earlier test has sent (a fresh uuid first: nothing of
+    it is cached yet)."""
+    return f"{uuid.uuid4()} " + " ".join(f"Clause {i}: the parties agree to item {i * 7}." for i in range(10))
 
 
 async def cached_after(server: Server, tenant: str, prompt: str, **fields: object) -> float:
@@ -57,18 +58,18 @@ async def hits(server: Server) -> float:
 async def test_another_tenants_prompt_is_not_served_from_the_cache(tenants_server: Server) -> None:
     prompt = long_prompt()
     assert await cached_after(tenants_server, "alpha", prompt) == 0
-    assert await cached_after(tenants_server, "alpha", prompt) >= 256  # its own repeat hits
+    assert await cached_after(tenants_server, "alpha", prompt) >= 128  # its own repeat hits
     assert await cached_after(tenants_server, "beta", prompt) == 0  # a cold prefill, as if never seen
-    assert await cached_after(tenants_server, "beta", prompt) >= 256  # (then beta's own copy)
+    assert await cached_after(tenants_server, "beta", prompt) >= 128  # (then beta's own copy)
 
 
 async def test_a_cache_group_shares_and_a_cache_salt_narrows(tenants_server: Server) -> None:
     prompt = long_prompt()
     assert await cached_after(tenants_server, "docs-a", prompt) == 0
-    assert await cached_after(tenants_server, "docs-b", prompt) >= 256  # the same group: shared
+    assert await cached_after(tenants_server, "docs-b", prompt) >= 128  # the same group: shared
     assert await cached_after(tenants_server, "alpha", prompt) == 0  # outside the group: not
     salted = long_prompt()
     assert await cached_after(tenants_server, "docs-a", salted, cache_salt="s3cret") == 0
     assert await cached_after(tenants_server, "docs-b", salted) == 0  # the group without the salt
     assert await cached_after(tenants_server, "docs-b", salted, cache_salt="other") == 0
-    assert await cached_after(tenants_server, "docs-b", salted, cache_salt="s3cret") >= 256
+    assert await cached_after(tenants_server, "docs-b", salted, cache_salt="s3cret") >= 128
