@@ -103,12 +103,8 @@ class Case:
 def build(folder: Path, make: Callable[[int], Any], seed: int = 0) -> Case:
     vocab = tm.train_sentencepiece(folder)
     torch.manual_seed(seed)
-    model = tm.randomize(make(vocab), seed)
-    if model.config.model_type.startswith("gemma"):  # (1 + w) norms: w around 0, as Gemma's are
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p -= 1
+    model = make(vocab)
+    model = tm.randomize(model, seed, norm_centre=0.0 if model.config.model_type.startswith("gemma") else 1.0)
     if model.config.tie_word_embeddings:
         model.tie_weights()
     model.save_pretrained(folder, safe_serialization=True)

@@ -91,18 +91,9 @@ def converted(arch: str, model: Any) -> dict[str, np.ndarray]:
 def write_gguf(path: Path, arch: str, model: Any, spm: dict[str, Any]) -> None:
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name(f"tiny-random-{arch}")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(cfg.rope_parameters.get("rope_theta", 10000.0) if "rope_theta" in cfg.rope_parameters
-                               else cfg.rope_parameters["full_attention"]["rope_theta"]))
-    w.add_rope_dimension_count(head_dim)
+    rope = cfg.rope_parameters
+    w = tm.gguf_writer(path, arch, cfg, head_dim, float(rope["rope_theta"] if "rope_theta" in rope
+                                                        else rope["full_attention"]["rope_theta"]))
     if arch != "phi3":  # (Phi-3's converter writes no key length)
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -111,7 +102,6 @@ def write_gguf(path: Path, arch: str, model: Any, spm: dict[str, Any]) -> None:
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    w.add_vocab_size(cfg.vocab_size)
     w.add_tokenizer_model("llama")
     w.add_token_list(spm["tokens"])
     w.add_token_types(spm["types"])
@@ -144,12 +134,10 @@ def test_family_gguf_matches_transformers(arch: str, spm: dict[str, Any], tmp_pa
     from inferd.model.tokenizer_loader import load_tokenizer
 
     torch.manual_seed(0)
-    model = tm.randomize(make(arch, len(spm["tokens"])), seed=0)
-    if arch.startswith("gemma"):  # (1 + w) norms: w around 0, as Gemma's are; embeddings times
-        with torch.no_grad():  # √hidden and tied to the head: smaller, or each token repeats itself
-            for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p -= 1
+    gemma = arch.startswith("gemma")
+    model = tm.randomize(make(arch, len(spm["tokens"])), seed=0, norm_centre=0.0 if gemma else 1.0)
+    if gemma:  # embeddings times √hidden and tied to the head: smaller, or each token repeats itself
+        with torch.no_grad():
             model.model.embed_tokens.weight /= 8
     path = tmp_path / f"tiny-{arch}.gguf"
     write_gguf(path, arch, model, spm)

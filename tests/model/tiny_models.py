@@ -159,15 +159,15 @@ def torch_threads(n: int) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def randomize(model: torch.nn.Module, seed: int, std: float = 0.2) -> torch.nn.Module:
-    """Well-separated random weights (see the module's NOTE): matrices N(0, std), norms 1 +- 0.1,
-    biases N(0, 0.1)."""
+def randomize(model: torch.nn.Module, seed: int, std: float = 0.2, norm_centre: float = 1.0) -> torch.nn.Module:
+    """Well-separated random weights (see the module's NOTE): matrices N(0, std), norms
+    `norm_centre` +- 0.1 (0 for Gemma's x̂·(1 + w) norms, so that they scale by about 1), biases N(0, 0.1)."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in sorted(model.named_parameters()):
             noise = torch.randn(p.shape, generator=gen)
             if name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * noise)
+                p.copy_(norm_centre + 0.1 * noise)
             elif name.endswith(".bias"):
                 p.copy_(0.1 * noise)
             else:
@@ -341,6 +341,26 @@ def random_kquant(shape: tuple[int, int], qtype: Any, rng: np.random.Generator, 
     return out
 
 
+def gguf_writer(path: Path, arch: str, cfg: Any, head_dim: int, rope_theta: float) -> Any:
+    """A GGUFWriter for `arch` with the hyper-parameters every converter writes, from a
+    transformers config."""
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny-random-{arch}")
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(rope_theta)
+    w.add_rope_dimension_count(head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    return w
+
+
 def write_llama_gguf(
     path: Path,
     model: Any,
@@ -360,19 +380,8 @@ def write_llama_gguf(
 
     qtype = qtype or gguf.GGMLQuantizationType.F32
     cfg = model.config
-    head_dim = cfg.hidden_size // cfg.num_attention_heads
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny-random-llama")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
-    w.add_rope_dimension_count(head_dim)
-    w.add_vocab_size(cfg.vocab_size)
+    w = gguf_writer(path, "llama", cfg, cfg.hidden_size // cfg.num_attention_heads,
+                    float(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"]))
     w.add_file_type(int(qtype))
 
     w.add_tokenizer_model(tokenizer["model"])
