@@ -90,11 +90,14 @@ async def test_redaction_covers_the_prompt_and_the_outputs(llm: LLMEngine, tmp_p
         assert (await server.get("/v1/status", headers=tenant))[1]["drift"] is None  # others' traffic: admins only
         assert (await server.get("/v1/status", headers=admin))[1]["drift"]["baseline_requests"] == 2
     text = path.read_text()
-    for raw in (EMAIL, "555", "4567", KEY, IP, "bob@example.org"):
+    for raw in (EMAIL, PHONE, KEY, IP, "bob@example.org"):
         assert raw not in text, raw
     lines = read_lines(path)
     assert len(lines) == 2
     for line in lines:
+        # The phone's pieces, only where text is logged: the ids and times are random hex and digits.
+        logged = line["prompt"] + " ".join(line["outputs"])
+        assert "555" not in logged and "4567" not in logged, logged
         assert all(f"[{tag}]" in line["prompt"] for tag in ("email", "number", "api_key", "ipv4")), line["prompt"]
         assert line["outputs"] == ["[email]"] and line["tenant"] == "acme"
     assert EMAIL not in caplog.text  # the stderr lines: no prompt without server.log_prompts
