@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions,    openai/ (the OpenAI protocol, over the shared
          /tokenize, /detokenize; GET /v1/models     generation path of pipeline/)
+    POST /v1/messages, /v1/messages/count_tokens   anthropic/ (Anthropic's Messages, the same path)
     GET  /v1/status                                telemetry/status.py: engine stats snapshot
     GET  /metrics                                  telemetry/metrics.py: Prometheus text format
     GET  /health                                   here: liveness, the engine loops beat
@@ -10,7 +11,7 @@
     GET, DELETE /v1/streams/<id>                   streaming/resume.py: resume or cancel a stream
     /admin/tenants, /admin/reload, /admin/models/<name>/reload, /rollback   admin.py (admin key)
 
-A second protocol adds its package's routes here, beside the OpenAI ones.
+Each protocol package adds its routes here.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import time
 from aiohttp import web
 
 from inferd.api.admin import add_admin_routes
+from inferd.api.anthropic.endpoints import add_anthropic_routes
 from inferd.api.openai.endpoints import add_openai_routes
 from inferd.api.openapi import openapi
 from inferd.api.routing.registry import REGISTRY
@@ -60,6 +62,7 @@ async def delete_stream(request: web.Request) -> web.StreamResponse:
 
 def add_routes(app: web.Application) -> None:
     add_openai_routes(app)
+    add_anthropic_routes(app)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

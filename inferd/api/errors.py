@@ -1,4 +1,5 @@
-"""The one place where errors become HTTP responses, all in OpenAI's shape:
+"""The one place where errors become HTTP responses, in OpenAI's shape unless a protocol
+registered its own for its paths (ERROR_SHAPES: Anthropic's for /v1/messages):
 
     {"error": {"message": "...", "type": "invalid_request_error", "param": "temperature", "code": null}}
 
@@ -142,6 +143,17 @@ def to_api_error(e: BaseException) -> APIError:
 
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# (path prefix, renderer): a protocol whose errors have their own shape (Anthropic's) names its
+# paths here at start-up; every other path answers in OpenAI's
+ERROR_SHAPES = web.AppKey("error_shapes", list[tuple[str, Callable[[APIError], web.Response]]])
+
+
+def error_response(request: web.Request, error: APIError) -> web.Response:
+    """`error` in the shape of the protocol `request.path` belongs to."""
+    for prefix, render in request.app.get(ERROR_SHAPES, ()):
+        if request.path.startswith(prefix):
+            return render(error)
+    return error.response()
 
 
 @web.middleware
@@ -156,8 +168,8 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             error.message = f"no such path: {request.method} {request.path}"
         elif e.status == 405:
             error.message = f"method {request.method} is not allowed on {request.path}"
-    except Exception as e:  # noqa: BLE001 - every error leaves in the OpenAI shape
+    except Exception as e:  # noqa: BLE001 - every error leaves in its protocol's shape
         error = to_api_error(e)
         if error.status >= 500 and not isinstance(e, (APIError, EngineDeadError)):
             log.exception("unhandled error in %s %s", request.method, request.path)
-    return error.response()
+    return error_response(request, error)

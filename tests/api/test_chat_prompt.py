@@ -1,6 +1,6 @@
 """How chat messages, tools, earlier calls and tool results become a prompt: through the chat
 template when it takes `tools` (transformers' convention), else as the Hermes-format text that
-inferd/api/openai/tools.py documents."""
+inferd/api/conversation/tools.py documents."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from inferd.api.openai.tools import (
+from inferd.api.conversation.tools import (
     MAX_PARALLEL_CALLS,
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,

@@ -58,6 +58,9 @@ class Ask:
     user: str | None = None  # sticky routes, and the request's log line
     max_tokens: int | None = None  # None: limits.max_tokens_default
     fit_default: bool = False  # a default max_tokens is clipped to the context the prompt leaves
+    # an asked max_tokens over what the server allows is lowered to it, not refused (Anthropic's
+    # clients send 32,000 by default; the reply's x-inferd-max-tokens-clamped header says so)
+    clamp_max_tokens: bool = False
     logprobs: int | None = None  # top alternatives per token (0: the chosen token's only); None: none
     sampling: Sampling = Sampling()
     timeouts: Timeouts = Timeouts()  # the request's own; they may tighten its class's, never loosen

@@ -112,9 +112,12 @@ class FrontDoor:
 
         A default (no max_tokens asked) is limits.max_tokens_default, at most the class's ceiling,
         clipped to what is left of the context when `ask.fit_default` (chat); an explicit one must
-        fit as asked. The ladder's `ceiling` then caps it, and the class must hold the rest.
+        fit as asked, unless `ask.clamp_max_tokens` lowers it to every limit first. The ladder's `ceiling` then caps it, and the class must hold the rest.
         """
         requested, context, limit = ask.max_tokens, self.limits.max_model_len, self.settings.max_tokens_limit
+        if requested is not None and ask.clamp_max_tokens:
+            room = min(context, self.limits.class_kv_tokens[cls.name]) - prompt_len
+            requested = max(1, min(requested, limit, cls.max_tokens, room))
         if requested is not None and requested > limit:
             raise bad_request(f"max_tokens must be at most {limit}, got {requested}", param="max_tokens")
         max_tokens = requested if requested is not None else min(self.settings.max_tokens_default, cls.max_tokens)

@@ -1,4 +1,4 @@
-"""OpenAI tool calling for models whose chat template knows nothing about tools.
+"""Tool calling for models whose chat template knows nothing about tools (OpenAI tool dicts in).
 
 We use a Hermes-style text format, taught to the model by a system prompt:
 

@@ -47,7 +47,7 @@ def load_api_keys(cli_keys: list[str], env_value: str | None, keys_file: str | N
 
 def auth_middleware(keyring: Callable[[], Keyring], open_paths: tuple[str, ...],
                     status_admin_only: bool = False) -> Middleware:
-    """Resolve `Authorization: Bearer KEY` to its principal (request[PRINCIPAL]) on every path
+    """Resolve `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) to its principal (request[PRINCIPAL]) on every path
     but `open_paths`: a 401 for a missing or unknown key, a 403 for a path the key may not use
     (/admin/* and, with `status_admin_only`, /v1/status need an admin key). The keyring is read
     per request, so a reload takes effect at once."""
@@ -61,10 +61,9 @@ def auth_middleware(keyring: Callable[[], Keyring], open_paths: tuple[str, ...],
         if keys.open:
             request[PRINCIPAL] = OPEN
             return await handler(request)
-        scheme, _, key = request.headers.get("Authorization", "").partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
-            raise _unauthorized("missing API key: send `Authorization: Bearer KEY`")
+        key = key_of(request)
+        if not key:
+            raise _unauthorized("missing API key: send `Authorization: Bearer KEY` (or `x-api-key: KEY`)")
         given = hashlib.sha256(key.encode()).digest()  # (hashed once: the lookup and the stream owner)
         principal = keys.lookup_digest(given)
         if principal is None:
@@ -81,6 +80,15 @@ def auth_middleware(keyring: Callable[[], Keyring], open_paths: tuple[str, ...],
         return await handler(request)
 
     return check_key
+
+
+def key_of(request: web.Request) -> str:
+    """The key a request carries: `Authorization: Bearer KEY`, else `x-api-key` (what Anthropic's
+    clients send); "" if neither."""
+    scheme, _, key = request.headers.get("Authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and key.strip():
+        return key.strip()
+    return request.headers.get("x-api-key", "").strip()
 
 
 def principal_of(request: web.Request) -> Principal:

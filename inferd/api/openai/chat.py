@@ -11,7 +11,8 @@ from typing import Any
 from aiohttp import web
 
 from inferd.api.body import read_json
-from inferd.api.errors import bad_request
+from inferd.api.conversation.render import render_prompt
+from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser
 from inferd.api.openai.ask import to_ask
 from inferd.api.openai.events import StreamEvents, with_usage
 from inferd.api.openai.logprobs import TokenTexts, chat_logprobs, token_texts
@@ -30,42 +31,20 @@ from inferd.api.pipeline.generate import generate
 from inferd.api.pipeline.shape import Events, Reply
 from inferd.api.streaming.generation import ChoiceResult, Render
 from inferd.api.streaming.sse import dumps
-from inferd.api.openai.tools import Arguments, CallStart, Content, ToolCallParser, history_message, tools_system_prompt
 from inferd.engine.protocol import EngineOutput
-from inferd.model.chat_template import ChatTemplateError
 from inferd.model.tokenizer import Tokenizer
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], tools: Sequence[Tool] | None,
                 add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:
-    """The messages (and the tools offered, if any) as the model's prompt, through its chat
-    template: one that takes `tools` (as transformers passes them) renders them and earlier calls
-    itself; for one that does not (the default model's), they become plain text in the Hermes
-    format that inferd/api/openai/tools.py documents and parses."""
+    """The messages (and the tools offered, if any) as the model's prompt (conversation/render.py)."""
     specs = [t.model_dump(exclude_none=True) for t in tools or []]
-    native = "tools" in (tokenizer.chat_template or "")
-    rendered = [_template_message(m, native) for m in messages]
-    if specs and not native:
-        instructions = tools_system_prompt(specs)
-        if rendered[0]["role"] == "system":
-            rendered[0]["content"] = instructions + "\n\n" + rendered[0]["content"]
-        else:
-            rendered.insert(0, {"role": "system", "content": instructions})
-    try:
-        text = tokenizer.apply_chat_template(rendered, add_generation_prompt=add_generation_prompt,
-                                             tools=specs if specs and native else None, **(template_kwargs or {}))
-    except ChatTemplateError as e:
-        raise bad_request(str(e), param="messages") from None
-    except Exception as e:  # noqa: BLE001 - the template ran on client input: a TypeError there is a 400
-        raise bad_request(f"chat template failed on these messages: {e}", param="messages") from None
-    # the template writes BOS itself where the model wants one
-    return tokenizer.encode(text, add_special_tokens=False)
+    return render_prompt(tokenizer, [_template_message(m) for m in messages], specs, add_generation_prompt,
+                         template_kwargs)
 
 
-def _template_message(message: ChatMessage, native_tools: bool) -> dict[str, Any]:
+def _template_message(message: ChatMessage) -> dict[str, Any]:
     """One message as chat templates read it."""
-    if (message.tool_calls or message.role == "tool") and not native_tools:
-        return history_message(message.model_dump(exclude_none=True))
     item: dict[str, Any] = {"role": "system" if message.role == "developer" else message.role,
                             "content": message.text()}
     if message.name is not None:

@@ -5,7 +5,7 @@ each further prompt (a choice's own copy is forked by the engine).
     json_object   any JSON object, bounded (inferd/engine/structured/grammar.py says how and why)
     json_schema   the schema; `strict: true` makes a keyword the grammar engine lacks a 400
     regex, choice, grammar (Lark)   extensions, as vLLM offers them
-    tool_choice "required" or a named function   only tool calls (inferd/api/openai/tools.py)
+    tool_choice "required" or a named function   only tool calls (inferd/api/conversation/tools.py)
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from inferd.api.openai.wire import (
     RegexFormat,
     SamplingFields,
 )
-from inferd.api.openai.tools import tool_call_grammar
+from inferd.api.conversation.tools import tool_call_grammar
 from inferd.engine.structured.grammar import (
     GrammarError,
     choice_grammar,

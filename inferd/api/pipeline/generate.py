@@ -31,6 +31,7 @@ from inferd.settings.policy import PriorityClass
 
 ANSWERED_BY = web.RequestKey("answered_by", str)  # the x-inferd-model header: "name@revision"
 FALLBACK_FROM = web.RequestKey("fallback_from", str)  # the x-inferd-fallback-from header
+MAX_TOKENS_CLAMPED = web.RequestKey("max_tokens_clamped", int)  # the x-inferd-max-tokens-clamped header
 CASCADE_TOKENS = web.RequestKey("cascade_tokens", int)  # a sure small answer's tokens
 
 Unsure = Callable[[dict[int, ChoiceResult]], bool]
@@ -64,6 +65,8 @@ async def answer(request: web.Request, ask: Ask, shape: Shape, choice: Choice, c
     if unsure is not None:  # the cascade reads every token's logprob (not shown unless asked)
         ask = dataclasses.replace(ask, logprobs=max(ask.logprobs or 0, 0))
     prepared = await served.door.prepare(ask, prompts, cls, choice.ceiling, choice.whole)
+    if ask.clamp_max_tokens and ask.max_tokens is not None and prepared.params.max_tokens < ask.max_tokens:
+        request[MAX_TOKENS_CLAMPED] = prepared.params.max_tokens
     if ask.resumable:
         app[RESUMABLE].check_room()  # (429 before any charge; opening one checks again)
     # every check is passed: charge the tenant (its rate limits) before any queueing
@@ -86,7 +89,7 @@ async def answer(request: web.Request, ask: Ask, shape: Shape, choice: Choice, c
                 request[CASCADE_TOKENS] = gen.prompt_tokens + gen.completion_tokens
             return web.json_response(shape.whole(reply, results))
         events = shape.stream(reply)
-        return await gen.stream(request, events.head, events.render, events.tail, ask.resumable)
+        return await gen.stream(request, events.head, events.render, events.tail, ask.resumable, events.error_event)
 
 
 def request_record(request: web.Request, user: str | None, prompt_text: Callable[[], str]) -> RequestRecord | None:

@@ -7,7 +7,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from inferd.api.errors import APIError
 from inferd.api.streaming.generation import ChoiceResult, Render
+from inferd.api.streaming.sse import ErrorEvent, Payload
 from inferd.model.tokenizer import Tokenizer
 
 
@@ -24,12 +26,14 @@ class Reply:
 
 @dataclass(frozen=True)
 class Events:
-    """A streamed answer's events: `head` first, `render(prompt, output)` per engine output,
-    `tail()` once every choice has ended (not after an engine abort), then the end of the stream."""
+    """A streamed answer's events: `head` first, `render(prompt, output)` per engine output (one
+    event or several), `tail()` once every choice has ended (not after an engine abort), then the
+    end of the stream."""
 
-    head: list[dict[str, Any]]
+    head: list[Payload]
     render: Render
-    tail: Callable[[], list[dict[str, Any]]]
+    tail: Callable[[], list[Payload]]
+    error_event: ErrorEvent = APIError.body  # an error mid-stream, in the protocol's shape
 
 
 class Shape(Protocol):

@@ -25,13 +25,13 @@ from inferd.api.record import RequestRecord
 from inferd.api.state import SETTINGS
 from inferd.api.streaming.backpressure import SLOW_CLIENTS, bound_send_buffer, wait_for_reader
 from inferd.api.streaming.resume import RESUMABLE, caller_of, event_bound
-from inferd.api.streaming.sse import SSE_RESPONSES, EventSink, OutputQueue, write_events
+from inferd.api.streaming.sse import SSE_RESPONSES, ErrorEvent, EventSink, OutputQueue, Payload, write_events
 from inferd.engine.async_engine import RequestStream
 from inferd.engine.protocol import EngineOutput, TokenLogprob
 
 POLL_SECONDS = 1.0  # how often a non-streaming handler checks that its client is still there
 
-Render = Callable[[int, EngineOutput], dict[str, Any] | str]
+Render = Callable[[int, EngineOutput], Payload | list[Payload]]  # an output's event(s)
 
 
 @dataclass
@@ -41,6 +41,7 @@ class ChoiceResult:
     texts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or token id it ended on (finish "stop")
     prompt_logprobs: list[TokenLogprob] | None = None  # (asked for) its prompt's, with choice 0
 
     @property
@@ -159,16 +160,18 @@ class Generation:
                     if out.prompt_logprobs is not None:
                         result.prompt_logprobs = out.prompt_logprobs
                     if out.finished:
-                        result.finish_reason = out.finish_reason
+                        result.finish_reason, result.stop_reason = out.finish_reason, out.stop_reason
         finally:
             outputs.close()
         return results
 
-    async def stream(self, request: web.Request, head: list[dict[str, Any]], render: Render,
-                     tail: Callable[[], list[dict[str, Any]]], resumable: bool = False) -> web.StreamResponse:
+    async def stream(self, request: web.Request, head: list[Payload], render: Render,
+                     tail: Callable[[], list[Payload]], resumable: bool = False,
+                     error_event: ErrorEvent = APIError.body) -> web.StreamResponse:
         """Answer with SSE: the `head` events, one `render(prompt, output)` event per output
         (one per token, even when the detokenizer holds its text back), the `tail()` events,
-        then `data: [DONE]`. An engine abort (shutdown) ends the stream with an error event.
+        then `data: [DONE]`. An engine abort (shutdown) ends the stream with an error event
+        (`error_event`: in the protocol's shape).
         Written straight to the socket (sse.py); a `resumable` stream's events are produced by a
         task of their own that outlives a disconnect, into a buffer its writers copy (resume.py)."""
         keepalive = request.app[SETTINGS].server.keepalive_seconds
@@ -179,7 +182,7 @@ class Generation:
                 for payload in head:
                     events.add(payload)
                 await events.flush()
-                if await self._stream_outputs(outputs, events, render, keepalive):
+                if await self._stream_outputs(outputs, events, render, keepalive, error_event):
                     for payload in tail():
                         events.add(payload)
             finally:
@@ -190,14 +193,14 @@ class Generation:
             bound_send_buffer(request, server.stream_send_buffer_bytes)
             guard = functools.partial(wait_for_reader, request, self.streams, server.slow_client_seconds,
                                       request.app[SLOW_CLIENTS])
-            return await write_events(request, self.id, produce, request.app[SSE_RESPONSES], guard)
+            return await write_events(request, self.id, produce, request.app[SSE_RESPONSES], guard, error_event)
         bound = event_bound(len(head), len(self.prompts) * self.n, self.prepared.params.max_tokens)
         stream = request.app[RESUMABLE].open(self.id, caller_of(request), bound, produce, self.end)
         self.outlives_handler = True
         return await stream.serve(request, -1)
 
     async def _stream_outputs(self, outputs: OutputQueue, events: EventSink, render: Render,
-                              keepalive: float) -> bool:
+                              keepalive: float, error_event: ErrorEvent) -> bool:
         """Write every output as it comes; False if an engine abort or failure cut the stream short."""
         while not outputs.done:
             batch = await outputs.next_batch(keepalive)
@@ -207,14 +210,16 @@ class Generation:
             for prompt, out in batch:
                 self._note(out)
                 if out.finish_reason in ("abort", "error"):  # the response ends here
-                    events.add(_ending_error(out).body())
+                    events.add(error_event(_ending_error(out)))
                     return False
                 self.completion_tokens += len(out.new_token_ids)
                 if not out.text and self.segment != "token" and not out.finished and not out.logprobs:
                     continue  # segmented: no event for a token whose text is held back
-                events.add(render(prompt, out))
+                rendered = render(prompt, out)
+                for payload in rendered if isinstance(rendered, list) else (rendered,):
+                    events.add(payload)
                 if out.finish_reason == "timeout":  # after the choice's last chunk, say which
-                    events.add(timeout_error(out).body())
+                    events.add(error_event(timeout_error(out)))
             await events.flush()
         return True
 

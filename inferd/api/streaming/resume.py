@@ -35,13 +35,12 @@ import hmac
 import logging
 import re
 from collections.abc import Callable
-from typing import Any
 
 from aiohttp import ClientConnectionResetError, web
 
 from inferd.api.gateway.keys import KEY_DIGEST, principal_of
 from inferd.api.errors import RETRY_AFTER_SECONDS, APIError, bad_request
-from inferd.api.streaming.sse import DONE, KEEPALIVE, SSE_HEADERS, Produce, delimit_body, dumps, event_id_prefix
+from inferd.api.streaming.sse import DONE, KEEPALIVE, SSE_HEADERS, Payload, Produce, delimit_body, event_id_prefix, frame
 
 log = logging.getLogger(__name__)
 
@@ -88,14 +87,13 @@ class ResumableStream:
 
     # ------------------------------------------------------------------- the producer's side
 
-    def add(self, payload: dict[str, Any] | str) -> None:
+    def add(self, payload: Payload) -> None:
         if len(self.events) >= self.bound:  # NOTE: cannot happen (see event_bound); never grow past it
             raise OverflowError(f"resumable stream {self.id} would hold more than {self.bound} events")
         self._append(payload)
 
-    def _append(self, payload: dict[str, Any] | str) -> None:
-        data = payload if isinstance(payload, str) else dumps(payload)
-        self.events.append(f"{self._id_prefix}{len(self.events)}\ndata: {data}\n\n")
+    def _append(self, payload: Payload) -> None:
+        self.events.append(frame(self._id_prefix, len(self.events), payload))
 
     async def flush(self) -> None:
         self._changed.set()

@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from aiohttp import ClientConnectionResetError, HttpVersion11, web
@@ -45,6 +46,26 @@ def dumps(payload: Any) -> str:
     return json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
 
 
+@dataclass(frozen=True, slots=True)
+class Named:
+    """An event with a type line (`event: NAME`): Anthropic's streams name every event; OpenAI's name none."""
+
+    event: str
+    data: dict[str, Any]
+
+
+# one event: a dict, JSON text already (the per-token fast path), or a named one
+Payload = dict[str, Any] | str | Named
+
+
+def frame(id_prefix: str, number: int, payload: Payload) -> str:
+    """One event as it goes on the wire, numbered `id: <response id>:<number>`."""
+    if isinstance(payload, Named):
+        return f"{id_prefix}{number}\nevent: {payload.event}\ndata: {dumps(payload.data)}\n\n"
+    data = payload if isinstance(payload, str) else dumps(payload)
+    return f"{id_prefix}{number}\ndata: {data}\n\n"
+
+
 def event_id_prefix(response_id: str) -> str:
     """Every event's `id:` is `<response id>:<sequence number>` (0, 1, ...): what a client sends
     back as Last-Event-ID to resume a resumable stream (resume.py), unique across responses."""
@@ -55,7 +76,7 @@ class EventSink(Protocol):
     """Where a stream's events go: an `EventStream` (the socket), or a resumable stream's buffer
     (resume.py), which any attached writer copies to its socket."""
 
-    def add(self, payload: dict[str, Any] | str) -> None: ...
+    def add(self, payload: Payload) -> None: ...
 
     async def flush(self) -> None: ...
 
@@ -78,10 +99,9 @@ class EventStream:
         delimit_body(request, self.response)
         await self.response.prepare(request)
 
-    def add(self, payload: dict[str, Any] | str) -> None:
-        """One event; a str payload is JSON already (the per-token fast path)."""
-        data = payload if isinstance(payload, str) else dumps(payload)
-        self._pending.append(f"{self._id_prefix}{self._next_id}\ndata: {data}\n\n")
+    def add(self, payload: Payload) -> None:
+        """One event."""
+        self._pending.append(frame(self._id_prefix, self._next_id, payload))
         self._next_id += 1
 
     async def flush(self) -> None:
@@ -120,8 +140,12 @@ Produce = Callable[[EventSink], Awaitable[None]]  # adds a whole response's even
 Guard = Callable[[], Awaitable[None]]  # waits for a slow client (or cuts it: backpressure.py)
 
 
+ErrorEvent = Callable[[APIError], Payload]  # an error as its protocol's stream event
+
+
 async def write_events(request: web.Request, response_id: str, produce: Produce,
-                       open_streams: set[web.StreamResponse], guard: Guard | None = None) -> web.StreamResponse:
+                       open_streams: set[web.StreamResponse], guard: Guard | None = None,
+                       error_event: ErrorEvent = APIError.body) -> web.StreamResponse:
     """A stream straight to the socket: what `produce` adds, written as it flushes, then [DONE].
     A disconnect just ends it (the caller aborts the request); a failure once the status line
     is out ends it with an error event instead of a 500. `open_streams` holds it while open;
@@ -139,7 +163,7 @@ async def write_events(request: web.Request, response_id: str, produce: Produce,
             raise
         log.exception("streaming %s failed", request.path)
         try:
-            events.add(APIError(500, "internal server error", type="server_error").body())
+            events.add(error_event(APIError(500, "internal server error", type="server_error")))
             await events.close()
         except (ConnectionResetError, ClientConnectionResetError):
             pass

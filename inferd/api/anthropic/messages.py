@@ -1,0 +1,257 @@
+"""POST /v1/messages and /v1/messages/count_tokens: Anthropic's messages through the model's chat
+template, one engine request, the answer as a `message` or its named stream events. The shared
+path (api/pipeline/) does the rest.
+
+Usage follows Anthropic's accounting: `input_tokens` are the prompt tokens the prefix cache did
+not serve, `cache_read_input_tokens` those it did (their sum is the prompt).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from aiohttp import web
+
+from inferd.api.admission.ask import Ask, Grammar, Sampling
+from inferd.api.anthropic.wire import (
+    CountTokensRequest,
+    CountTokensResponse,
+    Message,
+    MessageResponse,
+    MessagesRequest,
+    Prompted,
+    TextOut,
+    ToolUseOut,
+    Usage,
+)
+from inferd.api.anthropic.errors import error_event
+from inferd.api.body import read_json
+from inferd.api.conversation.render import render_prompt
+from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser, tool_call_grammar
+from inferd.api.errors import bad_request
+from inferd.api.pipeline.generate import generate
+from inferd.api.pipeline.prompts import make_prompts
+from inferd.api.pipeline.shape import Events, Reply
+from inferd.api.routing.registry import REGISTRY
+from inferd.api.streaming.generation import ChoiceResult
+from inferd.api.streaming.sse import Named, Payload
+from inferd.api.wire import dump
+from inferd.engine.protocol import EngineOutput
+from inferd.model.tokenizer import Tokenizer
+
+
+def template_messages(body: Prompted) -> list[dict[str, Any]]:
+    """The conversation as chat templates read it (role, content, tool_calls, tool_call_id):
+    tool_use blocks become the assistant's tool calls, tool_result blocks tool messages, thinking
+    blocks are left out (a template re-renders no earlier reasoning)."""
+    out: list[dict[str, Any]] = []
+    if body.system is not None:
+        out.append({"role": "system", "content": body.system_text()})
+    for message in body.messages:
+        out += _turn(message)
+    return out
+
+
+def _turn(message: Message) -> list[dict[str, Any]]:
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    texts, calls, results = [], [], []
+    for block in message.content:
+        if block.type == "text":
+            texts.append(block.text)
+        elif block.type == "tool_use":
+            calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}})
+        elif block.type == "tool_result":
+            results.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": block.text()})
+    turn: list[dict[str, Any]] = list(results)  # a user turn answers the calls first, then speaks
+    if texts or calls or not results:
+        item: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
+        if calls:
+            item["tool_calls"] = calls
+        turn.append(item)
+    return turn
+
+
+def template_kwargs(body: Prompted) -> dict[str, Any] | None:
+    """Anthropic's `thinking` as the template's switch (Qwen3's enable_thinking); "adaptive" and
+    "between_tools": the model's default."""
+    if body.thinking is None or body.thinking.type not in ("enabled", "disabled"):
+        return None
+    return {"enable_thinking": body.thinking.type == "enabled"}
+
+
+def messages_prompt(tokenizer: Tokenizer, body: Prompted) -> list[int]:
+    tools = [t.as_function() for t in body.tools or []] if body.calls_tools else []
+    return render_prompt(tokenizer, template_messages(body), tools, template_kwargs=template_kwargs(body))
+
+
+def tools_grammar(body: MessagesRequest) -> Grammar | None:
+    """tool_choice "any" or "tool": the answer is only tool calls (of that tool), grammar-forced."""
+    choice = body.tool_choice
+    if not body.calls_tools or choice is None or choice.type == "auto":
+        return None
+    tools = [t.as_function() for t in body.tools or []]
+    try:
+        text = tool_call_grammar(tools, choice.name, parallel=not choice.disable_parallel_tool_use)
+    except ValueError as e:
+        raise bad_request(str(e), param="tool_choice") from None
+    return Grammar(text, kind="tools", param="tool_choice")
+
+
+def to_ask(body: MessagesRequest) -> Ask:
+    sampling = Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k or 0,
+                        stop=tuple(body.stop_sequences or ()))
+    return Ask(model=body.model, stream=body.stream, user=body.metadata.user_id if body.metadata else None,
+               max_tokens=body.max_tokens, clamp_max_tokens=True, sampling=sampling, prompt_param="messages",
+               grammar=lambda: tools_grammar(body))
+
+
+def tool_use_id() -> str:
+    return "toolu_" + secrets.token_hex(12)
+
+
+def _usage(reply: Reply) -> dict[str, int]:
+    usage = reply.usage()
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+
+
+def stop_reason(body: MessagesRequest, finish: str | None, stop: str | int | None,
+                called: bool) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for an engine finish. A timeout cut the answer
+    short, as max_tokens does (a client asks to go on)."""
+    if finish == "stop" and isinstance(stop, str) and stop in (body.stop_sequences or ()):
+        return "stop_sequence", stop
+    if finish in ("length", "timeout"):
+        return "max_tokens", None
+    return ("tool_use" if called else "end_turn"), None
+
+
+class MessagesShape:
+    """One messages request's prompt and answer (pipeline/shape.py's Shape)."""
+
+    id_prefix = "msg"
+
+    def __init__(self, body: MessagesRequest) -> None:
+        self.body = body
+
+    def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
+        return [messages_prompt(tokenizer, self.body)]
+
+    def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
+        return tokenizer.decode(prompts[0])
+
+    def whole(self, reply: Reply, results: dict[int, ChoiceResult]) -> dict[str, Any]:
+        result = results[0]
+        content: list[TextOut | ToolUseOut] = []
+        if self.body.calls_tools:
+            parser = ToolCallParser(tool_use_id)
+            events = parser.feed(result.text) + parser.finish()
+            text = "".join(e.text for e in events if isinstance(e, Content))
+            if text.strip() or not parser.calls:
+                content.append(TextOut(text=text))
+            content += [ToolUseOut(id=c["id"], name=c["function"]["name"], input=_arguments(c))
+                        for c in parser.calls]
+            called = bool(parser.calls)
+        else:
+            content.append(TextOut(text=result.text))
+            called = False
+        reason, sequence = stop_reason(self.body, result.finish_reason, result.stop_reason, called)
+        return dump(MessageResponse(id=reply.id, model=reply.model, content=content, stop_reason=reason,  # type: ignore[arg-type]
+                                    stop_sequence=sequence, usage=Usage(**_usage(reply))))
+
+    def stream(self, reply: Reply) -> Events:
+        start = {"type": "message_start", "message": {
+            "id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": _usage(reply)}}
+        blocks = StreamBlocks(self.body, reply)
+        return Events([Named("message_start", start), Named("ping", {"type": "ping"})], blocks.render, blocks.tail,
+                      error_event)
+
+
+def _arguments(call: dict[str, Any]) -> dict[str, Any]:
+    """A parsed call's arguments as the object Anthropic's `input` is (a call whose arguments are not one gets {})."""
+    try:
+        value = json.loads(call["function"]["arguments"] or "{}")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+class StreamBlocks:
+    """The content blocks of one streamed answer, as Anthropic's events: a text block while the
+    model writes text, a tool_use block per call (its input as `input_json_delta` pieces), each
+    opened and stopped in turn; then `message_delta` (stop reason, usage) and `message_stop`."""
+
+    def __init__(self, body: MessagesRequest, reply: Reply) -> None:
+        self.body, self.reply = body, reply
+        self.parser = ToolCallParser(tool_use_id) if body.calls_tools else None
+        self.index = -1  # the open block's, -1 before the first
+        self.open: str | None = None  # its type
+        self.stop: tuple[str, str | None] = ("end_turn", None)
+
+    def render(self, prompt: int, out: EngineOutput) -> list[Payload]:
+        events: list[Payload] = []
+        if self.parser is None:
+            if out.text:
+                self._text(events, out.text)
+        else:
+            found = self.parser.feed(out.text) + (self.parser.finish() if out.finished else [])
+            for event in found:
+                if isinstance(event, Content):
+                    if event.text and not (self.parser.calls_started and not event.text.strip()):
+                        self._text(events, event.text)
+                elif isinstance(event, CallStart):
+                    self._open(events, "tool_use", {"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
+                elif isinstance(event, Arguments):
+                    events.append(self._delta({"type": "input_json_delta", "partial_json": event.fragment}))
+        if out.finished:
+            self._close(events)
+            called = self.parser is not None and self.parser.calls_started > 0
+            self.stop = stop_reason(self.body, out.finish_reason, out.stop_reason, called)
+        return events
+
+    def tail(self) -> list[Payload]:
+        reason, sequence = self.stop
+        return [Named("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason,
+                                                                            "stop_sequence": sequence},
+                                        "usage": _usage(self.reply)}),
+                Named("message_stop", {"type": "message_stop"})]
+
+    def _text(self, events: list[Payload], text: str) -> None:
+        if self.open != "text":
+            self._open(events, "text", {"type": "text", "text": ""})
+        events.append(self._delta({"type": "text_delta", "text": text}))
+
+    def _open(self, events: list[Payload], kind: str, block: dict[str, Any]) -> None:
+        self._close(events)
+        self.index += 1
+        self.open = kind
+        events.append(Named("content_block_start", {"type": "content_block_start", "index": self.index,
+                                                    "content_block": block}))
+
+    def _close(self, events: list[Payload]) -> None:
+        if self.open is not None:
+            events.append(Named("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+            self.open = None
+
+    def _delta(self, delta: dict[str, Any]) -> Named:
+        return Named("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
+
+
+async def create_message(request: web.Request) -> web.StreamResponse:
+    body = MessagesRequest.model_validate(await read_json(request))
+    return await generate(request, to_ask(body), MessagesShape(body))
+
+
+async def count_tokens(request: web.Request) -> web.Response:
+    """The prompt's size as /v1/messages would make it (its usage's input tokens, before the
+    cache's share); 404 for a model that is not served."""
+    body = CountTokensRequest.model_validate(await read_json(request))
+    engine = request.app[REGISTRY].slot(body.model).current.engine
+    [tokens] = await make_prompts(request, engine.tokenizer, engine.limits.max_model_len,
+                                  lambda tokenizer: [messages_prompt(tokenizer, body)])
+    return web.json_response(dump(CountTokensResponse(input_tokens=len(tokens))))

@@ -1,0 +1,10 @@
+"""The conversation as every chat protocol renders it, whatever its wire format.
+
+    render.py   messages (the dicts chat templates read) and tools -> the model's prompt tokens
+    tools.py    the Hermes tool-call text format for templates without tools: the system prompt
+                that teaches it, earlier calls as text, the grammar that forces calls, the parser
+
+A protocol front-end (openai/, anthropic/) turns its own messages into template dicts (role,
+content, tool_calls, tool_call_id) and its tools into OpenAI-style function dicts, and calls these.
+It may import: pipeline and below (shared), the engine's structured grammars; no protocol package.
+"""
