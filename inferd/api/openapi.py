@@ -1,5 +1,5 @@
 """GET /openapi.json: OpenAPI 3.1, from the same pydantic models that validate requests and
-build replies (the OpenAI protocol's, the status page's, the error body)."""
+build replies (the OpenAI protocol's, Anthropic's Messages, the status page's, the error bodies)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 
 from inferd import __version__
+from inferd.api.anthropic import wire as aw
 from inferd.api.openai import chat_wire as cp
 from inferd.api.openai import wire as p
 from inferd.api.openai.tokenize import (
@@ -30,12 +31,13 @@ async def openapi(request: web.Request) -> web.Response:
 
 
 _REQUESTS: tuple[type[BaseModel], ...] = (p.CompletionRequest, cp.ChatCompletionRequest, TokenizeCompletionRequest,
-                                          TokenizeChatRequest, DetokenizeRequest)
+                                          TokenizeChatRequest, DetokenizeRequest, aw.MessagesRequest,
+                                          aw.CountTokensRequest)
 _SCHEMAS: list[type[BaseModel]] = [
     *_REQUESTS,
     p.CompletionResponse, p.CompletionStreamResponse, cp.ChatCompletionResponse, cp.ChatCompletionChunk,
     p.ModelList, p.ModelCard, ErrorResponse, s.HealthResponse, s.ReadyResponse, s.StatusResponse, TokenizeResponse,
-    DetokenizeResponse, TokenizerInfo,
+    DetokenizeResponse, TokenizerInfo, aw.MessageResponse, aw.CountTokensResponse, aw.AnthropicErrorResponse,
 ]
 
 
@@ -68,6 +70,29 @@ _ERRORS = {
     "503": _error("the engine is not running, the server is draining, or the request timed out before its first "
                   "token; Retry-After says when to come back"),
 }
+
+
+def _anthropic(summary: str, request: type[BaseModel], response: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic Messages path: its errors in Anthropic's shape and codes (anthropic/errors.py),
+    its key in x-api-key or Authorization: Bearer."""
+    errors = {code: _json(aw.AnthropicErrorResponse, text) for code, text in (
+        ("400", "invalid request"), ("401", "missing or wrong API key (when keys are configured)"),
+        ("403", "the key's tenant may not use this model or class"), ("404", "unknown model"),
+        ("413", "the request body is larger than 32 MiB"), ("429", "rate limited, or the queue is full; retry-after"),
+        ("504", "the request timed out before its first token"),
+        ("529", "overloaded: the engine is not running, or the server is draining; retry-after"))}
+    operation = _post(summary, _ref(request), {"200": response, **errors})
+    operation["post"]["security"] = [{"bearer": []}, {"x-api-key": []}]
+    return operation
+
+
+def _named_events() -> dict[str, Any]:
+    """Anthropic's stream: named events (`event: message_start`, ...), each `data:` one JSON object."""
+    names = ["message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
+             "message_delta", "message_stop", "error"]
+    return {"type": "object", "required": ["event", "data"], "properties": {
+        "id": {"type": "string"}, "event": {"enum": names},
+        "data": {"type": "string", "contentMediaType": "application/json"}}}
 
 
 def _event(*chunks: type[BaseModel]) -> dict[str, Any]:
@@ -140,6 +165,12 @@ def _paths() -> dict[str, Any]:
                            {"200": _json(TokenizeResponse, "the token ids"), **_INVALID}),
         "/detokenize": _post("Token ids back to text", _ref(DetokenizeRequest),
                              {"200": _json(DetokenizeResponse, "the text"), **_INVALID}),
+        "/v1/messages": _anthropic("Create a message (Anthropic's Messages API)", aw.MessagesRequest, {
+            "description": "a MessageResponse; with stream=true, Anthropic's named server-sent events",
+            "content": {"application/json": {"schema": _ref(aw.MessageResponse)},
+                        "text/event-stream": {"schema": _named_events()}}}),
+        "/v1/messages/count_tokens": _anthropic("Count a message's prompt tokens (Anthropic's)", aw.CountTokensRequest,
+                                                _json(aw.CountTokensResponse, "the prompt's size")),
         "/v1/streams/{response_id}": _streams(),
         "/v1/models": _get("List the served models, aliases and routes", {"200": _json(p.ModelList, "the models")}),
         "/v1/models/{model}": {"get": {
@@ -206,11 +237,12 @@ def openapi_document() -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "inferd", "version": __version__,
-                 "description": "An OpenAI-compatible LLM inference server."},
+                 "description": "An OpenAI-compatible LLM inference server (and Anthropic's Messages API)."},
         "paths": _paths(),
         "components": {
             "schemas": schema.get("$defs", {}),
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"},
+                                "x-api-key": {"type": "apiKey", "in": "header", "name": "x-api-key"}},
         },
         "security": [{"bearer": []}],
     }

@@ -11,9 +11,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from inferd.api.errors import APIError
-from inferd.api.streaming.sse import Named
+from inferd.api.streaming.sse import Dialect, Named
 from inferd.api.wire import dump
-from inferd.api.anthropic.wire import ErrorDetail, ErrorResponse
+from inferd.api.anthropic.wire import AnthropicError, AnthropicErrorResponse
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -32,7 +32,7 @@ def body_of(error: APIError) -> dict:
     message = error.message
     if error.param and error.param not in message:
         message = f"{error.param}: {message}"
-    return dump(ErrorResponse(error=ErrorDetail(type=kind, message=message)))
+    return dump(AnthropicErrorResponse(error=AnthropicError(type=kind, message=message)))
 
 
 def error_response(error: APIError) -> web.Response:
@@ -45,3 +45,6 @@ def error_response(error: APIError) -> web.Response:
 def error_event(error: APIError) -> Named:
     """An error once the stream has begun (the status line is out): Anthropic's `error` event."""
     return Named("error", body_of(error))
+
+
+DIALECT = Dialect(error_event, end="")  # no `data: [DONE]`: message_stop ends the stream

@@ -24,9 +24,9 @@ from inferd.api.anthropic.wire import (
     Prompted,
     TextOut,
     ToolUseOut,
-    Usage,
+    MessageUsage,
 )
-from inferd.api.anthropic.errors import error_event
+from inferd.api.anthropic.errors import DIALECT
 from inferd.api.body import read_json
 from inferd.api.conversation.render import render_prompt
 from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser, tool_call_grammar
@@ -161,7 +161,7 @@ class MessagesShape:
             called = False
         reason, sequence = stop_reason(self.body, result.finish_reason, result.stop_reason, called)
         return dump(MessageResponse(id=reply.id, model=reply.model, content=content, stop_reason=reason,  # type: ignore[arg-type]
-                                    stop_sequence=sequence, usage=Usage(**_usage(reply))))
+                                    stop_sequence=sequence, usage=MessageUsage(**_usage(reply))))
 
     def stream(self, reply: Reply) -> Events:
         start = {"type": "message_start", "message": {
@@ -169,7 +169,7 @@ class MessagesShape:
             "stop_reason": None, "stop_sequence": None, "usage": _usage(reply)}}
         blocks = StreamBlocks(self.body, reply)
         return Events([Named("message_start", start), Named("ping", {"type": "ping"})], blocks.render, blocks.tail,
-                      error_event)
+                      DIALECT)
 
 
 def _arguments(call: dict[str, Any]) -> dict[str, Any]:

@@ -168,7 +168,7 @@ class CountTokensRequest(Prompted):
 # ------------------------------------------------------------------------------ replies
 
 
-class Usage(ResponseModel):
+class MessageUsage(ResponseModel):
     input_tokens: int
     output_tokens: int
     cache_read_input_tokens: int = 0  # prompt tokens the prefix cache served
@@ -198,18 +198,18 @@ class MessageResponse(ResponseModel):
     content: list[TextOut | ToolUseOut]
     stop_reason: StopReason | None
     stop_sequence: str | None = None
-    usage: Usage
+    usage: MessageUsage
 
 
 class CountTokensResponse(ResponseModel):
     input_tokens: int
 
 
-class ErrorDetail(ResponseModel):
+class AnthropicError(ResponseModel):
     type: str
     message: str
 
 
-class ErrorResponse(ResponseModel):
+class AnthropicErrorResponse(ResponseModel):
     type: Literal["error"] = "error"
-    error: ErrorDetail
+    error: AnthropicError

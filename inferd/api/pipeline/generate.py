@@ -89,7 +89,7 @@ async def answer(request: web.Request, ask: Ask, shape: Shape, choice: Choice, c
                 request[CASCADE_TOKENS] = gen.prompt_tokens + gen.completion_tokens
             return web.json_response(shape.whole(reply, results))
         events = shape.stream(reply)
-        return await gen.stream(request, events.head, events.render, events.tail, ask.resumable, events.error_event)
+        return await gen.stream(request, events.head, events.render, events.tail, ask.resumable, events.dialect)
 
 
 def request_record(request: web.Request, user: str | None, prompt_text: Callable[[], str]) -> RequestRecord | None:

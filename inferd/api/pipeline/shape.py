@@ -7,9 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from inferd.api.errors import APIError
 from inferd.api.streaming.generation import ChoiceResult, Render
-from inferd.api.streaming.sse import ErrorEvent, Payload
+from inferd.api.streaming.sse import Dialect, Payload
 from inferd.model.tokenizer import Tokenizer
 
 
@@ -33,7 +32,7 @@ class Events:
     head: list[Payload]
     render: Render
     tail: Callable[[], list[Payload]]
-    error_event: ErrorEvent = APIError.body  # an error mid-stream, in the protocol's shape
+    dialect: Dialect = Dialect()  # an error mid-stream in the protocol's shape, and the stream's end
 
 
 class Shape(Protocol):

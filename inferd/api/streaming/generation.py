@@ -25,7 +25,7 @@ from inferd.api.record import RequestRecord
 from inferd.api.state import SETTINGS
 from inferd.api.streaming.backpressure import SLOW_CLIENTS, bound_send_buffer, wait_for_reader
 from inferd.api.streaming.resume import RESUMABLE, caller_of, event_bound
-from inferd.api.streaming.sse import SSE_RESPONSES, ErrorEvent, EventSink, OutputQueue, Payload, write_events
+from inferd.api.streaming.sse import SSE_RESPONSES, Dialect, ErrorEvent, EventSink, OutputQueue, Payload, write_events
 from inferd.engine.async_engine import RequestStream
 from inferd.engine.protocol import EngineOutput, TokenLogprob
 
@@ -167,11 +167,11 @@ class Generation:
 
     async def stream(self, request: web.Request, head: list[Payload], render: Render,
                      tail: Callable[[], list[Payload]], resumable: bool = False,
-                     error_event: ErrorEvent = APIError.body) -> web.StreamResponse:
+                     dialect: Dialect = Dialect()) -> web.StreamResponse:
         """Answer with SSE: the `head` events, one `render(prompt, output)` event per output
         (one per token, even when the detokenizer holds its text back), the `tail()` events,
-        then `data: [DONE]`. An engine abort (shutdown) ends the stream with an error event
-        (`error_event`: in the protocol's shape).
+        then `data: [DONE]` (the `dialect`'s end). An engine abort (shutdown) ends the stream
+        with an error event (in the dialect's shape).
         Written straight to the socket (sse.py); a `resumable` stream's events are produced by a
         task of their own that outlives a disconnect, into a buffer its writers copy (resume.py)."""
         keepalive = request.app[SETTINGS].server.keepalive_seconds
@@ -182,7 +182,7 @@ class Generation:
                 for payload in head:
                     events.add(payload)
                 await events.flush()
-                if await self._stream_outputs(outputs, events, render, keepalive, error_event):
+                if await self._stream_outputs(outputs, events, render, keepalive, dialect.error_event):
                     for payload in tail():
                         events.add(payload)
             finally:
@@ -193,7 +193,7 @@ class Generation:
             bound_send_buffer(request, server.stream_send_buffer_bytes)
             guard = functools.partial(wait_for_reader, request, self.streams, server.slow_client_seconds,
                                       request.app[SLOW_CLIENTS])
-            return await write_events(request, self.id, produce, request.app[SSE_RESPONSES], guard, error_event)
+            return await write_events(request, self.id, produce, request.app[SSE_RESPONSES], guard, dialect)
         bound = event_bound(len(head), len(self.prompts) * self.n, self.prepared.params.max_tokens)
         stream = request.app[RESUMABLE].open(self.id, caller_of(request), bound, produce, self.end)
         self.outlives_handler = True

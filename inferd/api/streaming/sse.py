@@ -83,10 +83,23 @@ class EventSink(Protocol):
     async def keepalive(self) -> None: ...
 
 
+ErrorEvent = Callable[[APIError], Payload]  # an error as its protocol's stream event
+
+
+@dataclass(frozen=True, slots=True)
+class Dialect:
+    """What differs between protocols' streams: the error event, and the last line (OpenAI's
+    `data: [DONE]`; Anthropic's streams end after their own message_stop event)."""
+
+    error_event: ErrorEvent = APIError.body
+    end: str = DONE
+
+
 class EventStream:
     """An SSE response: numbered `data:` events, buffered until `flush()` writes them at once."""
 
-    def __init__(self, response_id: str, guard: Guard | None = None) -> None:
+    def __init__(self, response_id: str, guard: Guard | None = None, end: str = DONE) -> None:
+        self._end = end
         self.response = web.StreamResponse(headers=SSE_HEADERS)
         self._id_prefix = event_id_prefix(response_id)
         self._next_id = 0
@@ -121,8 +134,9 @@ class EventStream:
             await self._guard()
 
     async def close(self) -> None:
-        """Flush, then `data: [DONE]` and the end of the body."""
-        self._pending.append(DONE)
+        """Flush, then the dialect's last line (`data: [DONE]`) and the end of the body."""
+        if self._end:
+            self._pending.append(self._end)
         await self.flush()
         await self.response.write_eof()
 
@@ -140,17 +154,14 @@ Produce = Callable[[EventSink], Awaitable[None]]  # adds a whole response's even
 Guard = Callable[[], Awaitable[None]]  # waits for a slow client (or cuts it: backpressure.py)
 
 
-ErrorEvent = Callable[[APIError], Payload]  # an error as its protocol's stream event
-
-
 async def write_events(request: web.Request, response_id: str, produce: Produce,
                        open_streams: set[web.StreamResponse], guard: Guard | None = None,
-                       error_event: ErrorEvent = APIError.body) -> web.StreamResponse:
+                       dialect: Dialect = Dialect()) -> web.StreamResponse:
     """A stream straight to the socket: what `produce` adds, written as it flushes, then [DONE].
     A disconnect just ends it (the caller aborts the request); a failure once the status line
     is out ends it with an error event instead of a 500. `open_streams` holds it while open;
     `guard` runs before a write that would wait for a client that does not read."""
-    events = EventStream(response_id, guard)
+    events = EventStream(response_id, guard, dialect.end)
     open_streams.add(events.response)
     try:
         await events.open(request)
@@ -163,7 +174,7 @@ async def write_events(request: web.Request, response_id: str, produce: Produce,
             raise
         log.exception("streaming %s failed", request.path)
         try:
-            events.add(error_event(APIError(500, "internal server error", type="server_error")))
+            events.add(dialect.error_event(APIError(500, "internal server error", type="server_error")))
             await events.close()
         except (ConnectionResetError, ClientConnectionResetError):
             pass
