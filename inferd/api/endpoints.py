@@ -3,6 +3,7 @@
     POST /v1/completions, /v1/chat/completions,    openai/ (the OpenAI protocol, over the shared
          /tokenize, /detokenize; GET /v1/models     generation path of pipeline/)
     POST /v1/messages, /v1/messages/count_tokens   anthropic/ (Anthropic's Messages, the same path)
+    POST /v1/responses                             responses/ (OpenAI's Responses, stateless for now)
     GET  /v1/status                                telemetry/status.py: engine stats snapshot
     GET  /metrics                                  telemetry/metrics.py: Prometheus text format
     GET  /health                                   here: liveness, the engine loops beat
@@ -24,6 +25,7 @@ from inferd.api.admin import add_admin_routes
 from inferd.api.anthropic.endpoints import add_anthropic_routes
 from inferd.api.openai.endpoints import add_openai_routes
 from inferd.api.openapi import openapi
+from inferd.api.responses.create import add_responses_routes
 from inferd.api.routing.registry import REGISTRY
 from inferd.api.state import SETTINGS
 from inferd.api.streaming.resume import RESUMABLE
@@ -63,6 +65,7 @@ async def delete_stream(request: web.Request) -> web.StreamResponse:
 def add_routes(app: web.Application) -> None:
     add_openai_routes(app)
     add_anthropic_routes(app)
+    add_responses_routes(app)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

@@ -12,6 +12,7 @@ from pydantic.json_schema import models_json_schema
 
 from inferd import __version__
 from inferd.api.anthropic import wire as aw
+from inferd.api.responses import wire as rw
 from inferd.api.openai import chat_wire as cp
 from inferd.api.openai import wire as p
 from inferd.api.openai.tokenize import (
@@ -32,12 +33,13 @@ async def openapi(request: web.Request) -> web.Response:
 
 _REQUESTS: tuple[type[BaseModel], ...] = (p.CompletionRequest, cp.ChatCompletionRequest, TokenizeCompletionRequest,
                                           TokenizeChatRequest, DetokenizeRequest, aw.MessagesRequest,
-                                          aw.CountTokensRequest)
+                                          aw.CountTokensRequest, rw.ResponsesRequest)
 _SCHEMAS: list[type[BaseModel]] = [
     *_REQUESTS,
     p.CompletionResponse, p.CompletionStreamResponse, cp.ChatCompletionResponse, cp.ChatCompletionChunk,
     p.ModelList, p.ModelCard, ErrorResponse, s.HealthResponse, s.ReadyResponse, s.StatusResponse, TokenizeResponse,
     DetokenizeResponse, TokenizerInfo, aw.MessageResponse, aw.CountTokensResponse, aw.AnthropicErrorResponse,
+    rw.Response,
 ]
 
 
@@ -86,10 +88,17 @@ def _anthropic(summary: str, request: type[BaseModel], response: dict[str, Any])
     return operation
 
 
-def _named_events() -> dict[str, Any]:
-    """Anthropic's stream: named events (`event: message_start`, ...), each `data:` one JSON object."""
-    names = ["message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
-             "message_delta", "message_stop", "error"]
+ANTHROPIC_EVENTS = ["message_start", "ping", "content_block_start", "content_block_delta", "content_block_stop",
+                    "message_delta", "message_stop", "error"]
+RESPONSES_EVENTS = ["response.created", "response.in_progress", "response.output_item.added",
+                    "response.content_part.added", "response.output_text.delta", "response.output_text.done",
+                    "response.content_part.done", "response.function_call_arguments.delta",
+                    "response.function_call_arguments.done", "response.output_item.done", "response.completed",
+                    "response.incomplete", "error"]
+
+
+def _named_events(names: list[str]) -> dict[str, Any]:
+    """A stream of named events (`event: message_start`, ...), each `data:` one JSON object."""
     return {"type": "object", "required": ["event", "data"], "properties": {
         "id": {"type": "string"}, "event": {"enum": names},
         "data": {"type": "string", "contentMediaType": "application/json"}}}
@@ -154,6 +163,24 @@ def _get(summary: str, responses: dict[str, Any], *, open_path: bool = False) ->
     return {"get": {"summary": summary, "responses": {**responses, **_UNAUTHORIZED}}}
 
 
+def _agent_protocols() -> dict[str, Any]:
+    """Anthropic's Messages and OpenAI's Responses paths."""
+    return {
+        "/v1/messages": _anthropic("Create a message (Anthropic's Messages API)", aw.MessagesRequest, {
+            "description": "a MessageResponse; with stream=true, Anthropic's named server-sent events",
+            "content": {"application/json": {"schema": _ref(aw.MessageResponse)},
+                        "text/event-stream": {"schema": _named_events(ANTHROPIC_EVENTS)}}}),
+        "/v1/messages/count_tokens": _anthropic("Count a message's prompt tokens (Anthropic's)", aw.CountTokensRequest,
+                                                _json(aw.CountTokensResponse, "the prompt's size")),
+        "/v1/responses": _post("Create a response (OpenAI's Responses API; nothing is stored yet)",
+                               _ref(rw.ResponsesRequest), {
+            "200": {"description": "a Response; with stream=true, its events, each with a sequence_number",
+                    "content": {"application/json": {"schema": _ref(rw.Response)},
+                                "text/event-stream": {"schema": _named_events(RESPONSES_EVENTS)}}},
+            **_ERRORS, "404": _error("unknown model, or a previous_response_id (no response is stored)")}),
+    }
+
+
 def _paths() -> dict[str, Any]:
     return {
         "/v1/completions": _generate("Create a completion", p.CompletionRequest, p.CompletionResponse,
@@ -165,12 +192,7 @@ def _paths() -> dict[str, Any]:
                            {"200": _json(TokenizeResponse, "the token ids"), **_INVALID}),
         "/detokenize": _post("Token ids back to text", _ref(DetokenizeRequest),
                              {"200": _json(DetokenizeResponse, "the text"), **_INVALID}),
-        "/v1/messages": _anthropic("Create a message (Anthropic's Messages API)", aw.MessagesRequest, {
-            "description": "a MessageResponse; with stream=true, Anthropic's named server-sent events",
-            "content": {"application/json": {"schema": _ref(aw.MessageResponse)},
-                        "text/event-stream": {"schema": _named_events()}}}),
-        "/v1/messages/count_tokens": _anthropic("Count a message's prompt tokens (Anthropic's)", aw.CountTokensRequest,
-                                                _json(aw.CountTokensResponse, "the prompt's size")),
+        **_agent_protocols(),
         "/v1/streams/{response_id}": _streams(),
         "/v1/models": _get("List the served models, aliases and routes", {"200": _json(p.ModelList, "the models")}),
         "/v1/models/{model}": {"get": {

@@ -1,0 +1,98 @@
+"""OpenAI's Responses API with the official `openai` client over a real socket: whole and streamed
+answers that agree, the event sequence numbered and in order, a function-tool round trip (the
+second turn served partly from the prefix cache), text.format as a schema, and the refusals of
+what is not served (stored responses, background, non-function tools)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from apiserver import MODEL, Server, assert_pool_whole
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
+                          "required": ["city"], "additionalProperties": False}}
+CITY = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+        "additionalProperties": False}
+
+
+def client(server: Server) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(server.test_server.make_url("/v1")), api_key="unused", max_retries=0)
+
+
+@pytest.mark.asyncio
+async def test_whole_and_streamed_responses_agree_and_their_events_are_numbered(server: Server) -> None:
+    c = client(server)
+    ask = {"model": MODEL, "input": "Say hello.", "instructions": "Be brief.", "max_output_tokens": 10,
+           "temperature": 0}
+    whole = await c.responses.create(**ask)
+    assert whole.id.startswith("resp") and whole.status in ("completed", "incomplete") and whole.output_text
+    assert whole.usage.input_tokens > 0 and 0 < whole.usage.output_tokens <= 10
+    assert (whole.incomplete_details is not None) == (whole.status == "incomplete")
+    events = [event async for event in await c.responses.create(**ask, stream=True)]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          f"response.{whole.status}"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+    assert events[-1].response.output_text == whole.output_text
+    assert events[-1].response.usage.output_tokens == whole.usage.output_tokens
+    await assert_pool_whole(server.engine, server.door)
+
+
+@pytest.mark.asyncio
+async def test_a_required_function_call_round_trip(server: Server) -> None:
+    c = client(server)
+    ask = {"model": MODEL, "input": "What is the weather in Paris?", "tools": [WEATHER], "tool_choice": "required",
+           "parallel_tool_calls": False, "max_output_tokens": 40, "temperature": 0}
+    whole = await c.responses.create(**ask)
+    [call] = whole.output
+    assert call.type == "function_call" and call.name == "get_weather" and whole.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), WEATHER["parameters"])
+    async with c.responses.stream(**ask) as stream:
+        pieces = [e.delta async for e in stream if e.type == "response.function_call_arguments.delta"]
+        final = await stream.get_final_response()
+    assert "".join(pieces) == final.output[0].arguments == call.arguments
+    turn = [{"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "18 degrees and sunny"}]
+    second = await c.responses.create(model=MODEL, input=turn, tools=[WEATHER], max_output_tokens=8, temperature=0)
+    assert second.output and second.usage.input_tokens > whole.usage.input_tokens
+    assert second.usage.input_tokens_details.cached_tokens > 0  # the first turn's prompt, from the prefix cache
+    await assert_pool_whole(server.engine, server.door)
+
+
+@pytest.mark.asyncio
+async def test_text_format_json_schema_binds_the_answer(server: Server) -> None:
+    c = client(server)
+    text = {"format": {"type": "json_schema", "name": "city", "schema": CITY, "strict": True}}
+    async with c.responses.stream(model=MODEL, input="Name a city in France as JSON.", text=text,
+                                  max_output_tokens=30, temperature=1.0) as stream:
+        final = await stream.get_final_response()
+    assert final.status == "completed"
+    jsonschema.validate(json.loads(final.output_text), CITY)
+
+
+REFUSED = [
+    ({"previous_response_id": "resp_0"}, 404, "previous_response_id"),
+    ({"background": True}, 400, "background"),
+    ({"tools": [{"type": "web_search"}]}, 400, "web_search"),
+    ({"input": [{"type": "local_shell_call", "call_id": "c"}]}, 400, "local_shell_call"),
+    ({"temperature": 3}, 400, "temperature"),
+    ({"surprise": 1}, 400, "surprise"),
+]
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("extra, status, named", REFUSED,
+                         ids=["stored", "background", "web-search", "shell-item", "temperature", "unknown-field"])
+async def test_what_is_not_served_is_refused_in_openais_shape(server: Server, extra: dict, status: int,
+                                                              named: str) -> None:
+    got, reply = await server.post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2, **extra})
+    assert got == status, reply
+    assert set(reply) == {"error"} and named in reply["error"]["message"] + str(reply["error"]["param"]), reply
