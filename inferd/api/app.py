@@ -30,6 +30,7 @@ from inferd.api.gateway.gate import GATEWAY, Gateway
 from inferd.api.gateway.keys import auth_middleware, principal_of
 from inferd.api.gateway.tenants import Keyring
 from inferd.api.offload import OFFLOAD, Offload
+from inferd.api.conversation.tool_policy import DROPPED_TOOLS
 from inferd.api.pipeline.generate import ANSWERED_BY, FALLBACK_FROM, MAX_TOKENS_CLAMPED
 from inferd.api.routing.registry import REGISTRY, ModelRegistry, single_model
 from inferd.api.state import SETTINGS, STATE
@@ -91,14 +92,18 @@ async def _rate_limit_headers(request: web.Request, response: web.StreamResponse
 
 async def _model_headers(request: web.Request, response: web.StreamResponse) -> None:
     """Which model and revision answered (x-inferd-model: "name@revision"), when a degraded
-    model's fallback did, the model asked for (x-inferd-fallback-from), and the max_tokens a
-    clamped request ran with (x-inferd-max-tokens-clamped)."""
+    model's fallback did, the model asked for (x-inferd-fallback-from), the max_tokens a
+    clamped request ran with (x-inferd-max-tokens-clamped), and the tool types left out
+    (x-inferd-dropped-tools)."""
     answered_by = request.get(ANSWERED_BY)
     if answered_by is not None:
         response.headers["x-inferd-model"] = answered_by
     fallback_from = request.get(FALLBACK_FROM)
     if fallback_from is not None:
         response.headers["x-inferd-fallback-from"] = fallback_from
+    dropped = request.get(DROPPED_TOOLS)
+    if dropped is not None:
+        response.headers["x-inferd-dropped-tools"] = dropped
     clamped = request.get(MAX_TOKENS_CLAMPED)
     if clamped is not None:
         response.headers["x-inferd-max-tokens-clamped"] = str(clamped)

@@ -149,6 +149,10 @@ class ServerSettings(_Section):
     # with status_admin_only); tenant keys never open them
     admin_key_sha256: tuple[str, ...] = ()
     status_admin_only: bool = False
+    # tools of a type a protocol does not run (Codex's web_search, Anthropic's server tools): a 400
+    # naming them ("reject"), or left out and named in the x-inferd-dropped-tools header ("drop"),
+    # for clients that always send them
+    unsupported_tools: Literal["reject", "drop"] = "reject"
 
     @field_validator("admin_key_sha256")
     @classmethod

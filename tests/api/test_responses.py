@@ -1,7 +1,8 @@
 """OpenAI's Responses API with the official `openai` client over a real socket: whole and streamed
 answers that agree, the event sequence numbered and in order, a function-tool round trip (the
-second turn served partly from the prefix cache), text.format as a schema, and the refusals of
-what is not served (stored responses, background, non-function tools)."""
+second turn served partly from the prefix cache), text.format as a schema, the refusals of what
+is not served (stored responses, background, non-function tools), and the policy that drops
+unsupported tools instead."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import json
 import jsonschema
 import openai
 import pytest
-from apiserver import MODEL, Server, assert_pool_whole
+from apiserver import MODEL, Server, assert_pool_whole, serve
+
+from inferd.engine.llm_engine import LLMEngine
+from inferd.settings.config import Settings
 
 WEATHER = {"type": "function", "name": "get_weather", "description": "The current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}},
@@ -96,3 +100,20 @@ async def test_what_is_not_served_is_refused_in_openais_shape(server: Server, ex
     got, reply = await server.post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2, **extra})
     assert got == status, reply
     assert set(reply) == {"error"} and named in reply["error"]["message"] + str(reply["error"]["param"]), reply
+
+
+@pytest.mark.asyncio
+async def test_unsupported_tools_are_dropped_and_named_where_the_setting_says(llm: LLMEngine) -> None:
+    """Codex sends web_search, Claude Code Anthropic's server tools: with [server] unsupported_tools =
+    "drop" both protocols answer without them and name them in x-inferd-dropped-tools."""
+    settings = Settings.model_validate({"server": {"unsupported_tools": "drop"}})
+    cases = [("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2,
+                                "tools": [{"type": "web_search"}, WEATHER]}, "web_search"),
+             ("/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}],
+                               "tools": [{"type": "web_search_20250305", "name": "web_search", "max_uses": 2}]},
+              "web_search_20250305")]
+    async with serve(llm, settings) as server:
+        for path, body, dropped in cases:
+            async with server.session.post(path, json=body) as r:
+                assert r.status == 200, await r.text()
+                assert r.headers["x-inferd-dropped-tools"] == dropped

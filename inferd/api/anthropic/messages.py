@@ -29,6 +29,7 @@ from inferd.api.anthropic.wire import (
 from inferd.api.anthropic.errors import DIALECT
 from inferd.api.body import read_json
 from inferd.api.conversation.render import render_prompt
+from inferd.api.conversation.tool_policy import supported_tools
 from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser, tool_call_grammar
 from inferd.api.errors import bad_request
 from inferd.api.pipeline.generate import generate
@@ -242,8 +243,14 @@ class StreamBlocks:
         return Named("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": delta})
 
 
+def _custom_tools_only(request: web.Request, body: Prompted) -> None:
+    if body.tools:
+        body.tools = supported_tools(request, body.tools, lambda tool: tool.type, lambda kind: kind in (None, "custom"))
+
+
 async def create_message(request: web.Request) -> web.StreamResponse:
     body = MessagesRequest.model_validate(await read_json(request))
+    _custom_tools_only(request, body)
     return await generate(request, to_ask(body), MessagesShape(body))
 
 
@@ -251,6 +258,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     """The prompt's size as /v1/messages would make it (its usage's input tokens, before the
     cache's share); 404 for a model that is not served."""
     body = CountTokensRequest.model_validate(await read_json(request))
+    _custom_tools_only(request, body)
     engine = request.app[REGISTRY].slot(body.model).current.engine
     [tokens] = await make_prompts(request, engine.tokenizer, engine.limits.max_model_len,
                                   lambda tokenizer: [messages_prompt(tokenizer, body)])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from inferd.api.wire import RequestModel, ResponseModel
 
@@ -76,17 +76,24 @@ class Tool(CacheHinted):
     name: str = Field(min_length=1, max_length=128)
     description: str | None = None
     input_schema: dict[str, Any] | None = None
-    type: str | None = None  # None or "custom"; a server tool ("web_search_20250305", "bash_...") is refused
+    # None or "custom"; a server tool ("web_search_20250305", "bash_...", which run on Anthropic's
+    # platform) is refused or dropped by conversation/tool_policy.py
+    type: str | None = None
     defer_loading: bool | None = None  # tool search's hint: every tool is in the prompt here
+
+    model_config = ConfigDict(strict=True, extra="allow")  # a server tool's own fields (max_uses, ...)
 
     @model_validator(mode="after")
     def _a_custom_tool(self) -> Tool:
-        if self.type not in (None, "custom"):
-            raise ValueError(f"tool {self.name!r} has type {self.type!r}: inferd runs custom tools only "
-                             "(server tools run on Anthropic's platform)")
-        if self.input_schema is None:
+        if self.custom and self.input_schema is None:
             raise ValueError(f"tool {self.name!r} needs an input_schema")
+        if self.custom and self.model_extra:
+            raise ValueError(f"unknown field {sorted(self.model_extra)[0]!r} in tool {self.name!r}")
         return self
+
+    @property
+    def custom(self) -> bool:
+        return self.type in (None, "custom")
 
     def as_function(self) -> dict[str, Any]:
         """As an OpenAI function tool: what the prompt's tool format and the grammars read."""

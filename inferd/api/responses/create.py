@@ -18,6 +18,7 @@ from aiohttp import web
 from inferd.api.admission.ask import Ask, Grammar, Sampling
 from inferd.api.body import read_json
 from inferd.api.conversation.render import render_prompt
+from inferd.api.conversation.tool_policy import supported_tools
 from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser, tool_call_grammar
 from inferd.api.errors import APIError, bad_request
 from inferd.api.pipeline.generate import generate
@@ -265,6 +266,8 @@ class ResponseEvents:
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     body = ResponsesRequest.model_validate(await read_json(request))
+    if body.tools:
+        body.tools = supported_tools(request, body.tools, lambda tool: tool.get("type"), lambda kind: kind == "function")
     if body.previous_response_id is not None:
         raise APIError(404, f"no stored response {body.previous_response_id!r}: this server keeps no responses "
                        "yet (send the whole conversation as input)", param="previous_response_id",

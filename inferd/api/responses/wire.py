@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, model_validator
 
 from inferd.api.wire import RequestModel, ResponseModel
 
@@ -126,7 +126,7 @@ class ResponsesRequest(RequestModel):
     model: str
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None  # function tools; other types are refused by name (check_tools)
+    tools: list[dict[str, Any]] | None = None  # function tools; other types: conversation/tool_policy.py
     tool_choice: Literal["auto", "none", "required"] | NamedFunction = "auto"
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -148,16 +148,6 @@ class ResponsesRequest(RequestModel):
     service_tier: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=0)  # token logprobs: not yet
-
-    @field_validator("tools")
-    @classmethod
-    def _function_tools_only(cls, tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
-        for tool in tools or []:
-            kind = tool.get("type")
-            if kind != "function":
-                raise ValueError(f"tool type {kind!r} is not supported: inferd runs function tools only")
-            FunctionTool.model_validate(tool)
-        return tools
 
     @model_validator(mode="after")
     def _not_yet(self) -> ResponsesRequest:
