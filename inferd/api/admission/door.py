@@ -112,7 +112,8 @@ class FrontDoor:
 
         A default (no max_tokens asked) is limits.max_tokens_default, at most the class's ceiling,
         clipped to what is left of the context when `ask.fit_default` (chat); an explicit one must
-        fit as asked, unless `ask.clamp_max_tokens` lowers it to every limit first. The ladder's `ceiling` then caps it, and the class must hold the rest.
+        fit as asked, unless `ask.clamp_max_tokens` lowers it to every limit first. The ladder's
+        `ceiling` then caps it, and the class must hold the rest.
         """
         requested, context, limit = ask.max_tokens, self.limits.max_model_len, self.settings.max_tokens_limit
         if requested is not None and ask.clamp_max_tokens:

@@ -47,10 +47,10 @@ def load_api_keys(cli_keys: list[str], env_value: str | None, keys_file: str | N
 
 def auth_middleware(keyring: Callable[[], Keyring], open_paths: tuple[str, ...],
                     status_admin_only: bool = False) -> Middleware:
-    """Resolve `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) to its principal (request[PRINCIPAL]) on every path
-    but `open_paths`: a 401 for a missing or unknown key, a 403 for a path the key may not use
-    (/admin/* and, with `status_admin_only`, /v1/status need an admin key). The keyring is read
-    per request, so a reload takes effect at once."""
+    """Resolve `Authorization: Bearer KEY` (or Anthropic's `x-api-key: KEY`) to its principal
+    (request[PRINCIPAL]) on every path but `open_paths`: a 401 for a missing or unknown key, a
+    403 for a path the key may not use (/admin/* and, with `status_admin_only`, /v1/status need an
+    admin key). The keyring is read per request, so a reload takes effect at once."""
     free = frozenset(open_paths)
 
     @web.middleware
