@@ -46,6 +46,7 @@ REQUEST_TIMEOUT = 30.0  # seconds; longer is a hang
 # call next to nothing (but without the key the body is never read: a few say all there is).
 # The soak tier sends them all, the default tier a fifth as many (each derandomized).
 GENERATE_EXAMPLES, CHEAP_EXAMPLES, NO_KEY_EXAMPLES = 60, 300, 30
+GENERATING = {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"}  # the rest: cheap
 TIERS = [pytest.param(1, marks=pytest.mark.soak, id="all"), pytest.param(5, id="a-fifth")]
 
 # tiny generations: 8 tokens at most (default 8), 256 tokens of context, 2 choices, 2 prompts
@@ -138,7 +139,7 @@ def served_model(case: schemathesis.Case) -> schemathesis.Case:
 def test_operation(api_schema: schemathesis.BaseSchema, server: Server, method: str, path: str,
                    mode: GenerationMode, key: bool, divisor: int) -> None:
     headers = AUTH if key else None
-    examples = NO_KEY_EXAMPLES if not key else GENERATE_EXAMPLES if path.startswith("/v1/c") else CHEAP_EXAMPLES
+    examples = NO_KEY_EXAMPLES if not key else GENERATE_EXAMPLES if path in GENERATING else CHEAP_EXAMPLES
     examples = max(1, examples // divisor)
 
     @hypothesis.given(case=api_schema[path][method].as_strategy(generation_mode=mode).map(served_model))
