@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -47,3 +48,12 @@ def render_prompt(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], tool
 def _has_tool_parts(message: dict[str, Any]) -> bool:
     return bool(message.get("tool_calls")) or message.get("role") == "tool"
 
+
+
+def call_arguments(text: str) -> Any:
+    """A tool call's arguments (JSON text on the wire) as templates index them: a mapping
+    (transformers' convention), or the text as sent when it is not JSON."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text

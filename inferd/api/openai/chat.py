@@ -4,14 +4,13 @@ shared path (api/pipeline/) does the rest."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
 
 from inferd.api.body import read_json
-from inferd.api.conversation.render import render_prompt
+from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser
 from inferd.api.openai.ask import to_ask
 from inferd.api.openai.events import StreamEvents, with_usage
@@ -54,15 +53,8 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
     if message.tool_calls:
         # templates index arguments as a mapping (transformers' convention), OpenAI sends JSON text
         item["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-            "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in message.tool_calls]
+            "name": c.function.name, "arguments": call_arguments(c.function.arguments)}} for c in message.tool_calls]
     return item
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 class ChatShape:

@@ -9,7 +9,6 @@ is a 404 naming the response, `background` a 400. Usage counts every prompt toke
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Any
 
@@ -17,7 +16,7 @@ from aiohttp import web
 
 from inferd.api.admission.ask import Ask, Grammar, Sampling
 from inferd.api.body import read_json
-from inferd.api.conversation.render import render_prompt
+from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
 from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser, tool_call_grammar
 from inferd.api.errors import APIError, bad_request
@@ -58,20 +57,13 @@ def template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
             out.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
             call = {"id": item.call_id, "type": "function", "function": {"name": item.name,
-                                                                          "arguments": _json_or_text(item.arguments)}}
+                                                                          "arguments": call_arguments(item.arguments)}}
             if not (out and out[-1]["role"] == "assistant" and "tool_calls" in out[-1]):
                 out.append({"role": "assistant", "content": "", "tool_calls": []})
             out[-1]["tool_calls"].append(call)
         elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
     return out
-
-
-def _json_or_text(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
 
 
 def calls_tools(body: ResponsesRequest) -> bool:
