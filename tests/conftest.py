@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 
+import inferd  # noqa: F401  (first: caps oneDNN's ISA before any product, see inferd/__init__.py)
+
 
 @pytest.fixture(scope="session")
 def float32_weights() -> tuple[Any, Any]:

@@ -212,19 +212,29 @@ def make_linear(weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, s
     packed = Int4Linear(weight, bias, dtype) if isinstance(weight, Int4Codes) else Int8Linear(weight, bias, dtype)
     if not split:
         return packed
-    return SplitLinear(packed, DenseLinear(dense_copy(weight, packed).to(dtype), bias))
+    return SplitLinear(packed, DenseLinear(dense_copy(weight, packed, dtype), bias))
 
 
-def dense_copy(weight: Int4Codes | Int8Codes, packed: Int4Linear | Int8Linear) -> torch.Tensor:
-    """The weights `packed` multiplies by, as float32 [N, K] (row-major: a bf16 GEMM over a
+_DENSE_COPY_ROWS = 128  # rows of a dense copy computed at once (see dense_copy)
+
+
+def dense_copy(weight: Int4Codes | Int8Codes, packed: Int4Linear | Int8Linear, dtype: torch.dtype) -> torch.Tensor:
+    """The weights `packed` multiplies by, as [N, K] in `dtype` (row-major: a bf16 GEMM over a
     column-major weight took 20x longer on a CPU without AVX-512 BF16). For int4, from the codes
     read at load and the scales and zeros as the kernel holds them: `packed.dequantize()`'s numbers,
-    without its identity product (most of a bf16 load's time)."""
+    without its identity product (most of a bf16 load's time), computed in float32 a slice of rows
+    at a time (the slice stays in cache: ~3x faster than whole-tensor passes, the same bits)."""
     if not isinstance(weight, Int4Codes) or not isinstance(packed, Int4Linear):
-        return packed.dequantize().contiguous()
+        return packed.dequantize().to(dtype).contiguous()
     n, k = weight.shape
-    scale, zero = (t.float().t()[..., None] for t in packed.scales_zeros.unbind(-1))  # [N, K / 32, 1]
-    return ((weight.codes.float().view(n, k // GROUP, GROUP) - 8) * scale + zero).reshape(n, k)
+    dense = torch.empty(n, k, dtype=dtype)
+    for start in range(0, n, _DENSE_COPY_ROWS):
+        end = min(n, start + _DENSE_COPY_ROWS)
+        scale, zero = (t.float().t()[..., None] for t in packed.scales_zeros[:, start:end].unbind(-1))  # [rows, K / 32, 1]
+        rows = weight.codes[start:end].float().view(end - start, k // GROUP, GROUP)
+        dense[start:end] = rows.sub_(8).mul_(scale).add_(zero).view(end - start, k)
+    return dense
+
 
 
 def pack(weight: Weight, mode: str) -> Weight:
