@@ -117,6 +117,10 @@ class ResponseStore:
         self.sweep()
         return self._owners.get(owner, {}).get(response_id)
 
+    def holds(self, entry: Stored) -> bool:
+        """Whether `entry` is still kept (not deleted, evicted or expired and swept)."""
+        return self._by_age.get(entry.id) is entry
+
     def delete(self, owner: str, response_id: str) -> Stored | None:
         """Forget `owner`'s response (its owner's choice: no eviction is counted); the caller
         stops it if it runs."""
