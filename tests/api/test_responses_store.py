@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import uuid
 from typing import Any
 
 import openai
 import pytest
 from apiserver import MODEL, Server, assert_error, serve
 
+from inferd.api.openapi import openapi_document
 from inferd.api.responses.stored import RESPONSE_STORE
 from inferd.engine.llm_engine import LLMEngine
 from inferd.settings.config import Settings
@@ -33,16 +35,19 @@ def sha(key: str) -> str:
 
 async def test_a_stored_response_is_retrieved_continued_from_the_prefix_cache_and_deleted(server: Server) -> None:
     c = client(server)
-    first = await c.responses.create(model=MODEL, input="Name a color.", max_output_tokens=4, temperature=0)
+    # a first turn nothing cached yet begins with (a fresh uuid), some blocks long
+    question = f"{uuid.uuid4()}: " + " ".join(f"Color {i} is not the one." for i in range(8)) + " Name a color."
+    first = await c.responses.create(model=MODEL, input=question, max_output_tokens=4, temperature=0)
     assert first.store  # (the client sends no `store`: kept, as responses.store_by_default says)
     got = await c.responses.retrieve(first.id)
     assert (got.status, got.output_text, got.usage) == (first.status, first.output_text, first.usage)
     second = await c.responses.create(model=MODEL, input="And another one?", previous_response_id=first.id,
                                       max_output_tokens=4, temperature=0)
     assert second.previous_response_id == first.id
-    # the whole conversation was the prompt, and its first turn came from the prefix cache
+    # the whole conversation was the prompt, and its first turn came from the prefix cache: every
+    # full 16-token block of the first prompt (the same tokens), not only the default system prompt's
     assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
-    assert second.usage.input_tokens_details.cached_tokens > 0
+    assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens // 16 * 16 > 48
     unkept = await c.responses.create(model=MODEL, input="Hi", max_output_tokens=1, store=False)
     assert not unkept.store
     with pytest.raises(openai.NotFoundError):
@@ -159,3 +164,11 @@ async def test_a_storm_leaves_nothing_past_the_bound_and_the_time_to_live(llm: L
         with pytest.raises(openai.NotFoundError):
             await c.responses.retrieve(kept[0].id)
         assert store.held == 0 and await evictions(server) == {"ttl": 3, "capacity": 7}
+
+
+async def test_the_stored_responses_paths_are_documented_and_so_fuzzed() -> None:
+    paths = openapi_document()["paths"]  # (tests/api/test_fuzz.py sends what it documents)
+    assert set(paths["/v1/responses/{response_id}"]) == {"get", "delete"}
+    assert set(paths["/v1/responses/{response_id}/cancel"]) == {"post"}
+    assert {"queued", "cancelled"} <= set(openapi_document()["components"]["schemas"]["Response"]["properties"]
+                                          ["status"]["enum"])
