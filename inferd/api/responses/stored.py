@@ -195,7 +195,7 @@ class StoreCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         store = self.store
-        store.sweep()
+        store.sweep()  # (what has expired is evicted, and counted, before it is shown)
         evicted = CounterMetricFamily("inferd_responses_evicted", "Stored responses evicted, by why: ttl "
                                       "(responses.ttl_seconds ran out) or capacity (their tenant's store was over "
                                       "responses.max_per_tenant or max_bytes_per_tenant).", labels=["reason"])
