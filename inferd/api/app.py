@@ -145,4 +145,4 @@ async def _end_streams(app: web.Application) -> None:
     if open_streams:
         log.warning("%d streams did not end within %.0f s", len(open_streams), STREAMS_END_SECONDS)
     app[RESUMABLE].close()  # (detached resumable streams: their requests ended with the engine)
-    app[RESPONSE_STORE].close()  # (so are background responses')
+    app[RESPONSE_STORE].close()  # (background responses' requests too; nothing stored outlives the server)
