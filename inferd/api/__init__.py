@@ -8,6 +8,8 @@ each a package that owns its state:
     telemetry/  finalize and measure: the access log, the request file, drift, metrics, status
     pipeline/   the one generation path that runs those stages in order, for every protocol
     openai/     the OpenAI protocol: wire models, chat, completions, tokenize, logprobs, tools
+    anthropic/  Anthropic's Messages protocol
+    responses/  OpenAI's Responses protocol, and its store of responses (per tenant, bounded)
 
 Around them: app.py (the application and its lifecycle), server.py (`inferd serve`),
 endpoints.py (the route table), openapi.py, admin.py, and what every stage shares: state.py,

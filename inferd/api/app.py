@@ -3,7 +3,8 @@
     startup   cleanup_ctx: models.start(): each model's (its engine thread runs; /ready turns 200
               engine, its inference probe in a task;    once every model's probe has run)
               the degradation triggers' clock; the
-              event loop's lag timer
+              event loop's lag timer; the response
+              store's sweeper
     shutdown  on_shutdown: models.stop(), then wait     (every open stream ends with an abort:
               for the open SSE responses to end          handlers write an error event and [DONE])
     cleanup   cleanup_ctx: models.stop()                (a no-op by then; the same path on a
@@ -32,6 +33,8 @@ from inferd.api.gateway.tenants import Keyring
 from inferd.api.offload import OFFLOAD, Offload
 from inferd.api.conversation.tool_policy import DROPPED_TOOLS
 from inferd.api.pipeline.generate import ANSWERED_BY, FALLBACK_FROM, MAX_TOKENS_CLAMPED
+from inferd.api.responses.store import ResponseStore
+from inferd.api.responses.stored import RESPONSE_STORE, StoreCollector, sweep_forever
 from inferd.api.routing.registry import REGISTRY, ModelRegistry, single_model
 from inferd.api.state import SETTINGS, STATE
 from inferd.api.streaming.backpressure import SLOW_CLIENTS, SlowClientCounts
@@ -39,7 +42,7 @@ from inferd.api.streaming.resume import RESUMABLE, StreamRegistry
 from inferd.api.streaming.sse import SSE_RESPONSES
 from inferd.api.telemetry.access_log import request_log_middleware
 from inferd.api.telemetry.loop_lag import LOOP_LAG, LoopLag
-from inferd.api.telemetry.metrics import setup_metrics
+from inferd.api.telemetry.metrics import COLLECTORS, setup_metrics
 from inferd.api.telemetry.request_file import setup_request_log
 from inferd.engine.async_engine import AsyncEngine
 from inferd.settings.config import Settings
@@ -72,9 +75,12 @@ def create_app(engine: AsyncEngine | ModelRegistry, settings: Settings, api_keys
     app[LOOP_LAG] = LoopLag()
     app[RESUMABLE] = StreamRegistry(server.resume_grace_seconds, server.resume_max_streams, server.keepalive_seconds,
                                     app[SSE_RESPONSES])
+    stored = settings.responses
+    app[RESPONSE_STORE] = ResponseStore(stored.max_per_tenant, stored.max_bytes_per_tenant, stored.ttl_seconds)
     add_routes(app)
     setup_request_log(app, settings.request_log, app[STATE].model_name)  # before the metrics, which read it
     setup_metrics(app)
+    app[COLLECTORS].register(StoreCollector(app[RESPONSE_STORE]))  # (the Responses API's store: its own module)
     app.on_response_prepare.append(_rate_limit_headers)
     app.on_response_prepare.append(_model_headers)
     app.cleanup_ctx.append(_models_lifecycle)
@@ -113,7 +119,8 @@ async def _models_lifecycle(app: web.Application) -> AsyncIterator[None]:
     registry = app[REGISTRY]
     await registry.start()  # (each model's engine thread and probe)
     tasks = [asyncio.ensure_future(_ready_when_probed(registry)), asyncio.ensure_future(registry.watch()),
-             asyncio.ensure_future(app[LOOP_LAG].watch())]
+             asyncio.ensure_future(app[LOOP_LAG].watch()),
+             asyncio.ensure_future(sweep_forever(app[RESPONSE_STORE]))]
     yield
     for task in tasks:
         task.cancel()
@@ -138,3 +145,4 @@ async def _end_streams(app: web.Application) -> None:
     if open_streams:
         log.warning("%d streams did not end within %.0f s", len(open_streams), STREAMS_END_SECONDS)
     app[RESUMABLE].close()  # (detached resumable streams: their requests ended with the engine)
+    app[RESPONSE_STORE].close()  # (background responses' requests too; nothing stored outlives the server)

@@ -3,7 +3,8 @@
     POST /v1/completions, /v1/chat/completions,    openai/ (the OpenAI protocol, over the shared
          /tokenize, /detokenize; GET /v1/models     generation path of pipeline/)
     POST /v1/messages, /v1/messages/count_tokens   anthropic/ (Anthropic's Messages, the same path)
-    POST /v1/responses                             responses/ (OpenAI's Responses, stateless for now)
+    POST /v1/responses; GET, DELETE                responses/ (OpenAI's Responses, the same path, and
+         /v1/responses/<id>; POST .../cancel       its store of responses)
     GET  /v1/status                                telemetry/status.py: engine stats snapshot
     GET  /metrics                                  telemetry/metrics.py: Prometheus text format
     GET  /health                                   here: liveness, the engine loops beat

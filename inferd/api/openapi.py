@@ -172,12 +172,55 @@ def _agent_protocols() -> dict[str, Any]:
                         "text/event-stream": {"schema": _named_events(ANTHROPIC_EVENTS)}}}),
         "/v1/messages/count_tokens": _anthropic("Count a message's prompt tokens (Anthropic's)", aw.CountTokensRequest,
                                                 _json(aw.CountTokensResponse, "the prompt's size")),
-        "/v1/responses": _post("Create a response (OpenAI's Responses API; nothing is stored yet)",
-                               _ref(rw.ResponsesRequest), {
-            "200": {"description": "a Response; with stream=true, its events, each with a sequence_number",
+        "/v1/responses": _post("Create a response (OpenAI's Responses API), kept with store, generated on with "
+                               "background", _ref(rw.ResponsesRequest), {
+            "200": {"description": "a Response (a background one as it starts: queued); with stream=true, its "
+                                   "events, each with a sequence_number",
                     "content": {"application/json": {"schema": _ref(rw.Response)},
                                 "text/event-stream": {"schema": _named_events(RESPONSES_EVENTS)}}},
-            **_ERRORS, "404": _error("unknown model, or a previous_response_id (no response is stored)")}),
+            **_ERRORS, "404": _error("unknown model, or a previous_response_id this caller has not stored "
+                                     "(unknown, expired, evicted or deleted)"),
+            "429": _error("as for every generation, or (code store_full) responses.max_per_tenant background "
+                          "responses of this caller's are running; Retry-After says when to come back")}),
+        **_stored_responses(),
+    }
+
+
+def _stored_responses() -> dict[str, Any]:
+    """GET / DELETE /v1/responses/{response_id} and its /cancel: a stored response (responses/stored.py)."""
+    response_id = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"},
+                   "description": "a response kept with store (or background)"}
+    replay = [{"name": "stream", "in": "query", "schema": {"type": "boolean"},
+               "description": "a background response's events instead, then the live ones"},
+              {"name": "starting_after", "in": "query", "schema": {"type": "integer", "minimum": -1},
+               "description": "with stream: the sequence number of the last event received (default: none)"},
+              {"name": "include", "in": "query", "schema": {"type": "array", "items": {"type": "string"}},
+               "description": "accepted (the stored response is whole)"},
+              {"name": "include_obfuscation", "in": "query", "schema": {"type": "boolean"},
+               "description": "accepted (no obfuscation is added)"}]
+    missing = {"404": _error("no such response stored for this caller (unknown, expired, evicted, deleted, or "
+                             "another tenant's)")}
+    response = _json(rw.Response, "the response (a running one as it stands: queued or in_progress)")
+    deleted = {"type": "object", "required": ["id", "object", "deleted"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "response.deleted"}, "deleted": {"const": True}}}
+    return {
+        "/v1/responses/{response_id}": {
+            "get": {"summary": "Retrieve a stored response, or replay and follow a background one's events",
+                    "parameters": [response_id, *replay], "responses": {
+                        "200": {"description": "the Response; with stream=true, its events after starting_after",
+                                "content": {"application/json": {"schema": _ref(rw.Response)},
+                                            "text/event-stream": {"schema": _named_events(RESPONSES_EVENTS)}}},
+                        "400": _error("stream on a response that is not a background one, or starting_after names "
+                                      "no event of it"), **_UNAUTHORIZED, **missing}},
+            "delete": {"summary": "Delete a stored response (a running background one is cancelled)",
+                       "parameters": [response_id], "responses": {
+                           "200": {"description": "deleted", "content": {"application/json": {"schema": deleted}}},
+                           **_UNAUTHORIZED, **missing}}},
+        "/v1/responses/{response_id}/cancel": {"post": {
+            "summary": "Cancel a running background response (an ended one is answered as it is)",
+            "parameters": [response_id], "responses": {
+                "200": response, "400": _error("the response is not a background one"), **_UNAUTHORIZED,
+                **missing}}},
     }
 
 

@@ -203,6 +203,22 @@ class TenantSettings(_Section):
         return self
 
 
+class ResponsesSettings(_Section):
+    """The Responses API's store (api/responses/store.py): what `store: true` keeps, for
+    `previous_response_id`, retrieval and background responses; bounded per tenant (else per
+    key; on an open server, for everyone together) by count, by bytes and in time."""
+
+    store_by_default: bool = True  # a request that names no `store` (the openai client sends none): kept
+    max_per_tenant: int = Field(default=1024, ge=1)  # responses kept; past it the oldest finished go
+    max_bytes_per_tenant: int = Field(default=64 * 2**20, ge=1)  # their JSON text and events, all told
+    ttl_seconds: float = Field(default=3600.0, gt=0, le=30 * 86400)  # kept this long after they start
+
+    @field_validator("max_bytes_per_tenant", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return int(parse_memory(value)) if isinstance(value, str) else value
+
+
 class LimitSettings(_Section):
     max_tokens_default: int = Field(default=256, ge=1)  # when a request names no max_tokens
     max_tokens_limit: int = Field(default=4096, ge=1)  # a request asking more gets a 400
@@ -283,6 +299,7 @@ class Settings(_Section):
     runtime: RuntimeSettings = RuntimeSettings()
     output_filter: OutputFilterSettings = OutputFilterSettings()
     request_log: RequestLogSettings = RequestLogSettings()  # off unless request_log.path is set
+    responses: ResponsesSettings = ResponsesSettings()  # the Responses API's stored responses
     # [tenants.NAME] tables: who may call, at what rate, with what share (api/gateway/tenants.py)
     tenants: dict[str, TenantSettings] = Field(default_factory=dict)
     # [models.NAME] and [routes.NAME] tables: several models in one process (settings/models.py);

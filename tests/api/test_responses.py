@@ -1,8 +1,8 @@
 """OpenAI's Responses API with the official `openai` client over a real socket: whole and streamed
 answers that agree, the event sequence numbered and in order, a function-tool round trip (the
 second turn served partly from the prefix cache), text.format as a schema, the refusals of what
-is not served (stored responses, background, non-function tools), and the policy that drops
-unsupported tools instead."""
+is not served (an unknown previous response, a background one not kept, non-function tools), and
+the policy that drops unsupported tools instead. Stored responses: test_responses_store.py."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ async def test_text_format_json_schema_binds_the_answer(server: Server) -> None:
 
 REFUSED = [
     ({"previous_response_id": "resp_0"}, 404, "previous_response_id"),
-    ({"background": True}, 400, "background"),
+    ({"background": True, "store": False}, 400, "background"),
     ({"tools": [{"type": "web_search"}]}, 400, "web_search"),
     ({"input": [{"type": "local_shell_call", "call_id": "c"}]}, 400, "local_shell_call"),
     ({"temperature": 3}, 400, "temperature"),
@@ -94,7 +94,7 @@ REFUSED = [
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("extra, status, named", REFUSED,
-                         ids=["stored", "background", "web-search", "shell-item", "temperature", "unknown-field"])
+                         ids=["unknown-previous", "background-unkept", "web-search", "shell-item", "temperature", "unknown-field"])
 async def test_what_is_not_served_is_refused_in_openais_shape(server: Server, extra: dict, status: int,
                                                               named: str) -> None:
     got, reply = await server.post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2, **extra})

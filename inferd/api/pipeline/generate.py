@@ -89,6 +89,9 @@ async def answer(request: web.Request, ask: Ask, shape: Shape, choice: Choice, c
                 request[CASCADE_TOKENS] = gen.prompt_tokens + gen.completion_tokens
             return web.json_response(shape.whole(reply, results))
         events = shape.stream(reply)
+        if events.background is not None:  # the events outlive this handler, in a task of their own
+            return await events.background(gen.detach(request, events.head, events.render, events.tail,
+                                                      events.dialect, events.per_token))
         return await gen.stream(request, events.head, events.render, events.tail, ask.resumable, events.dialect)
 
 

@@ -3,11 +3,14 @@ how its answer is shaped in the front-end's wire format (pipeline/__init__.py ha
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from aiohttp import web
+
 from inferd.api.streaming.generation import ChoiceResult, Render
+from inferd.api.streaming.resume import EventLog
 from inferd.api.streaming.sse import Dialect, Payload
 from inferd.model.tokenizer import Tokenizer
 
@@ -27,12 +30,17 @@ class Reply:
 class Events:
     """A streamed answer's events: `head` first, `render(prompt, output)` per engine output (one
     event or several), `tail()` once every choice has ended (not after an engine abort), then the
-    end of the stream."""
+    end of the stream; or, with `background`, the same events into a log that outlives the request."""
 
     head: list[Payload]
     render: Render
     tail: Callable[[], list[Payload]]
     dialect: Dialect = Dialect()  # an error mid-stream in the protocol's shape, and the stream's end
+    # a background response (the Responses API's): the events go into an EventLog that nobody
+    # is attached to yet, produced by a task of their own; this gets the log and answers the
+    # request at once (with the response as it starts, or by following the log)
+    background: Callable[[EventLog], Awaitable[web.StreamResponse]] | None = None
+    per_token: int = 1  # the most events one generated token makes (what bounds a background log)
 
 
 class Shape(Protocol):

@@ -1,15 +1,17 @@
-"""POST /v1/responses (stateless, for now): the input items through the model's chat template,
-one engine request, the answer as a `response` or its event sequence. The shared path
-(api/pipeline/) does the rest.
+"""POST /v1/responses: the input items through the model's chat template, after the stored
+conversation they continue (`previous_response_id`), one engine request, the answer as a
+`response` or its event sequence (events.py). The shared path (api/pipeline/) does the rest.
 
-Nothing is stored yet: `store` is accepted (the reply says `store: false`), `previous_response_id`
-is a 404 naming the response, `background` a 400. Usage counts every prompt token in
-`input_tokens`, the prefix cache's share in `input_tokens_details.cached_tokens`.
+With `store` (responses.store_by_default when it is left out) the response and its conversation
+are kept in the caller's store (stored.py); a `background` one is kept from its start and
+generates on after the request is answered. Usage counts every prompt token in `input_tokens`,
+the prefix cache's share in `input_tokens_details.cached_tokens` (most of a continued
+conversation: it is the same token prefix as the turn before).
 """
 
 from __future__ import annotations
 
-import secrets
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from aiohttp import web
@@ -18,10 +20,12 @@ from inferd.api.admission.ask import Ask, Grammar, Sampling
 from inferd.api.body import read_json
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
-from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser, tool_call_grammar
-from inferd.api.errors import APIError, bad_request
+from inferd.api.conversation.tools import Content, ToolCallParser, tool_call_grammar
+from inferd.api.errors import bad_request
 from inferd.api.pipeline.generate import generate
 from inferd.api.pipeline.shape import Events, Reply
+from inferd.api.responses.events import EVENTS_PER_TOKEN, OutputItem, ResponseEvents, finish_status, item_id
+from inferd.api.responses.stored import RESPONSE_STORE, Keeper, add_stored_routes, not_found, store_full
 from inferd.api.responses.wire import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -35,23 +39,21 @@ from inferd.api.responses.wire import (
     ResponsesRequest,
     ResponseUsage,
 )
+from inferd.api.state import SETTINGS
 from inferd.api.streaming.generation import ChoiceResult
-from inferd.api.streaming.sse import Dialect, Named, Payload
+from inferd.api.streaming.resume import EventLog, caller_of
+from inferd.api.streaming.sse import Dialect
 from inferd.api.wire import dump
-from inferd.engine.protocol import EngineOutput
 from inferd.engine.structured.grammar import GrammarError, json_object_grammar, json_schema_grammar
 from inferd.model.tokenizer import Tokenizer
 
 
-def template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    """The input as chat templates read it: `instructions` as the system turn, messages
-    (developer as system), function calls as the assistant's tool calls, their outputs as tool
-    messages; reasoning items are left out."""
-    out: list[dict[str, Any]] = []
-    if body.instructions:
-        out.append({"role": "system", "content": body.instructions})
+def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The input as chat templates read it: messages (developer as system), function calls as
+    the assistant's tool calls, their outputs as tool messages; reasoning items are left out."""
     if isinstance(body.input, str):
-        return [*out, {"role": "user", "content": body.input}]
+        return [{"role": "user", "content": body.input}]
+    out: list[dict[str, Any]] = []
     for item in body.input:
         if isinstance(item, MessageItem):
             out.append({"role": "system" if item.role == "developer" else item.role, "content": item.text()})
@@ -64,6 +66,23 @@ def template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
         elif isinstance(item, FunctionCallOutputItem):
             out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
     return out
+
+
+def template_messages(body: ResponsesRequest, history: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+    """What the chat template renders: `instructions` as the system turn (this request's: a
+    previous response's are not carried over, as OpenAI's API does), the stored conversation
+    continued, then the input."""
+    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    return [*system, *history, *input_messages(body)]
+
+
+def output_messages(output: Sequence[OutputItem]) -> list[dict[str, Any]]:
+    """The output as the assistant's turn of the conversation a continuation renders."""
+    text = "".join(part.text for item in output if isinstance(item, OutputMessage) for part in item.content)
+    calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name,
+                                                                    "arguments": call_arguments(item.arguments)}}
+             for item in output if isinstance(item, OutputFunctionCall)]
+    return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
 
 
 def calls_tools(body: ResponsesRequest) -> bool:
@@ -94,7 +113,8 @@ def grammar(body: ResponsesRequest) -> Grammar | None:
 
 
 def to_ask(body: ResponsesRequest) -> Ask:
-    return Ask(model=body.model, stream=body.stream, user=body.user, max_tokens=body.max_output_tokens,
+    # (a background response's events are produced, and kept, even when its client is not streamed them)
+    return Ask(model=body.model, stream=body.stream or body.background, user=body.user, max_tokens=body.max_output_tokens,
                fit_default=True, sampling=Sampling(temperature=body.temperature, top_p=body.top_p),
                prompt_param="input", grammar=lambda: grammar(body))
 
@@ -106,29 +126,33 @@ def _usage(reply: Reply) -> ResponseUsage:
                          input_tokens_details=InputTokensDetails(cached_tokens=usage["prompt_tokens_details"]["cached_tokens"]))
 
 
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
-
-
 class ResponsesShape:
-    """One Responses request's prompt and answer (pipeline/shape.py's Shape)."""
+    """One Responses request's prompt and answer (pipeline/shape.py's Shape); `history`: the
+    stored conversation it continues; `keeper`: where it is kept, if it is."""
 
     id_prefix = "resp"
 
-    def __init__(self, body: ResponsesRequest) -> None:
+    def __init__(self, body: ResponsesRequest, history: Sequence[dict[str, Any]] = (),
+                 keeper: Keeper | None = None) -> None:
         self.body = body
+        self.history = history
+        self.keeper = keeper
+
+    def calls_tools(self) -> bool:
+        return calls_tools(self.body)
 
     def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
         body = self.body
         tools = [t.as_function() for t in body.function_tools()] if calls_tools(body) else []
         effort = body.reasoning.effort if body.reasoning else None
         kwargs = {"enable_thinking": False} if effort == "none" else None
-        return [render_prompt(tokenizer, template_messages(body), tools, template_kwargs=kwargs, param="input")]
+        messages = template_messages(body, self.history)
+        return [render_prompt(tokenizer, messages, tools, template_kwargs=kwargs, param="input")]
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return tokenizer.decode(prompts[0])
 
-    def response(self, reply: Reply, output: list[OutputMessage | OutputFunctionCall], status: str,
+    def response(self, reply: Reply, output: list[OutputItem], status: str,
                  usage: bool = True) -> dict[str, Any]:
         body = self.body
         incomplete = IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
@@ -141,11 +165,21 @@ class ResponsesShape:
             tools=body.tools or [], metadata=body.metadata or {}, user=body.user,
             text={"format": body.text.format.model_dump(by_alias=True)} if body.text and body.text.format
             else {"format": {"type": "text"}},
-            reasoning=body.reasoning.model_dump() if body.reasoning else None))
+            reasoning=body.reasoning.model_dump() if body.reasoning else None,
+            previous_response_id=body.previous_response_id, store=self.keeper is not None,
+            background=body.background))
+
+    def conversation(self, output: Sequence[OutputItem]) -> list[dict[str, Any]]:
+        """The conversation this response ends: what a continuation of it renders before its input."""
+        return [*self.history, *input_messages(self.body), *output_messages(output)]
+
+    def finished(self, reply: Reply, response: dict[str, Any], output: list[OutputItem]) -> None:
+        if self.keeper is not None:
+            self.keeper.finished(reply.id, response, self.conversation(output))
 
     def whole(self, reply: Reply, results: dict[int, ChoiceResult]) -> dict[str, Any]:
         result = results[0]
-        output: list[OutputMessage | OutputFunctionCall] = []
+        output: list[OutputItem] = []
         text = result.text
         calls: list[dict[str, Any]] = []
         if calls_tools(self.body):
@@ -154,119 +188,62 @@ class ResponsesShape:
             text = "".join(e.text for e in events if isinstance(e, Content))
             calls = parser.calls
         if text.strip() or not calls:
-            output.append(OutputMessage(id=_item_id("msg"), content=[OutputText(text=text)]))
-        output += [OutputFunctionCall(id=_item_id("fc"), call_id=c["id"], name=c["function"]["name"],
+            output.append(OutputMessage(id=item_id("msg"), content=[OutputText(text=text)]))
+        output += [OutputFunctionCall(id=item_id("fc"), call_id=c["id"], name=c["function"]["name"],
                                       arguments=c["function"]["arguments"]) for c in calls]
-        return self.response(reply, output, _status(result.finish_reason))
+        response = self.response(reply, output, finish_status(result.finish_reason))
+        self.finished(reply, response, output)
+        return response
 
     def stream(self, reply: Reply) -> Events:
         events = ResponseEvents(self, reply)
-        return Events(events.head(), events.render, events.tail, Dialect(events.error, end=""))
+        return Events(events.head(), events.render, events.tail, Dialect(events.error, end=""),
+                      self._background(events) if self.body.background else None, EVENTS_PER_TOKEN)
 
-
-def _status(finish: str | None) -> str:
-    return "incomplete" if finish in ("length", "timeout") else "completed"
-
-
-class ResponseEvents:
-    """A streamed response's events, each numbered by `sequence_number`: created, in_progress;
-    per output item added, its text or arguments in deltas, done; then completed (or incomplete)
-    with the whole response."""
-
-    def __init__(self, shape: ResponsesShape, reply: Reply) -> None:
-        self.shape, self.reply = shape, reply
-        self.parser = ToolCallParser() if calls_tools(shape.body) else None
-        self.sequence = 0
-        self.output: list[OutputMessage | OutputFunctionCall] = []
-        self.open: OutputMessage | OutputFunctionCall | None = None
-        self.status = "completed"
-
-    def _event(self, kind: str, **fields: Any) -> Named:
-        payload = {"type": kind, "sequence_number": self.sequence, **fields}
-        self.sequence += 1
-        return Named(kind, payload)
-
-    def head(self) -> list[Payload]:
-        snapshot = self.shape.response(self.reply, [], "in_progress", usage=False)
-        return [self._event("response.created", response=snapshot),
-                self._event("response.in_progress", response=snapshot)]
-
-    def render(self, prompt: int, out: EngineOutput) -> list[Payload]:
-        events: list[Payload] = []
-        found = [Content(out.text)] if self.parser is None else (
-            self.parser.feed(out.text) + (self.parser.finish() if out.finished else []))
-        for event in found:
-            if isinstance(event, Content) and event.text:
-                if not (self.parser is not None and self.parser.calls_started and not event.text.strip()):
-                    self._text(events, event.text)
-            elif isinstance(event, CallStart):
-                self._open(events, OutputFunctionCall(id=_item_id("fc"), call_id=event.id, name=event.name,
-                                                      arguments="", status="in_progress"))
-            elif isinstance(event, Arguments) and isinstance(self.open, OutputFunctionCall):
-                self.open.arguments += event.fragment
-                events.append(self._event("response.function_call_arguments.delta", item_id=self.open.id,
-                                          output_index=len(self.output) - 1, delta=event.fragment))
-        if out.finished:
-            self._close(events)
-            self.status = _status(out.finish_reason)
-        return events
-
-    def tail(self) -> list[Payload]:
-        kind = "response.completed" if self.status == "completed" else "response.incomplete"
-        return [self._event(kind, response=self.shape.response(self.reply, self.output, self.status))]
-
-    def error(self, error: APIError) -> Named:
-        return self._event("error", code=error.code or error.type, message=error.message, param=error.param)
-
-    def _text(self, events: list[Payload], text: str) -> None:
-        if not isinstance(self.open, OutputMessage):
-            self._open(events, OutputMessage(id=_item_id("msg"), status="in_progress", content=[]))
-            events.append(self._event("response.content_part.added", item_id=self.open.id,  # type: ignore[union-attr]
-                                      output_index=len(self.output) - 1, content_index=0,
-                                      part={"type": "output_text", "text": "", "annotations": []}))
-            self.open.content.append(OutputText(text=""))  # type: ignore[union-attr]
-        message = self.open
-        assert isinstance(message, OutputMessage)
-        message.content[0].text += text
-        events.append(self._event("response.output_text.delta", item_id=message.id, output_index=len(self.output) - 1,
-                                  content_index=0, delta=text, logprobs=[]))
-
-    def _open(self, events: list[Payload], item: OutputMessage | OutputFunctionCall) -> None:
-        self._close(events)
-        self.output.append(item)
-        self.open = item
-        events.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
-                                  item=dump(item)))
-
-    def _close(self, events: list[Payload]) -> None:
-        item, index = self.open, len(self.output) - 1
-        if item is None:
-            return
-        item.status = "completed"
-        if isinstance(item, OutputMessage):
-            part = dump(item.content[0])
-            events.append(self._event("response.output_text.done", item_id=item.id, output_index=index,
-                                      content_index=0, text=item.content[0].text, logprobs=[]))
-            events.append(self._event("response.content_part.done", item_id=item.id, output_index=index,
-                                      content_index=0, part=part))
-        else:
-            events.append(self._event("response.function_call_arguments.done", item_id=item.id, output_index=index,
-                                      name=item.name, arguments=item.arguments))
-        events.append(self._event("response.output_item.done", output_index=index, item=dump(item)))
-        self.open = None
+    def _background(self, events: ResponseEvents) -> Callable[[EventLog], Awaitable[web.StreamResponse]]:
+        """Where a background response's log goes: its caller's store, from the start."""
+        keeper, follow = self.keeper, self.body.stream
+        assert keeper is not None  # (create_response: a background response is always kept)
+        return lambda log: keeper.background(log, events, follow, lambda: self.conversation(events.output))
 
 
 async def create_response(request: web.Request) -> web.StreamResponse:
     body = ResponsesRequest.model_validate(await read_json(request))
     if body.tools:
         body.tools = supported_tools(request, body.tools, lambda tool: tool.get("type"), lambda kind: kind == "function")
-    if body.previous_response_id is not None:
-        raise APIError(404, f"no stored response {body.previous_response_id!r}: this server keeps no responses "
-                       "yet (send the whole conversation as input)", param="previous_response_id",
-                       code="response_not_found")
-    return await generate(request, to_ask(body), ResponsesShape(body))
+    history = _history(request, body)
+    return await generate(request, to_ask(body), ResponsesShape(body, history, _keeper(request, body)))
+
+
+def _history(request: web.Request, body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The conversation `previous_response_id` ends, from the caller's store (404 for another's)."""
+    if body.previous_response_id is None:
+        return []
+    previous = request.app[RESPONSE_STORE].get(caller_of(request), body.previous_response_id)
+    if previous is None:
+        raise not_found(body.previous_response_id, param="previous_response_id")
+    if previous.response is None:
+        raise bad_request(f"response {previous.id!r} is still in progress: continue it once it has ended",
+                          param="previous_response_id", code="response_in_progress")
+    return previous.conversation
+
+
+def _keeper(request: web.Request, body: ResponsesRequest) -> Keeper | None:
+    """Where the response is kept (None: nowhere). A background one always is; one more than the
+    caller's store may hold running is a 429."""
+    if body.background and body.store is False:
+        raise bad_request("a background response is kept until it is retrieved: send store: true (or leave it "
+                          "out)", param="background")
+    keep = body.store if body.store is not None else body.background or request.app[SETTINGS].responses.store_by_default
+    if not keep:
+        return None
+    store, owner = request.app[RESPONSE_STORE], caller_of(request)
+    if body.background and not store.has_room(owner):  # (before any charge)
+        raise store_full(store)
+    return Keeper(request, store, owner)
 
 
 def add_responses_routes(app: web.Application) -> None:
     app.router.add_post("/v1/responses", create_response)
+    add_stored_routes(app)
 

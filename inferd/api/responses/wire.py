@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, model_validator
+from pydantic import Discriminator, Field, Tag
 
 from inferd.api.wire import RequestModel, ResponseModel
 
@@ -135,8 +135,8 @@ class ResponsesRequest(RequestModel):
     text: TextOptions | None = None
     reasoning: Reasoning | None = None
     stream: bool = False
-    store: bool = True  # nothing is kept yet: a stored response cannot be continued (previous_response_id)
-    background: bool = False
+    store: bool | None = None  # kept for previous_response_id and GET; None: responses.store_by_default
+    background: bool = False  # answered at once, generated on (kept: store must not be false)
     previous_response_id: str | None = None
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
@@ -148,12 +148,6 @@ class ResponsesRequest(RequestModel):
     service_tier: str | None = None
     truncation: Literal["auto", "disabled"] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=0)  # token logprobs: not yet
-
-    @model_validator(mode="after")
-    def _not_yet(self) -> ResponsesRequest:
-        if self.background:
-            raise ValueError("background responses are not served yet: send background: false")
-        return self
 
     def function_tools(self) -> list[FunctionTool]:
         return [FunctionTool.model_validate(t) for t in self.tools or []]
@@ -209,7 +203,7 @@ class Response(ResponseModel):
     id: str
     object: Literal["response"] = "response"
     created_at: int
-    status: Literal["completed", "incomplete", "in_progress", "failed"]
+    status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
     model: str
     output: list[OutputMessage | OutputFunctionCall]
     usage: ResponseUsage | None = None
@@ -226,7 +220,7 @@ class Response(ResponseModel):
     metadata: dict[str, str] = Field(default_factory=dict)
     previous_response_id: str | None = None
     reasoning: dict[str, Any] | None = None
-    store: bool = False  # as kept: nothing is stored yet
+    store: bool = False  # whether it is kept (GET /v1/responses/<id>, previous_response_id)
     truncation: str = "disabled"
     user: str | None = None
     background: bool = False

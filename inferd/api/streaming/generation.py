@@ -24,8 +24,17 @@ from inferd.api.gateway.gate import Ticket
 from inferd.api.record import RequestRecord
 from inferd.api.state import SETTINGS
 from inferd.api.streaming.backpressure import SLOW_CLIENTS, bound_send_buffer, wait_for_reader
-from inferd.api.streaming.resume import RESUMABLE, caller_of, event_bound
-from inferd.api.streaming.sse import SSE_RESPONSES, Dialect, ErrorEvent, EventSink, OutputQueue, Payload, write_events
+from inferd.api.streaming.resume import RESUMABLE, EventLog, caller_of, event_bound
+from inferd.api.streaming.sse import (
+    SSE_RESPONSES,
+    Dialect,
+    ErrorEvent,
+    EventSink,
+    OutputQueue,
+    Payload,
+    Produce,
+    write_events,
+)
 from inferd.engine.async_engine import RequestStream
 from inferd.engine.protocol import EngineOutput, TokenLogprob
 
@@ -174,6 +183,37 @@ class Generation:
         with an error event (in the dialect's shape).
         Written straight to the socket (sse.py); a `resumable` stream's events are produced by a
         task of their own that outlives a disconnect, into a buffer its writers copy (resume.py)."""
+        produce = self._producer(request, head, render, tail, dialect)
+        if not resumable:
+            server = request.app[SETTINGS].server
+            bound_send_buffer(request, server.stream_send_buffer_bytes)
+            guard = functools.partial(wait_for_reader, request, self.streams, server.slow_client_seconds,
+                                      request.app[SLOW_CLIENTS])
+            return await write_events(request, self.id, produce, request.app[SSE_RESPONSES], guard, dialect)
+        stream = request.app[RESUMABLE].open(self.id, caller_of(request), self._event_bound(len(head)), produce,
+                                             self.end)
+        self.outlives_handler = True
+        return await stream.serve(request, -1)
+
+    def detach(self, request: web.Request, head: list[Payload], render: Render, tail: Callable[[], list[Payload]],
+               dialect: Dialect = Dialect(), per_token: int = 1) -> EventLog:
+        """Produce the stream's events (as `stream` would) into an EventLog nobody is attached to
+        yet, in a task of its own that ends this generation: a background response, which goes on
+        after the handler has answered. Whoever holds the log bounds how long it lives; a token
+        makes at most `per_token` events."""
+        keepalive = request.app[SETTINGS].server.keepalive_seconds
+        bound = self._event_bound(len(head), per_token)
+        events = EventLog(self.id, bound, request.app[SSE_RESPONSES], keepalive, dialect)
+        events.start(self._producer(request, head, render, tail, dialect), self.end)
+        self.outlives_handler = True
+        return events
+
+    def _event_bound(self, head: int, per_token: int = 1) -> int:
+        return event_bound(head, len(self.prompts) * self.n, self.prepared.params.max_tokens, per_token)
+
+    def _producer(self, request: web.Request, head: list[Payload], render: Render, tail: Callable[[], list[Payload]],
+                  dialect: Dialect) -> Produce:
+        """What adds the stream's events to a sink: the head, every output as it comes, the tail."""
         keepalive = request.app[SETTINGS].server.keepalive_seconds
 
         async def produce(events: EventSink) -> None:
@@ -188,16 +228,7 @@ class Generation:
             finally:
                 outputs.close()
 
-        if not resumable:
-            server = request.app[SETTINGS].server
-            bound_send_buffer(request, server.stream_send_buffer_bytes)
-            guard = functools.partial(wait_for_reader, request, self.streams, server.slow_client_seconds,
-                                      request.app[SLOW_CLIENTS])
-            return await write_events(request, self.id, produce, request.app[SSE_RESPONSES], guard, dialect)
-        bound = event_bound(len(head), len(self.prompts) * self.n, self.prepared.params.max_tokens)
-        stream = request.app[RESUMABLE].open(self.id, caller_of(request), bound, produce, self.end)
-        self.outlives_handler = True
-        return await stream.serve(request, -1)
+        return produce
 
     async def _stream_outputs(self, outputs: OutputQueue, events: EventSink, render: Render,
                               keepalive: float, error_event: ErrorEvent) -> bool:

@@ -1,5 +1,11 @@
 """Resumable streams: a stream that outlives its client's disconnect, and /v1/streams/<id>.
 
+`EventLog` is the ring under them: a response's events kept whole as a task of their own
+produces them, replayed from any sequence number and followed live by its writers. A resumable
+stream (`ResumableStream`) is one with a single writer and a grace period; a background
+response of the Responses API (api/responses/background.py) is one nobody is attached to at
+first, which the response store keeps.
+
     POST ... {"stream": true, "resumable": true}
         producer task:  engine outputs --render--> ResumableStream.events   (every event kept)
         writer:         the POST's handler, then after a disconnect GET /v1/streams/<id> with
@@ -40,16 +46,17 @@ from aiohttp import ClientConnectionResetError, web
 
 from inferd.api.gateway.keys import KEY_DIGEST, principal_of
 from inferd.api.errors import RETRY_AFTER_SECONDS, APIError, bad_request
-from inferd.api.streaming.sse import DONE, KEEPALIVE, SSE_HEADERS, Payload, Produce, delimit_body, event_id_prefix, frame
+from inferd.api.streaming.sse import KEEPALIVE, SSE_HEADERS, Dialect, Payload, Produce, delimit_body, event_id_prefix, frame
 
 log = logging.getLogger(__name__)
 
 _INT = re.compile(r"-?[0-9]{1,18}")
 
 
-def event_bound(head: int, choices: int, max_tokens: int) -> int:
-    """The most events one response can have (see the module's docstring)."""
-    return head + choices * (max_tokens + 2) + 2
+def event_bound(head: int, choices: int, max_tokens: int, per_token: int = 1) -> int:
+    """The most events one response can have (see the module's docstring), when one output token
+    makes at most `per_token` events (one in OpenAI's chat and completions streams)."""
+    return head + choices * (max_tokens + 2) * per_token + 2
 
 
 def caller_of(request: web.Request) -> str:
@@ -67,33 +74,39 @@ def _not_found(response_id: str) -> APIError:
                     code="stream_not_found")
 
 
-class ResumableStream:
-    """One resumable response: its events, the task producing them, at most one writer (event
-    loop only). Also the producer's `EventSink`: `add` keeps an event, `flush` wakes the writer."""
+class EventLog:
+    """One response's events, produced by a task of their own into a list kept whole, and the
+    writers that copy them to their sockets (event loop only). Also the producer's `EventSink`:
+    `add` keeps an event, `flush` wakes the writers. Any number of writers may follow it; a
+    resumable stream admits one at a time (ResumableStream), a background response any
+    (api/responses/)."""
 
-    def __init__(self, registry: StreamRegistry, response_id: str, caller: str, bound: int) -> None:
-        self.registry = registry
+    def __init__(self, response_id: str, bound: int, open_streams: set[web.StreamResponse], keepalive: float,
+                 dialect: Dialect = Dialect()) -> None:
         self.id = response_id
-        self.caller = caller
         self.bound = bound
+        self.open_streams = open_streams  # every open SSE response, for shutdown (app.py)
+        self.keepalive_seconds = keepalive  # between a waiting writer's keep-alive comments
+        self.dialect = dialect  # an error event's shape, and the stream's last line
         self.events: list[str] = []  # event i has sequence number i: its whole SSE text
+        self.bytes = 0  # the events' text, all told (what a store of them accounts)
         self._id_prefix = event_id_prefix(response_id)
         self.ended = False  # the producer is done: no event follows
-        self.delivered = False  # a writer sent every event and [DONE]
-        self.writer: object | None = None  # the attached writer's token
         self.producer: asyncio.Task[None] | None = None
         self._changed = asyncio.Event()  # new events, the end, or another writer
-        self._grace: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------------------------- the producer's side
 
     def add(self, payload: Payload) -> None:
         if len(self.events) >= self.bound:  # NOTE: cannot happen (see event_bound); never grow past it
-            raise OverflowError(f"resumable stream {self.id} would hold more than {self.bound} events")
-        self._append(payload)
+            raise OverflowError(f"the events of {self.id} would be more than {self.bound}")
+        self.append(payload)
 
-    def _append(self, payload: Payload) -> None:
-        self.events.append(frame(self._id_prefix, len(self.events), payload))
+    def append(self, payload: Payload) -> None:
+        """One more event, past the bound too (the one that ends a cancelled or failed response)."""
+        text = frame(self._id_prefix, len(self.events), payload)
+        self.events.append(text)
+        self.bytes += len(text)
 
     async def flush(self) -> None:
         self._changed.set()
@@ -111,45 +124,81 @@ class ResumableStream:
         try:
             await produce(self)
         except Exception:  # noqa: BLE001 - a bug ends this stream with an error event, as sse.py's do
-            log.exception("producing the resumable stream %s failed", self.id)
-            self._append(APIError(500, "internal server error", type="server_error").body())
+            log.exception("producing the events of %s failed", self.id)
+            self.append(self.dialect.error_event(APIError(500, "internal server error", type="server_error")))
 
     def _ended(self, on_end: Callable[[], None]) -> None:
         self.ended = True
         self._changed.set()
         on_end()
 
+    def stop(self, last: Payload | None = None) -> bool:
+        """Cancel the producer if it still runs (its request aborted: the KV blocks return at the
+        engine's next step), `last` its final event; whether it was still running."""
+        if self.producer is None or self.producer.done():
+            return False
+        if last is not None:
+            self.append(last)
+        self.producer.cancel()
+        return True
+
     # --------------------------------------------------------------------- the writer's side
 
     async def serve(self, request: web.Request, after: int) -> web.StreamResponse:
-        """Attach as the writer: every event after sequence number `after`, then each new one,
-        then [DONE]; until then, a disconnect, or another writer attaching."""
+        """Attach as a writer: every event after sequence number `after`, then each new one,
+        then the dialect's end; until then, a disconnect, or (`_writing`) a newer writer."""
         token = object()
         self._attach(token)
         response = web.StreamResponse(headers=SSE_HEADERS)
-        open_streams, sent = self.registry.open_streams, after + 1
-        open_streams.add(response)
+        sent = after + 1
+        self.open_streams.add(response)
         try:
             delimit_body(request, response)
             await response.prepare(request)
-            while self.writer is token:
+            while self._writing(token):
                 self._changed.clear()
                 if sent < len(self.events):
                     data, sent = "".join(self.events[sent:]), len(self.events)
                     await response.write(data.encode())
                 elif self.ended:
-                    await response.write(DONE.encode())
+                    if self.dialect.end:
+                        await response.write(self.dialect.end.encode())
                     await response.write_eof()
-                    self.delivered = True
+                    self._delivered()
                     break
-                elif not await _changed(self._changed, self.registry.keepalive):
+                elif not await _changed(self._changed, self.keepalive_seconds):
                     await response.write(KEEPALIVE)
         except (ConnectionResetError, ClientConnectionResetError):
-            log.debug("the client of resumable stream %s left", self.id)
+            log.debug("a client of the events of %s left", self.id)
         finally:
-            open_streams.discard(response)
+            self.open_streams.discard(response)
             self._detach(token)
         return response
+
+    def _attach(self, token: object) -> None:
+        pass
+
+    def _writing(self, token: object) -> bool:
+        return True
+
+    def _delivered(self) -> None:
+        pass
+
+    def _detach(self, token: object) -> None:
+        pass
+
+
+class ResumableStream(EventLog):
+    """One resumable response: an EventLog with at most one writer, whose disconnect starts the
+    grace period (the module's docstring)."""
+
+    def __init__(self, registry: StreamRegistry, response_id: str, caller: str, bound: int) -> None:
+        super().__init__(response_id, bound, registry.open_streams, registry.keepalive)
+        self.registry = registry
+        self.caller = caller
+        self.delivered = False  # a writer sent every event and [DONE]
+        self.writer: object | None = None  # the attached writer's token
+        self._grace: asyncio.TimerHandle | None = None
 
     def _attach(self, token: object) -> None:
         if self._grace is not None:
@@ -157,6 +206,12 @@ class ResumableStream:
             self._grace = None
         self.writer = token  # (a writer still attached sees it is replaced, and ends)
         self._changed.set()
+
+    def _writing(self, token: object) -> bool:
+        return self.writer is token
+
+    def _delivered(self) -> None:
+        self.delivered = True
 
     def _detach(self, token: object) -> None:
         if self.writer is not token:
@@ -180,10 +235,7 @@ class ResumableStream:
         if self._grace is not None:
             self._grace.cancel()
             self._grace = None
-        if self.producer is not None and not self.producer.done():
-            if reason is not None:
-                self._append(APIError(499, reason, code="stream_cancelled").body())
-            self.producer.cancel()
+        self.stop(None if reason is None else APIError(499, reason, code="stream_cancelled").body())
 
 
 async def _changed(event: asyncio.Event, timeout: float) -> bool:
@@ -278,10 +330,16 @@ def resume_point(request: web.Request, stream: ResumableStream) -> int:
         owner, colon, value = value.strip().rpartition(":")
         if colon and owner != stream.id:
             raise bad_request(f"Last-Event-ID {owner}:... names another response than {stream.id}", param=param)
+    return event_number(value, param, stream)
+
+
+def event_number(value: str, param: str, events: EventLog) -> int:
+    """`value` as the sequence number of one of `events` so far, or -1 (before the first); else a
+    400 naming `param`."""
     if not _INT.fullmatch(value.strip()):
         raise bad_request(f"{param} must be an event's sequence number, got {value!r}", param=param)
     after = int(value)
-    if not -1 <= after < len(stream.events):
-        raise bad_request(f"{param} must be in [-1, {len(stream.events) - 1}] (the events so far), got {after}",
+    if not -1 <= after < len(events.events):
+        raise bad_request(f"{param} must be in [-1, {len(events.events) - 1}] (the events so far), got {after}",
                           param=param)
     return after

@@ -1,0 +1,151 @@
+"""A response's streamed events, each numbered by `sequence_number` (the event's index in its
+stream, also its SSE id `<response id>:<n>`, so a replay from `starting_after=N` is events N+1..):
+
+    response.created, response.in_progress
+    per output item: response.output_item.added, (a message) response.content_part.added,
+        response.output_text.delta..., response.output_text.done, response.content_part.done
+        (a function call) response.function_call_arguments.delta..., .done
+        response.output_item.done
+    response.completed (or response.incomplete) with the whole response
+
+A background response that is cancelled, or evicted while it runs, ends with an `error` event
+instead (code response_cancelled), as one an engine abort ends.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any, Protocol
+
+from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser
+from inferd.api.errors import APIError
+from inferd.api.pipeline.shape import Reply
+from inferd.api.responses.wire import OutputFunctionCall, OutputMessage, OutputText
+from inferd.api.streaming.sse import Named, Payload
+from inferd.api.wire import dump
+from inferd.engine.protocol import EngineOutput
+
+OutputItem = OutputMessage | OutputFunctionCall
+# NOTE: the most events one token makes. An output's text makes a delta per piece the tool-call
+# parser finds in it; a piece may close the open item (3 events) and open another (2); every
+# item and every piece takes at least one token of text. So 8 per token bounds a response's
+# events (a background response's log: streaming/resume.py's event_bound).
+EVENTS_PER_TOKEN = 8
+
+
+def item_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+def finish_status(finish: str | None) -> str:
+    return "incomplete" if finish in ("length", "timeout") else "completed"
+
+
+class Responder(Protocol):
+    """What the events need of their request's shape (create.py's ResponsesShape)."""
+
+    def calls_tools(self) -> bool: ...
+
+    def response(self, reply: Reply, output: list[OutputItem], status: str, usage: bool = True) -> dict[str, Any]:
+        """The `response` object with this output and status."""
+        ...
+
+    def finished(self, reply: Reply, response: dict[str, Any], output: list[OutputItem]) -> None:
+        """The response is complete (or incomplete): keep it, if it is to be kept."""
+        ...
+
+
+class ResponseEvents:
+    """A streamed response's events (the module's docstring), and its output so far."""
+
+    def __init__(self, shape: Responder, reply: Reply) -> None:
+        self.shape, self.reply = shape, reply
+        self.parser = ToolCallParser() if shape.calls_tools() else None
+        self.sequence = 0
+        self.output: list[OutputItem] = []
+        self.open: OutputItem | None = None
+        self.status = "completed"
+        self.started = False  # an engine output came: in progress, no longer queued
+        self.failure: APIError | None = None  # what ended it early (an engine abort, a cancel)
+
+    def _event(self, kind: str, **fields: Any) -> Named:
+        payload = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return Named(kind, payload)
+
+    def snapshot(self, status: str) -> dict[str, Any]:
+        """The response as it stands, with this status (a running background one's, for GET)."""
+        return self.shape.response(self.reply, list(self.output), status, usage=False)
+
+    def head(self) -> list[Payload]:
+        snapshot = self.snapshot("in_progress")
+        return [self._event("response.created", response=snapshot),
+                self._event("response.in_progress", response=snapshot)]
+
+    def render(self, prompt: int, out: EngineOutput) -> list[Payload]:
+        self.started = True
+        events: list[Payload] = []
+        found = [Content(out.text)] if self.parser is None else (
+            self.parser.feed(out.text) + (self.parser.finish() if out.finished else []))
+        for event in found:
+            if isinstance(event, Content) and event.text:
+                if not (self.parser is not None and self.parser.calls_started and not event.text.strip()):
+                    self._text(events, event.text)
+            elif isinstance(event, CallStart):
+                self._open(events, OutputFunctionCall(id=item_id("fc"), call_id=event.id, name=event.name,
+                                                      arguments="", status="in_progress"))
+            elif isinstance(event, Arguments) and isinstance(self.open, OutputFunctionCall):
+                self.open.arguments += event.fragment
+                events.append(self._event("response.function_call_arguments.delta", item_id=self.open.id,
+                                          output_index=len(self.output) - 1, delta=event.fragment))
+        if out.finished:
+            self._close(events)
+            self.status = finish_status(out.finish_reason)
+        return events
+
+    def tail(self) -> list[Payload]:
+        kind = "response.completed" if self.status == "completed" else "response.incomplete"
+        response = self.shape.response(self.reply, self.output, self.status)
+        self.shape.finished(self.reply, response, self.output)
+        return [self._event(kind, response=response)]
+
+    def error(self, error: APIError) -> Named:
+        self.failure = error
+        return self._event("error", code=error.code or error.type, message=error.message, param=error.param)
+
+    def _text(self, events: list[Payload], text: str) -> None:
+        if not isinstance(self.open, OutputMessage):
+            self._open(events, OutputMessage(id=item_id("msg"), status="in_progress", content=[]))
+            events.append(self._event("response.content_part.added", item_id=self.open.id,  # type: ignore[union-attr]
+                                      output_index=len(self.output) - 1, content_index=0,
+                                      part={"type": "output_text", "text": "", "annotations": []}))
+            self.open.content.append(OutputText(text=""))  # type: ignore[union-attr]
+        message = self.open
+        assert isinstance(message, OutputMessage)
+        message.content[0].text += text
+        events.append(self._event("response.output_text.delta", item_id=message.id, output_index=len(self.output) - 1,
+                                  content_index=0, delta=text, logprobs=[]))
+
+    def _open(self, events: list[Payload], item: OutputItem) -> None:
+        self._close(events)
+        self.output.append(item)
+        self.open = item
+        events.append(self._event("response.output_item.added", output_index=len(self.output) - 1,
+                                  item=dump(item)))
+
+    def _close(self, events: list[Payload]) -> None:
+        item, index = self.open, len(self.output) - 1
+        if item is None:
+            return
+        item.status = "completed"
+        if isinstance(item, OutputMessage):
+            part = dump(item.content[0])
+            events.append(self._event("response.output_text.done", item_id=item.id, output_index=index,
+                                      content_index=0, text=item.content[0].text, logprobs=[]))
+            events.append(self._event("response.content_part.done", item_id=item.id, output_index=index,
+                                      content_index=0, part=part))
+        else:
+            events.append(self._event("response.function_call_arguments.done", item_id=item.id, output_index=index,
+                                      name=item.name, arguments=item.arguments))
+        events.append(self._event("response.output_item.done", output_index=index, item=dump(item)))
+        self.open = None
