@@ -195,7 +195,7 @@ async def test_every_call_started_under_auto_is_well_formed(server: Server, seed
 async def test_without_the_grammar_the_same_loop_gets_malformed_calls(server: Server,
                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     # as for a model whose template has a format of its own: "auto" runs without a grammar
-    monkeypatch.setattr(tool_grammar, "speaks_hermes", lambda tokenizer: False)
+    monkeypatch.setattr(tool_grammar, "tool_format", lambda tokenizer: None)
     answers = await sample(server, runs(20))
     problems = [p for answer in answers for p in malformed(answer)]
     assert problems, answers
@@ -233,3 +233,39 @@ async def test_tools_the_grammar_cannot_hold_leave_auto_free_but_refuse_required
     assert status == 200, reply
     status, reply = await server.post("/v1/chat/completions", {**body, "tool_choice": "required"})
     assert status == 400 and reply["error"]["code"] == "invalid_grammar", reply
+
+
+# a Llama-3.1-style template (its tool instructions and call rendering) in the default model's
+# ChatML turns, so the default model can serve it
+LLAMA3_TEMPLATE = """{%- if tools %}<|im_start|>system
+Given the following functions, please respond with a JSON for a function call with its proper \
+arguments that best answers the given prompt.
+
+Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}. \
+Do not use variables.
+
+{% for t in tools %}{{ t | tojson }}
+{% endfor %}<|im_end|>
+{% endif %}{%- for m in messages %}<|im_start|>{{ m.role }}
+{% if m.tool_calls %}{% for c in m.tool_calls %}{"name": "{{ c.function.name }}", "parameters": \
+{{ c.function.arguments | tojson }}}{% endfor %}{% else %}{{ m.content }}{% endif %}<|im_end|>
+{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+async def test_a_llama3_template_gets_its_own_format(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Read from the template: the whole answer is one call, {"name", "parameters"}, forced under
+    "required", held under "auto" (an answer that opens with "{" is a valid call), parsed back."""
+    monkeypatch.setattr(server.engine.tokenizer, "chat_template", LLAMA3_TEMPLATE)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 40, "temperature": 0,
+            "tools": [{"type": "function", "function": f} for f in (WEATHER, TIME)], "tool_choice": "required"}
+    (status, reply), streamed, *auto = await asyncio.gather(
+        server.post("/v1/chat/completions", body), chat_stream(server, body),
+        *(chat_stream(server, {**body, "tool_choice": "auto", "temperature": 1, "seed": seed}) for seed in range(2)))
+    assert status == 200, reply
+    message = reply["choices"][0]["message"]
+    [whole] = [(c["function"]["name"], c["function"]["arguments"]) for c in message["tool_calls"]]
+    assert message["content"] is None and reply["choices"][0]["finish_reason"] == "tool_calls"
+    assert malformed(([whole], "")) == [] and streamed == ([whole], "")
+    for calls, text in auto:
+        assert malformed((calls, text)) == [] and not text.lstrip().startswith("{"), (calls, text)

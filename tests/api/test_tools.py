@@ -417,3 +417,55 @@ def test_well_formed_calls_have_json_arguments(pieces: list[str]) -> None:
     for c in calls:
         json.loads(c["function"]["arguments"])
     assert content(events) == "".join(p for p in pieces if p not in (PARIS, CLOCK_CALL))
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama-3's format: the whole answer is one call
+
+
+def test_the_format_is_read_from_the_template() -> None:
+    from types import SimpleNamespace
+
+    from inferd.api.conversation.tool_formats import HERMES, LLAMA3_JSON, tool_format
+
+    def form(template: str | None) -> str | None:
+        return tool_format(SimpleNamespace(chat_template=template))  # type: ignore[arg-type]
+
+    assert form(None) == form("{{ messages }}") == HERMES  # no tools in the template: we teach Hermes
+    assert form("{% if tools %}<tool_call>\n{{ tools }}{% endif %}") == HERMES  # Qwen's, Hermes'
+    llama = '{% if tools %}Respond in the format {"name": function name, "parameters": dictionary of ...{% endif %}'
+    assert form(llama) == LLAMA3_JSON
+    assert form("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]{% endif %}") is None  # Mistral's: not yet
+
+
+def test_llama3_grammar_free_text_or_one_call(matcher) -> None:
+    from inferd.api.conversation.tool_grammar import llama3_grammar
+
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    auto = llama3_grammar([WEATHER, CLOCK], None, forced=False)
+    assert matcher(auto, "It is sunny {maybe}.") and matcher(auto, "") and matcher(auto, call)
+    assert matcher(auto, "\n " + call)
+    assert not matcher(auto, '{"name": "get_wether", "parameters": {"city": "Paris"}}')
+    assert not matcher(auto, '{"name": "get_weather", "parameters": {"town": "Paris"}}')
+    assert not matcher(auto, call + " and more")  # the call is the whole answer
+    forced = llama3_grammar([WEATHER, CLOCK], "get_weather", forced=True)
+    assert matcher(forced, call) and not matcher(forced, "Sunny.")
+    assert not matcher(forced, '{"name": "get_time", "parameters": {}}')
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_llama3_answers_parse_whole_in_any_chunking(size: int) -> None:
+    from inferd.api.conversation.tool_formats import JsonAnswerParser
+
+    def run(text: str) -> tuple[list, list[dict]]:
+        parser = JsonAnswerParser(id_factory=lambda: "call_0")
+        events = [e for i in range(0, len(text), size) for e in parser.feed(text[i : i + size])] + parser.finish()
+        return events, parser.calls
+
+    events, calls = run(' {"name": "get_weather", "parameters": {"city": "Paris"}}')
+    assert calls == [call("call_0", "get_weather", '{"city": "Paris"}')] and content(events) == ""
+    assert events[0] == CallStart(0, "call_0", "get_weather")
+    events, calls = run("Sunny, {probably}.")
+    assert calls == [] and content(events) == "Sunny, {probably}."
+    events, calls = run('{"broken": ')
+    assert calls == [] and content(events) == '{"broken": '

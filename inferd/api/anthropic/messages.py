@@ -31,7 +31,8 @@ from inferd.api.body import read_json
 from inferd.api.conversation.render import render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
 from inferd.api.conversation.tool_grammar import tools_grammar
-from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser
+from inferd.api.conversation.tool_formats import tool_parser
+from inferd.api.conversation.tools import Arguments, CallStart, Content
 from inferd.api.errors import bad_request
 from inferd.api.pipeline.generate import generate
 from inferd.api.pipeline.prompts import make_prompts
@@ -152,7 +153,7 @@ class MessagesShape:
         result = results[0]
         content: list[TextOut | ToolUseOut] = []
         if self.body.calls_tools:
-            parser = ToolCallParser(tool_use_id)
+            parser = tool_parser(reply.tokenizer, tool_use_id)
             events = parser.feed(result.text) + parser.finish()
             text = "".join(e.text for e in events if isinstance(e, Content))
             if text.strip() or not parser.calls:
@@ -192,7 +193,7 @@ class StreamBlocks:
 
     def __init__(self, body: MessagesRequest, reply: Reply) -> None:
         self.body, self.reply = body, reply
-        self.parser = ToolCallParser(tool_use_id) if body.calls_tools else None
+        self.parser = tool_parser(reply.tokenizer, tool_use_id) if body.calls_tools else None
         self.index = -1  # the open block's, -1 before the first
         self.open: str | None = None  # its type
         self.stop: tuple[str, str | None] = ("end_turn", None)

@@ -4,7 +4,7 @@
     "auto"                          free text, but a call the model opens is held to a valid call
                                     of a declared function and then released (auto_call_grammar)
 
-Both speak the Hermes format of tools.py; both end the answer once a call repeats an earlier one
+In the Hermes format of tools.py, both end the answer once a call repeats an earlier one
 (engine/structured/repeats.py; the parser drops the repeat). How "auto" works, in llguidance's
 Lark (docs/syntax.md, "Tool calling"):
 
@@ -15,6 +15,9 @@ Lark (docs/syntax.md, "Tool calling"):
 
 One grammar for the whole answer, compiled at the door like any other: the engine's token masks
 (engine/structured/masks.py) need nothing new, and a free-text token costs one mask (~40 µs).
+
+Llama-3's format (tool_formats.py) is one call as the whole answer: under "auto" an answer that
+starts with "{" is that call, any other is text (llama3_grammar).
 """
 
 from __future__ import annotations
@@ -24,27 +27,28 @@ import re
 
 from inferd.api.admission.ask import Grammar
 from inferd.api.conversation.render import takes_tools
+from inferd.api.conversation.tool_formats import HERMES, LLAMA3_JSON, tool_format
 from inferd.api.conversation.tools import MAX_PARALLEL_CALLS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from inferd.engine.structured.grammar import JSON_LAYOUT
 from inferd.model.tokenizer import Tokenizer
-
-
-def speaks_hermes(tokenizer: Tokenizer) -> bool:
-    """Whether the model calls tools in the Hermes format: we teach it (a template without tools),
-    or its own template shows `<tool_call>` (Hermes, Qwen2.5, Qwen3). Another template's format
-    (Llama-3's bare JSON, Mistral's [TOOL_CALLS]) is not held by a grammar under "auto" yet."""
-    return not takes_tools(tokenizer) or TOOL_CALL_OPEN in (tokenizer.chat_template or "")
 
 
 def tools_grammar(tokenizer: Tokenizer, tools: list[dict], *, forced: bool, name: str | None, parallel: bool,
                   param: str) -> Grammar | None:
     """The grammar of a request that offers `tools` (OpenAI function dicts): only calls when
     `forced` (to function `name`, or any), else text with well-formed calls (None where the
-    model's template has another format). Raises ValueError for a name not among the tools."""
+    model's template has a format not known here). Raises ValueError for a name not among the tools."""
     repeats = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
-    if forced or name is not None:
+    forced = forced or name is not None
+    form = tool_format(tokenizer)
+    if not (forced or tools):
+        return None
+    if form == LLAMA3_JSON:  # one call, the whole answer: nothing to repeat
+        return Grammar(llama3_grammar(tools, name, forced), kind="tools" if forced else "tools_auto", param=param,
+                       best_effort=not forced)
+    if forced:
         return Grammar(tool_call_grammar(tools, name, parallel), kind="tools", param=param, repeat_tags=repeats)
-    if not tools or not speaks_hermes(tokenizer):
+    if form != HERMES:
         return None
     # a template of its own (Qwen's) puts the call on a line of its own: allow its newlines
     text = auto_call_grammar(tools, parallel, newlines=takes_tools(tokenizer))
@@ -93,10 +97,33 @@ def _body_rules(functions: list[dict], newlines: bool) -> list[str]:
     for i, function in enumerate(functions):
         head = '{"name": ' + json.dumps(function["name"]) + ', "arguments": '
         lines.append(f"call_{i}: {json.dumps(head)} args_{i}")
-        schema = dict(function.get("parameters") or {"type": "object"})
-        # NOTE: llguidance's %json allows any whitespace by default, and a small model can loop on
-        # newlines: the layout is pinned to the prompt's. Not strict: a schema keyword llguidance
-        # does not know (e.g. an unusual "format") is dropped instead of failing.
-        schema.setdefault("x-guidance", {**JSON_LAYOUT, "lenient": not function.get("strict")})
-        lines.append(f"args_{i}: %json {json.dumps(schema)}")
+        lines.append(f"args_{i}: %json {json.dumps(_schema(function))}")
     return lines
+
+
+def _schema(function: dict) -> dict:
+    """The function's parameters schema, with the JSON layout pinned."""
+    schema = dict(function.get("parameters") or {"type": "object"})
+    # NOTE: llguidance's %json allows any whitespace by default, and a small model can loop on
+    # newlines: the layout is pinned to the prompt's. Not strict: a schema keyword llguidance
+    # does not know (e.g. an unusual "format") is dropped instead of failing.
+    schema.setdefault("x-guidance", {**JSON_LAYOUT, "lenient": not function.get("strict")})
+    return schema
+
+
+def llama3_grammar(tools: list[dict], name: str | None, forced: bool) -> str:
+    """Llama-3's format: the answer is one call {"name": ..., "parameters": {...}} of function
+    `name` (any of `tools` when None); unless `forced`, an answer whose first non-blank character
+    is not "{" is free text instead."""
+    functions = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
+    if not functions:
+        raise ValueError(f"tool_choice names function {name!r}, which is not in tools" if name else
+                         "tool calls are required but no tools were given")
+    calls = " | ".join(f"call_{i}" for i in range(len(functions)))
+    lines = ["%llguidance {}", f"start: BLANK ({calls})" if forced else f"start: FREE | BLANK ({calls})",
+             r"BLANK: /\s*/", r"FREE: /(?s:\s*([^{\s].*)?)/"]  # text whose first non-blank is not "{"
+    for i, function in enumerate(functions):
+        head = '{"name": ' + json.dumps(function["name"]) + ', "parameters": '
+        lines.append(f'call_{i}: {json.dumps(head)} args_{i} "}}"')
+        lines.append(f"args_{i}: %json {json.dumps(_schema(function))}")
+    return "\n".join(lines) + "\n"

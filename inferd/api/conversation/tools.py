@@ -211,7 +211,7 @@ class ToolCallParser:
             return False  # not the exact format (yet): wait for the close tag
         block = self._buffer[:close]
         self._buffer, self._in_block = self._buffer[close + len(TOOL_CALL_CLOSE) :], False
-        call = _parse_block(block)
+        call = parse_call(block)
         if call is None:
             events.append(Content(TOOL_CALL_OPEN + block + TOOL_CALL_CLOSE))
             return True
@@ -285,7 +285,7 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def _parse_block(block: str) -> _Call | None:
+def parse_call(block: str) -> _Call | None:
     """The call a free-form block holds (id left empty), or None when it is not a call."""
     try:
         data = json.loads(block)

@@ -19,7 +19,8 @@ from inferd.api.body import read_json
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
 from inferd.api.conversation.tool_grammar import tools_grammar
-from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser
+from inferd.api.conversation.tool_formats import tool_parser
+from inferd.api.conversation.tools import Arguments, CallStart, Content
 from inferd.api.errors import APIError, bad_request
 from inferd.api.pipeline.generate import generate
 from inferd.api.pipeline.shape import Events, Reply
@@ -151,7 +152,7 @@ class ResponsesShape:
         text = result.text
         calls: list[dict[str, Any]] = []
         if calls_tools(self.body):
-            parser = ToolCallParser()
+            parser = tool_parser(reply.tokenizer)
             events = parser.feed(result.text) + parser.finish()
             text = "".join(e.text for e in events if isinstance(e, Content))
             calls = parser.calls
@@ -177,7 +178,7 @@ class ResponseEvents:
 
     def __init__(self, shape: ResponsesShape, reply: Reply) -> None:
         self.shape, self.reply = shape, reply
-        self.parser = ToolCallParser() if calls_tools(shape.body) else None
+        self.parser = tool_parser(reply.tokenizer) if calls_tools(shape.body) else None
         self.sequence = 0
         self.output: list[OutputMessage | OutputFunctionCall] = []
         self.open: OutputMessage | OutputFunctionCall | None = None
