@@ -33,7 +33,9 @@ class Grammar:
     # (opening, closing) of a tool call: the answer ends once a call repeats an earlier one
     repeat_tags: tuple[str, str] | None = None
     ends_answer: bool = True  # the grammar decides where the answer ends (ignore_eos cannot hold)
-    best_effort: bool = False  # one that is too large or does not compile leaves the answer free (no 400)
+    # one that is too large, does not compile, or breaks while it runs leaves the answer free
+    # (no 400, no failed choice): tools under "auto", where the client asked for no constraint
+    best_effort: bool = False
 
 
 @dataclass(frozen=True, slots=True)

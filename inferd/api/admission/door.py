@@ -173,7 +173,8 @@ class FrontDoor:
                        f"{MAX_GRAMMAR_CHARS})")
         else:
             try:
-                return await asyncio.to_thread(self.grammars.compile, grammar.text, grammar.repeat_tags)
+                return await asyncio.to_thread(self.grammars.compile, grammar.text, grammar.repeat_tags,
+                                               grammar.best_effort)
             except GrammarError as e:
                 problem = f"the {grammar.param} cannot be compiled: {e}"
         if grammar.best_effort:
