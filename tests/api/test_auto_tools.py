@@ -8,7 +8,8 @@ answer ends there with the repeat dropped.
 NOTE: offered tools alone, the default model (SmolLM2-135M) seldom calls one; the prompt is a
 conversation in which it has called get_weather twice before (a two-shot history), after which it
 opens a call on nearly every seed, and a free-running one is often malformed: an undeclared
-name, an enum value it made up, a block that is not JSON.
+name, an enum value it made up, a block that is not JSON. Chat completions take each run's seed;
+the Responses and Messages APIs have no seed field, so their runs draw anew each time.
 """
 
 from __future__ import annotations
