@@ -149,14 +149,15 @@ class LogitsConstraint(Protocol):
     engine thread. `fill_mask` writes the tokens the choice may sample next into a bitmask
     (numpy int32 [ceil(V/32)], bit i of word i // 32 set = token i allowed), filled while the
     model runs; the sampler masks the rest, for greedy and sampled rows alike. `accept` advances
-    it with the token sampled. Raising from either fails that choice alone (a ConstraintError: as
+    it with the token sampled, and returns True when the choice ends with that token (finish
+    reason "stop": a tool call repeated, engine/structured/repeats.py). Raising from either fails that choice alone (a ConstraintError: as
     the client's fault). `fork` gives an independent copy (made before any token) for each
     further choice of an n > 1 group. A preemption keeps the
     sampled tokens, so it keeps the state too. inferd/engine/structured/grammar.py has the grammar one."""
 
     def fill_mask(self, mask: Any) -> None: ...
 
-    def accept(self, token_id: int) -> None: ...
+    def accept(self, token_id: int) -> bool | None: ...
 
     def fork(self) -> LogitsConstraint: ...
 

@@ -21,9 +21,9 @@ from inferd.api.conversation.tools import (
     Content,
     ToolCallParser,
     history_message,
-    tool_call_grammar,
     tools_system_prompt,
 )
+from inferd.api.conversation.tool_grammar import auto_call_grammar, tool_call_grammar
 
 WEATHER = {
     "type": "function",
@@ -205,6 +205,33 @@ def test_grammar_survives_awkward_schemas(matcher) -> None:
     assert matcher(grammar, '<tool_call>{"name": "odd-name_2", "arguments": {"when": "now"}}</tool_call>')
 
 
+def test_auto_grammar_leaves_text_free_and_holds_calls(matcher) -> None:
+    grammar = auto_call_grammar([WEATHER, CLOCK], parallel=True)
+    assert matcher(grammar, "Paris is sunny. <tool and a < b\n{}")
+    assert matcher(grammar, "")
+    assert matcher(grammar, "Let me look. " + PARIS + "\nAnd the time: " + CLOCK_CALL + " Done.")
+    assert not matcher(grammar, "Let me look. <tool_call>Paris</tool_call>")
+    assert not matcher(grammar, PARIS.replace("get_weather", "get_wether"))
+    assert not matcher(grammar, PARIS.replace('"city"', '"town"'))  # "city" is required
+    assert not matcher(grammar, PARIS.replace('{"city": ', '{\n  "city": '))  # the prompt's layout
+    assert not matcher(grammar, "<tool_call></tool_call>")
+    assert matcher(grammar, " ".join([PARIS] * MAX_PARALLEL_CALLS))
+    assert not matcher(grammar, " ".join([PARIS] * MAX_PARALLEL_CALLS) + " <tool_call>")  # bounded
+
+
+def test_auto_grammar_without_parallel_calls_opens_one(matcher) -> None:
+    grammar = auto_call_grammar([WEATHER], parallel=False)
+    assert matcher(grammar, "Sure. " + PARIS + " That is all.")
+    assert not matcher(grammar, PARIS + " " + PARIS)
+
+
+def test_auto_grammar_for_a_template_that_puts_calls_on_lines(matcher) -> None:
+    """Qwen's template shows <tool_call>\n{...}\n</tool_call>: its newlines are allowed."""
+    grammar = auto_call_grammar([WEATHER], parallel=True, newlines=True)
+    assert matcher(grammar, PARIS.replace("<tool_call>", "<tool_call>\n").replace("</tool_call>", "\n</tool_call>"))
+    assert matcher(grammar, PARIS)
+
+
 def test_grammar_refuses_unknown_names() -> None:
     with pytest.raises(ValueError, match="get_time"):
         tool_call_grammar([WEATHER], "get_time", parallel=False)
@@ -289,6 +316,32 @@ def test_unterminated_block_becomes_content() -> None:
     assert content(events) == text and calls == []
 
 
+def test_a_repeated_call_is_dropped_and_never_streamed() -> None:
+    rome = PARIS.replace("Paris", "Rome")
+    text = PARIS + "\n" + PARIS + "\n" + rome + "\n" + rome
+    events, calls = parse(list(text))  # a character at a time: the repeat is held back, then dropped
+    assert calls == [call("call_0", "get_weather", '{"city": "Paris"}'), call("call_2", "get_weather", '{"city": "Rome"}')]
+    assert [e.index for e in events if isinstance(e, CallStart)] == [0, 1]
+    assert arguments(events, 0) == '{"city": "Paris"}' and arguments(events, 1) == '{"city": "Rome"}'
+    assert content(events) == "\n\n\n"
+
+
+def test_a_call_that_starts_like_an_earlier_one_streams_once_it_differs() -> None:
+    longer = PARIS.replace('"Paris"}', '"Paris", "days": 2}')
+    counter = itertools.count()
+    parser = ToolCallParser(id_factory=lambda: f"call_{next(counter)}")
+    parser.feed(PARIS)
+    assert parser.feed(longer[: longer.index("Paris")]) == []  # held: it may still be a repeat
+    out = parser.feed('Paris", ')
+    assert out[0] == CallStart(1, "call_1", "get_weather") and arguments(out, 1) == '{"city": "Paris",'
+
+
+def test_free_form_repeats_are_dropped_too() -> None:
+    block = '<tool_call> {"name": "get_time", "arguments": {}} </tool_call>'
+    _, calls = parse([block, CLOCK_CALL, block])
+    assert calls == [call("call_0", "get_time", "{}")]
+
+
 def test_streamed_call_cut_off_keeps_what_was_written() -> None:
     """Its CallStart and fragments went out already, so it stays a call (as with max_tokens)."""
     events, calls = parse(['<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_'])
@@ -360,7 +413,59 @@ def test_any_chunking_gives_the_same_result(case: tuple[str, list[str]]) -> None
 @given(st.lists(st.sampled_from([PARIS, CLOCK_CALL, "\n", "Hi. "]), max_size=6))
 def test_well_formed_calls_have_json_arguments(pieces: list[str]) -> None:
     events, calls = parse(list("".join(pieces)))
-    assert len(calls) == pieces.count(PARIS) + pieces.count(CLOCK_CALL)
+    assert len(calls) == len({p for p in pieces if p in (PARIS, CLOCK_CALL)})  # each call once
     for c in calls:
         json.loads(c["function"]["arguments"])
     assert content(events) == "".join(p for p in pieces if p not in (PARIS, CLOCK_CALL))
+
+
+# ---------------------------------------------------------------------------------------------
+# Llama-3's format: the whole answer is one call
+
+
+def test_the_format_is_read_from_the_template() -> None:
+    from types import SimpleNamespace
+
+    from inferd.api.conversation.tool_formats import HERMES, LLAMA3_JSON, tool_format
+
+    def form(template: str | None) -> str | None:
+        return tool_format(SimpleNamespace(chat_template=template))  # type: ignore[arg-type]
+
+    assert form(None) == form("{{ messages }}") == HERMES  # no tools in the template: we teach Hermes
+    assert form("{% if tools %}<tool_call>\n{{ tools }}{% endif %}") == HERMES  # Qwen's, Hermes'
+    llama = '{% if tools %}Respond in the format {"name": function name, "parameters": dictionary of ...{% endif %}'
+    assert form(llama) == LLAMA3_JSON
+    assert form("{% if tools %}[AVAILABLE_TOOLS]{{ tools }}[TOOL_CALLS]{% endif %}") is None  # Mistral's: not yet
+
+
+def test_llama3_grammar_free_text_or_one_call(matcher) -> None:
+    from inferd.api.conversation.tool_grammar import llama3_grammar
+
+    call = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    auto = llama3_grammar([WEATHER, CLOCK], None, forced=False)
+    assert matcher(auto, "It is sunny {maybe}.") and matcher(auto, "") and matcher(auto, call)
+    assert matcher(auto, "\n " + call)
+    assert not matcher(auto, '{"name": "get_wether", "parameters": {"city": "Paris"}}')
+    assert not matcher(auto, '{"name": "get_weather", "parameters": {"town": "Paris"}}')
+    assert not matcher(auto, call + " and more")  # the call is the whole answer
+    forced = llama3_grammar([WEATHER, CLOCK], "get_weather", forced=True)
+    assert matcher(forced, call) and not matcher(forced, "Sunny.")
+    assert not matcher(forced, '{"name": "get_time", "parameters": {}}')
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_llama3_answers_parse_whole_in_any_chunking(size: int) -> None:
+    from inferd.api.conversation.tool_formats import JsonAnswerParser
+
+    def run(text: str) -> tuple[list, list[dict]]:
+        parser = JsonAnswerParser(id_factory=lambda: "call_0")
+        events = [e for i in range(0, len(text), size) for e in parser.feed(text[i : i + size])] + parser.finish()
+        return events, parser.calls
+
+    events, calls = run(' {"name": "get_weather", "parameters": {"city": "Paris"}}')
+    assert calls == [call("call_0", "get_weather", '{"city": "Paris"}')] and content(events) == ""
+    assert events[0] == CallStart(0, "call_0", "get_weather")
+    events, calls = run("Sunny, {probably}.")
+    assert calls == [] and content(events) == "Sunny, {probably}."
+    events, calls = run('{"broken": ')
+    assert calls == [] and content(events) == '{"broken": '

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 
 from inferd.engine.protocol import LogitsConstraint
 from inferd.model.sampling_params import SamplingParams
+from inferd.model.tokenizer import Tokenizer
 from inferd.settings.policy import PriorityClass, Timeouts
 
 # where a request's grammar came from (/metrics counts them; "invalid": it was refused)
-GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools", "invalid")
+# ("tools": only tool calls, tool_choice "required" or named; "tools_auto": text, and any call it starts)
+GRAMMAR_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools", "tools_auto", "invalid")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +30,12 @@ class Grammar:
     text: str
     kind: str  # one of GRAMMAR_KINDS
     param: str  # the request field an error about it names: "response_format", "tools"
+    # (opening, closing) of a tool call: the answer ends once a call repeats an earlier one
+    repeat_tags: tuple[str, str] | None = None
+    ends_answer: bool = True  # the grammar decides where the answer ends (ignore_eos cannot hold)
+    # one that is too large, does not compile, or breaks while it runs leaves the answer free
+    # (no 400, no failed choice): tools under "auto", where the client asked for no constraint
+    best_effort: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,9 +76,10 @@ class Ask:
     resumable: bool = False  # a stream that outlives a disconnect
     cache_salt: str | None = None  # narrows its prefix-cache namespace (its tenant's) further
     prompt_param: str = "prompt"  # the field an error about the prompt names ("messages" in chat)
-    # the structured output's grammar, built on demand (it may raise the front-end's 400; the
-    # door counts it as invalid); None: free text
-    grammar: Callable[[], Grammar | None] | None = None
+    # the structured output's grammar for the model's tokenizer (the tool-call format follows its
+    # chat template), built on demand (it may raise the front-end's 400; the door counts it as
+    # invalid); None: free text
+    grammar: Callable[[Tokenizer], Grammar | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

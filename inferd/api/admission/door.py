@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from inferd.api.admission.ask import Ask, Prepared
+from inferd.api.admission.ask import Ask, Grammar, Prepared
 from inferd.api.admission.queues import AdmissionError, ClassQueues
 from inferd.api.errors import APIError, bad_request
 from inferd.api.state import ServerState
@@ -149,25 +149,37 @@ class FrontDoor:
         if ask.grammar is None:
             return None
         try:
-            grammar = ask.grammar()
+            grammar = ask.grammar(self.engine.tokenizer)
             if grammar is None:
                 return None
-            if ask.sampling.ignore_eos:
+            if ask.sampling.ignore_eos and grammar.ends_answer:
                 raise bad_request(f"ignore_eos cannot be combined with {grammar.param}: the grammar ends the answer",
                                   param="ignore_eos")
-            if len(grammar.text) > MAX_GRAMMAR_CHARS:
-                raise bad_request(f"the {grammar.param} grammar is too large ({len(grammar.text)} characters; at "
-                                  f"most {MAX_GRAMMAR_CHARS})", param=grammar.param, code="invalid_grammar")
-            try:
-                first: LogitsConstraint = await asyncio.to_thread(self.grammars.compile, grammar.text)
-            except GrammarError as e:
-                raise bad_request(f"the {grammar.param} cannot be compiled: {e}", param=grammar.param,
-                                  code="invalid_grammar") from None
+            first = await self._compile(grammar)
         except APIError:
             self.counts.grammars["invalid"] += 1
             raise
+        if first is None:
+            return None
         self.counts.grammars[grammar.kind] += 1
         return [first] + [first.fork() for _ in range(prompts - 1)]
+
+    async def _compile(self, grammar: Grammar) -> LogitsConstraint | None:
+        """The grammar's constraint; a 400 for one too large or that does not compile, or, for a
+        `best_effort` one, None: the answer goes unconstrained (an agent's many large tool schemas
+        must not turn "auto" into a refusal)."""
+        if len(grammar.text) > MAX_GRAMMAR_CHARS:
+            problem = (f"the {grammar.param} grammar is too large ({len(grammar.text)} characters; at most "
+                       f"{MAX_GRAMMAR_CHARS})")
+        else:
+            try:
+                return await asyncio.to_thread(self.grammars.compile, grammar.text, grammar.repeat_tags,
+                                               grammar.best_effort)
+            except GrammarError as e:
+                problem = f"the {grammar.param} cannot be compiled: {e}"
+        if grammar.best_effort:
+            return None
+        raise bad_request(problem, param=grammar.param, code="invalid_grammar")
 
     # --------------------------------------------------------------------------- admission
 

@@ -30,7 +30,9 @@ from inferd.api.anthropic.errors import DIALECT
 from inferd.api.body import read_json
 from inferd.api.conversation.render import render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
-from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser, tool_call_grammar
+from inferd.api.conversation.tool_grammar import tools_grammar
+from inferd.api.conversation.tool_formats import tool_parser
+from inferd.api.conversation.tools import Arguments, CallStart, Content
 from inferd.api.errors import bad_request
 from inferd.api.pipeline.generate import generate
 from inferd.api.pipeline.prompts import make_prompts
@@ -88,17 +90,19 @@ def messages_prompt(tokenizer: Tokenizer, body: Prompted) -> list[int]:
     return render_prompt(tokenizer, template_messages(body), tools, template_kwargs=template_kwargs(body))
 
 
-def tools_grammar(body: MessagesRequest) -> Grammar | None:
-    """tool_choice "any" or "tool": the answer is only tool calls (of that tool), grammar-forced."""
+def calls_grammar(body: MessagesRequest, tokenizer: Tokenizer) -> Grammar | None:
+    """tool_choice "any" or "tool": the answer is only tool calls (of that tool), grammar-forced;
+    "auto" (or none given): text, and any call the model opens held to a valid call."""
     choice = body.tool_choice
-    if not body.calls_tools or choice is None or choice.type == "auto":
+    if not body.calls_tools:
         return None
     tools = [t.as_function() for t in body.tools or []]
+    forced = choice if choice is not None and choice.type != "auto" else None
     try:
-        text = tool_call_grammar(tools, choice.name, parallel=not choice.disable_parallel_tool_use)
+        return tools_grammar(tokenizer, tools, forced=forced is not None, name=forced.name if forced else None,
+                             parallel=not (choice and choice.disable_parallel_tool_use), param="tool_choice")
     except ValueError as e:
         raise bad_request(str(e), param="tool_choice") from None
-    return Grammar(text, kind="tools", param="tool_choice")
 
 
 def to_ask(body: MessagesRequest) -> Ask:
@@ -106,7 +110,7 @@ def to_ask(body: MessagesRequest) -> Ask:
                         stop=tuple(body.stop_sequences or ()))
     return Ask(model=body.model, stream=body.stream, user=body.metadata.user_id if body.metadata else None,
                max_tokens=body.max_tokens, clamp_max_tokens=True, sampling=sampling, prompt_param="messages",
-               grammar=lambda: tools_grammar(body))
+               grammar=lambda tokenizer: calls_grammar(body, tokenizer))
 
 
 def tool_use_id() -> str:
@@ -149,7 +153,7 @@ class MessagesShape:
         result = results[0]
         content: list[TextOut | ToolUseOut] = []
         if self.body.calls_tools:
-            parser = ToolCallParser(tool_use_id)
+            parser = tool_parser(reply.tokenizer, tool_use_id)
             events = parser.feed(result.text) + parser.finish()
             text = "".join(e.text for e in events if isinstance(e, Content))
             if text.strip() or not parser.calls:
@@ -189,7 +193,7 @@ class StreamBlocks:
 
     def __init__(self, body: MessagesRequest, reply: Reply) -> None:
         self.body, self.reply = body, reply
-        self.parser = ToolCallParser(tool_use_id) if body.calls_tools else None
+        self.parser = tool_parser(reply.tokenizer, tool_use_id) if body.calls_tools else None
         self.index = -1  # the open block's, -1 before the first
         self.open: str | None = None  # its type
         self.stop: tuple[str, str | None] = ("end_turn", None)

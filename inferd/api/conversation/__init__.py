@@ -2,7 +2,11 @@
 
     render.py   messages (the dicts chat templates read) and tools -> the model's prompt tokens
     tools.py    the Hermes tool-call text format for templates without tools: the system prompt
-                that teaches it, earlier calls as text, the grammar that forces calls, the parser
+                that teaches it, earlier calls as text, the parser (a repeated call dropped)
+    tool_formats.py  which tool-call format the model's template speaks (Hermes, Llama-3's JSON),
+                and its parser
+    tool_grammar.py  the grammars that hold calls to the declared functions: only calls
+                ("required", a named function), or free text whose calls are held ("auto")
 
 A protocol front-end (openai/, anthropic/) turns its own messages into template dicts (role,
 content, tool_calls, tool_call_id) and its tools into OpenAI-style function dicts, and calls these.

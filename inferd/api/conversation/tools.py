@@ -6,8 +6,9 @@ We use a Hermes-style text format, taught to the model by a system prompt:
 
     tools_system_prompt   the instruction text listing the functions
     history_message       earlier assistant tool calls / tool results rewritten as plain text
-    tool_call_grammar     an llguidance Lark grammar that forces tool calls (tool_choice)
     ToolCallParser        model output text -> Content / CallStart / Arguments events, streaming
+
+The grammars that hold calls to this format are in tool_grammar.py.
 """
 
 from __future__ import annotations
@@ -18,12 +19,10 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from inferd.engine.structured.grammar import JSON_LAYOUT
-
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
-# A forced answer holds at most this many calls: a small model, offered "one more", tends to
-# repeat its call until max_tokens.
+# An answer holds at most this many calls: a small model, offered "one more", tends to go on
+# calling until max_tokens.
 MAX_PARALLEL_CALLS = 4
 
 # The exact call header the prompt shows and the grammar forces; the arguments object after it
@@ -83,33 +82,6 @@ def _text(content: str | list | None) -> str:
     return "".join(part.get("text", "") for part in content)
 
 
-def tool_call_grammar(tools: list[dict], name: str | None, parallel: bool) -> str:
-    """An llguidance Lark grammar whose only outputs are tool calls in the prompt's format.
-
-    One call to function `name` (any of `tools` when None); with `parallel`, one to
-    MAX_PARALLEL_CALLS calls separated by "\\n". Raises ValueError when `name` is not among `tools`.
-    """
-    functions = [tool["function"] for tool in tools]
-    if name is not None:
-        functions = [f for f in functions if f["name"] == name]
-        if not functions:
-            raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
-    if not functions:
-        raise ValueError("tool calls are required but no tools were given")
-    lines = [f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "start: call"]
-    lines.append("call: " + " | ".join(f"call_{i}" for i in range(len(functions))))
-    for i, function in enumerate(functions):
-        head = TOOL_CALL_OPEN + '{"name": ' + json.dumps(function["name"]) + ', "arguments": '
-        lines.append(f"call_{i}: {json.dumps(head)} args_{i} {json.dumps('}' + TOOL_CALL_CLOSE)}")
-        schema = dict(function.get("parameters") or {"type": "object"})
-        # NOTE: llguidance's %json allows any whitespace by default, and a small model can loop on
-        # newlines: the layout is pinned to the prompt's. Not strict: a schema keyword llguidance
-        # does not know (e.g. an unusual "format") is dropped instead of failing.
-        schema.setdefault("x-guidance", {**JSON_LAYOUT, "lenient": not function.get("strict")})
-        lines.append(f"args_{i}: %json {json.dumps(schema)}")
-    return "\n".join(lines) + "\n"
-
-
 # ---------------------------------------------------------------------------------------------
 # parsing the model's output
 
@@ -151,10 +123,15 @@ class ToolCallParser:
 
     A block in the exact format streams its arguments at once; any other block is buffered to its
     `</tool_call>` and parsed whole; one that does not parse, or never closes, is passed on as
-    content, tags included. NOTE: a streamed call's arguments are valid JSON whenever the model
-    wrote valid JSON (always, under the grammar); a free-running model that opens the exact header
-    and then writes broken JSON, or is cut off, keeps what it wrote, since the fragments have
-    already gone out (OpenAI's own API has the same caveat).
+    content, tags included. A call that repeats an earlier one (same name, same arguments text)
+    is dropped: while a streaming call could still turn out a repeat (same name, its arguments so
+    far a prefix of the earlier call's), its events are held back (the engine ends the answer
+    right after such a repeat: engine/structured/repeats.py).
+
+    NOTE: a streamed call's arguments are valid JSON whenever the model wrote valid JSON (always,
+    under the grammars of tool_grammar.py); a free-running model that opens the exact header and
+    then writes broken JSON, or is cut off, keeps what it wrote, since the fragments have already
+    gone out (OpenAI's own API has the same caveat).
     """
 
     def __init__(self, id_factory: Callable[[], str] | None = None) -> None:
@@ -164,6 +141,7 @@ class ToolCallParser:
         self._in_block = False
         self._streaming: _Call | None = None  # the call whose arguments are streaming
         self._sent = 0  # how much of _buffer went out as Arguments (while streaming)
+        self._held: list[Event] | None = None  # the streaming call's events, while it may be a repeat
 
     @property
     def calls(self) -> list[dict]:
@@ -225,16 +203,19 @@ class ToolCallParser:
         name = json.loads(header.group(1)) if header and _is_json(header.group(1)) else None
         if header and name is not None and (close < 0 or header.end() <= close):
             self._streaming = _Call(self._new_id(), name)
-            events.append(CallStart(len(self._calls), self._streaming.id, name))
+            self._held = [] if self._may_repeat(self._streaming, "") else None
+            self._emit(events, CallStart(len(self._calls), self._streaming.id, name))
             self._buffer, self._sent = self._buffer[header.end() :], 0
             return True
         if close < 0:
             return False  # not the exact format (yet): wait for the close tag
         block = self._buffer[:close]
         self._buffer, self._in_block = self._buffer[close + len(TOOL_CALL_CLOSE) :], False
-        call = _parse_block(block)
+        call = parse_call(block)
         if call is None:
             events.append(Content(TOOL_CALL_OPEN + block + TOOL_CALL_CLOSE))
+            return True
+        if self._repeats(call, call.arguments):
             return True
         call.id = self._new_id()
         events.append(CallStart(len(self._calls), call.id, call.name))
@@ -252,8 +233,11 @@ class ToolCallParser:
         partial = max(len(self._buffer) - _partial_tag(self._buffer, TOOL_CALL_CLOSE), self._sent)
         end = _WRAPPER_END.search(self._buffer, self._sent, partial).start()
         if end > self._sent:
-            events.append(Arguments(len(self._calls), self._buffer[self._sent : end]))
+            self._emit(events, Arguments(len(self._calls), self._buffer[self._sent : end]))
             self._sent = end
+        if self._held is not None and not self._may_repeat(self._streaming, self._buffer[: self._sent]):
+            events += self._held  # it differs from every earlier call: out it goes
+            self._held = None
         return False
 
     def _end_streamed_call(self, text: str, events: list[Event]) -> None:
@@ -264,10 +248,25 @@ class ToolCallParser:
         call, self._streaming = self._streaming, None
         assert call is not None
         if len(arguments) > self._sent:
-            events.append(Arguments(len(self._calls), arguments[self._sent :]))
+            self._emit(events, Arguments(len(self._calls), arguments[self._sent :]))
+        held, self._held = self._held, None
+        self._in_block, self._sent = False, 0
+        if held is not None and self._repeats(call, arguments):
+            return  # a repeat: dropped, nothing of it went out
+        events += held or []
         call.arguments = arguments
         self._calls.append(call)
-        self._in_block, self._sent = False, 0
+
+    def _emit(self, events: list[Event], event: Event) -> None:
+        (self._held if self._held is not None else events).append(event)
+
+    def _may_repeat(self, call: _Call | None, arguments_so_far: str) -> bool:
+        """Whether `call`, with these arguments so far, could still end as an earlier call."""
+        return call is not None and any(c.name == call.name and c.arguments.startswith(arguments_so_far)
+                                        for c in self._calls)
+
+    def _repeats(self, call: _Call, arguments: str) -> bool:
+        return any(c.name == call.name and c.arguments == arguments for c in self._calls)
 
 
 def _partial_tag(text: str, tag: str) -> int:
@@ -286,7 +285,7 @@ def _is_json(text: str) -> bool:
     return True
 
 
-def _parse_block(block: str) -> _Call | None:
+def parse_call(block: str) -> _Call | None:
     """The call a free-form block holds (id left empty), or None when it is not a call."""
     try:
         data = json.loads(block)

@@ -22,4 +22,4 @@ def to_ask(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None
                max_tokens=max_tokens, fit_default=fit_default, logprobs=logprobs, sampling=sampling,
                timeouts=timeouts, segment=body.segment, resumable=body.resumable, cache_salt=body.cache_salt,
                prompt_param=prompt_param,
-               grammar=lambda: request_grammar(body))
+               grammar=lambda tokenizer: request_grammar(body, tokenizer))

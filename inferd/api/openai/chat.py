@@ -11,7 +11,8 @@ from aiohttp import web
 
 from inferd.api.body import read_json
 from inferd.api.conversation.render import call_arguments, render_prompt
-from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser
+from inferd.api.conversation.tool_formats import ToolParser, tool_parser
+from inferd.api.conversation.tools import Arguments, CallStart, Content
 from inferd.api.openai.ask import to_ask
 from inferd.api.openai.events import StreamEvents, with_usage
 from inferd.api.openai.logprobs import TokenTexts, chat_logprobs, token_texts
@@ -75,15 +76,16 @@ class ChatShape:
 
     def whole(self, reply: Reply, results: dict[int, ChoiceResult]) -> dict[str, Any]:
         token_text = token_texts(reply.tokenizer)
-        choices = [self._choice(token_text, index, result) for index, result in sorted(results.items())]
+        choices = [self._choice(reply.tokenizer, token_text, index, result)
+                   for index, result in sorted(results.items())]
         return ChatCompletionResponse(id=reply.id, created=reply.created, model=reply.model, choices=choices,
                                       usage=Usage(**reply.usage())).model_dump(mode="json")
 
-    def _choice(self, token_text: TokenTexts, index: int, result: ChoiceResult) -> ChatChoice:
+    def _choice(self, tokenizer: Tokenizer, token_text: TokenTexts, index: int, result: ChoiceResult) -> ChatChoice:
         body = self.body
         message, finish = ChatResponseMessage(content=result.text), result.finish_reason
         if body.calls_tools:
-            parser = ToolCallParser()
+            parser = tool_parser(tokenizer)
             events = parser.feed(result.text) + parser.finish()
             content = "".join(e.text for e in events if isinstance(e, Content))
             calls = [ToolCallOut.model_validate(call) for call in parser.calls]
@@ -107,12 +109,12 @@ class ChatShape:
         def tail() -> list[dict[str, Any]]:
             return [events.event([], reply.usage())] if body.include_usage else []
 
-        render = self._renderer(token_texts(reply.tokenizer), events)
+        render = self._renderer(reply.tokenizer, events)
         return Events(head, with_usage(render, reply.usage) if body.continuous_usage else render, tail)
 
-    def _renderer(self, token_text: TokenTexts, events: StreamEvents) -> Render:
-        body = self.body
-        parsers = {i: ToolCallParser() for i in range(body.n)} if body.calls_tools else None
+    def _renderer(self, tokenizer: Tokenizer, events: StreamEvents) -> Render:
+        body, token_text = self.body, token_texts(tokenizer)
+        parsers = {i: tool_parser(tokenizer) for i in range(body.n)} if body.calls_tools else None
 
         def render(prompt: int, out: EngineOutput) -> dict[str, Any] | str:
             delta: dict[str, Any] = {"content": out.text} if out.text or not out.finished else {}
@@ -132,7 +134,7 @@ def _tool_finish(finish: str | None, called: bool) -> str | None:
     return "tool_calls" if called and finish == "stop" else finish
 
 
-def _tool_delta(parser: ToolCallParser, out: EngineOutput) -> tuple[dict[str, Any], str | None]:
+def _tool_delta(parser: ToolParser, out: EngineOutput) -> tuple[dict[str, Any], str | None]:
     """One streamed output of a choice offered tools: its content and its tool-call fragments
     (OpenAI's `delta.tool_calls`: the first with id and name, then argument pieces)."""
     found = parser.feed(out.text) + (parser.finish() if out.finished else [])

@@ -5,7 +5,8 @@ each further prompt (a choice's own copy is forked by the engine).
     json_object   any JSON object, bounded (inferd/engine/structured/grammar.py says how and why)
     json_schema   the schema; `strict: true` makes a keyword the grammar engine lacks a 400
     regex, choice, grammar (Lark)   extensions, as vLLM offers them
-    tool_choice "required" or a named function   only tool calls (inferd/api/conversation/tools.py)
+    tools         "required" or a named function: only tool calls; "auto": text, and any call it
+                  opens held to a valid call (inferd/api/conversation/tool_grammar.py)
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from inferd.api.openai.wire import (
     RegexFormat,
     SamplingFields,
 )
-from inferd.api.conversation.tools import tool_call_grammar
+from inferd.api.conversation.tool_grammar import tools_grammar
 from inferd.engine.structured.grammar import (
     GrammarError,
     choice_grammar,
@@ -30,21 +31,23 @@ from inferd.engine.structured.grammar import (
     lark_grammar,
     regex_grammar,
 )
+from inferd.model.tokenizer import Tokenizer
 
 
-def grammar_text(body: SamplingFields) -> Grammar | None:
+def grammar_text(body: SamplingFields, tokenizer: Tokenizer) -> Grammar | None:
     """The request's grammar, its kind and the field it came from, or None for free text."""
     fmt = body.response_format
     tools = isinstance(body, ChatCompletionRequest) and body.calls_tools
     if tools and fmt is not None and fmt.type != "text":
         raise bad_request("response_format cannot be combined with tools; set tool_choice to \"none\" "
                           "or leave response_format out", param="response_format")
-    if tools and body.tool_choice not in (None, "auto"):  # type: ignore[union-attr]
+    if tools:
         choice = body.tool_choice  # type: ignore[union-attr]
         name = choice.function.name if isinstance(choice, NamedToolChoice) else None
         specs = [t.model_dump(exclude_none=True) for t in body.tools or []]  # type: ignore[union-attr]
         parallel = body.parallel_tool_calls is not False  # type: ignore[union-attr]
-        return Grammar(tool_call_grammar(specs, name, parallel), kind="tools", param="tools")
+        return tools_grammar(tokenizer, specs, forced=choice not in (None, "auto"), name=name, parallel=parallel,
+                             param="tools")
     if isinstance(fmt, JSONObjectFormat):
         grammar = json_object_grammar()
     elif isinstance(fmt, JSONSchemaFormat):
@@ -60,11 +63,11 @@ def grammar_text(body: SamplingFields) -> Grammar | None:
     return Grammar(grammar, kind=fmt.type, param="response_format")
 
 
-def request_grammar(body: SamplingFields) -> Grammar | None:
+def request_grammar(body: SamplingFields, tokenizer: Tokenizer) -> Grammar | None:
     """The request's grammar, or None for free text; a 400 naming the field for one that cannot
     be built or cannot hold with the other fields (the door counts it as invalid)."""
     param = "tools" if isinstance(body, ChatCompletionRequest) and body.calls_tools else "response_format"
     try:
-        return grammar_text(body)
+        return grammar_text(body, tokenizer)
     except GrammarError as e:
         raise bad_request(f"the {param} cannot be compiled: {e}", param=param, code="invalid_grammar") from None

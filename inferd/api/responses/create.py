@@ -20,7 +20,9 @@ from inferd.api.admission.ask import Ask, Grammar, Sampling
 from inferd.api.body import read_json
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
-from inferd.api.conversation.tools import Content, ToolCallParser, tool_call_grammar
+from inferd.api.conversation.tool_formats import tool_parser
+from inferd.api.conversation.tool_grammar import tools_grammar
+from inferd.api.conversation.tools import Content
 from inferd.api.errors import bad_request
 from inferd.api.pipeline.generate import generate
 from inferd.api.pipeline.shape import Events, Reply
@@ -89,18 +91,19 @@ def calls_tools(body: ResponsesRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
 
 
-def grammar(body: ResponsesRequest) -> Grammar | None:
-    """tool_choice "required" or a named function: only calls; text.format json_schema /
-    json_object: that JSON. The two cannot hold at once."""
+def grammar(body: ResponsesRequest, tokenizer: Tokenizer) -> Grammar | None:
+    """tool_choice "required" or a named function: only calls; "auto": text, and well-formed
+    calls; text.format json_schema / json_object: that JSON. Tools and a format cannot hold at once."""
     fmt = body.text.format if body.text else None
     tools = [t.as_function() for t in body.function_tools()]
     if calls_tools(body) and fmt is not None and fmt.type != "text":
         raise bad_request('text.format cannot be combined with tools; set tool_choice to "none" or leave '
                           "text.format out", param="text.format")
     try:
-        if calls_tools(body) and body.tool_choice != "auto":
-            name = None if body.tool_choice == "required" else body.tool_choice.name  # type: ignore[union-attr]
-            return Grammar(tool_call_grammar(tools, name, body.parallel_tool_calls), kind="tools", param="tool_choice")
+        if calls_tools(body):
+            name = None if isinstance(body.tool_choice, str) else body.tool_choice.name
+            return tools_grammar(tokenizer, tools, forced=body.tool_choice != "auto", name=name,
+                                 parallel=body.parallel_tool_calls, param="tool_choice")
         if fmt is not None and fmt.type == "json_object":
             return Grammar(json_object_grammar(), kind="json_object", param="text.format")
         if fmt is not None and fmt.type == "json_schema":
@@ -116,7 +119,7 @@ def to_ask(body: ResponsesRequest) -> Ask:
     # (a background response's events are produced, and kept, even when its client is not streamed them)
     return Ask(model=body.model, stream=body.stream or body.background, user=body.user, max_tokens=body.max_output_tokens,
                fit_default=True, sampling=Sampling(temperature=body.temperature, top_p=body.top_p),
-               prompt_param="input", grammar=lambda: grammar(body))
+               prompt_param="input", grammar=lambda tokenizer: grammar(body, tokenizer))
 
 
 def _usage(reply: Reply) -> ResponseUsage:
@@ -183,7 +186,7 @@ class ResponsesShape:
         text = result.text
         calls: list[dict[str, Any]] = []
         if calls_tools(self.body):
-            parser = ToolCallParser()
+            parser = tool_parser(reply.tokenizer)
             events = parser.feed(result.text) + parser.finish()
             text = "".join(e.text for e in events if isinstance(e, Content))
             calls = parser.calls

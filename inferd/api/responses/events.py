@@ -17,7 +17,8 @@ from __future__ import annotations
 import secrets
 from typing import Any, Protocol
 
-from inferd.api.conversation.tools import Arguments, CallStart, Content, ToolCallParser
+from inferd.api.conversation.tool_formats import tool_parser
+from inferd.api.conversation.tools import Arguments, CallStart, Content
 from inferd.api.errors import APIError
 from inferd.api.pipeline.shape import Reply
 from inferd.api.responses.wire import OutputFunctionCall, OutputMessage, OutputText
@@ -60,7 +61,7 @@ class ResponseEvents:
 
     def __init__(self, shape: Responder, reply: Reply) -> None:
         self.shape, self.reply = shape, reply
-        self.parser = ToolCallParser() if shape.calls_tools() else None
+        self.parser = tool_parser(reply.tokenizer) if shape.calls_tools() else None
         self.sequence = 0
         self.output: list[OutputItem] = []
         self.open: OutputItem | None = None

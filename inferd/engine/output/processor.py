@@ -60,8 +60,7 @@ class OutputProcessor:
         reason ("content_filter"), else None."""
         # NOTE: runs once per token of every running choice: kept to plain lookups and one call
         seq_id = seq.seq_id
-        if seq.constraint is not None:
-            seq.constraint.accept(token)
+        constraint_ends = seq.constraint is not None and seq.constraint.accept(token)
         detokenizer = self._detokenizers[seq_id]
         update = detokenizer.step(token)
         out = EngineOutput(seq.group_id, [token], update.text, seq.index)
@@ -70,8 +69,8 @@ class OutputProcessor:
         ending: str | None = None
         if update.finished:
             ending, out.stop_reason = "stop", update.stop_reason
-        elif seq.num_tokens >= seq.max_total_tokens:
-            ending = "length"
+        elif seq.num_tokens >= seq.max_total_tokens or constraint_ends:
+            ending = "stop" if constraint_ends else "length"
             out.text += detokenizer.flush()
         if self._hooks and seq_id in self._hooks:
             out.text, stopped = self._run_hooks(self._hooks[seq_id], out.text, ending is not None)

@@ -3,6 +3,7 @@
     grammar.py  grammar text from JSON schemas, regexes, choices, Lark; the compiler and the
                 per-choice constraint (the API compiles, a bad grammar is the client's 400)
     masks.py    a step's token masks, filled on a worker thread while the model runs
+    repeats.py  the stop on a repeated tool call (a span between two tags seen before)
 
 No torch: part of the engine's face.
 """

@@ -21,6 +21,7 @@ import llguidance
 import numpy as np
 
 from inferd.engine.protocol import ConstraintError
+from inferd.engine.structured.repeats import RepeatedSpanStop
 from inferd.model.tokenizer import Tokenizer
 
 # Compact, single-line JSON with the usual separators: no run of whitespace for a sampling model
@@ -112,20 +113,26 @@ class GrammarCompiler:
         self.vocab_size = vocab_size or tokenizer.vocab_size  # the model's: its logits may be padded
         self._lock = threading.Lock()
         self._lltokenizer: llguidance.LLTokenizer | None = None
+        self._token_bytes: list[bytes] = []  # id -> its bytes, as llguidance sees them
 
     @property
     def lltokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:  # built once, on first use (~0.2 s)
             if self._lltokenizer is None:
-                view = llguidance.TokenizerWrapper(_TokenizerView(self._tokenizer))
-                self._lltokenizer = llguidance.LLTokenizer(view, n_vocab=self.vocab_size,
+                view = _TokenizerView(self._tokenizer)
+                self._token_bytes = view.tokens + [b""] * (self.vocab_size - len(view.tokens))
+                self._lltokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(view),
+                                                           n_vocab=self.vocab_size,
                                                            eos_token=sorted(self._tokenizer.eos_token_ids))
             return self._lltokenizer
 
-    def compile(self, grammar: str) -> GrammarConstraint:
+    def compile(self, grammar: str, repeat_tags: tuple[str, str] | None = None,
+                best_effort: bool = False) -> GrammarConstraint:
         """A fresh constraint for one choice; GrammarError if the grammar does not compile, or
         fails at its first token (a limit llguidance meets building it, a language with no
-        first token): a grammar refused here never reaches the engine."""
+        first token): a grammar refused here never reaches the engine. With `repeat_tags`
+        (opening, closing), the choice ends once a span between them repeats an earlier one;
+        `best_effort`: a grammar that breaks later lets the choice go on unconstrained."""
         matcher = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(matcher.get_error())
@@ -133,28 +140,48 @@ class GrammarCompiler:
         probe.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
         if probe.is_error() or not mask.any():
             raise GrammarError(probe.get_error() or "no token can start it")
-        return GrammarConstraint(matcher)
+        repeats = RepeatedSpanStop(*repeat_tags, self._token_bytes) if repeat_tags else None
+        return GrammarConstraint(matcher, repeats, best_effort)
 
 
 class GrammarConstraint:
-    """One choice's grammar state (a LogitsConstraint). The engine thread alone drives it."""
+    """One choice's grammar state (a LogitsConstraint). The engine thread alone drives it.
 
-    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+    A `best_effort` one (tool calls under tool_choice "auto": the client asked for no
+    constraint) that breaks lets go instead of failing the choice: `matcher` becomes None and
+    every token is allowed from then on."""
+
+    def __init__(self, matcher: llguidance.LLMatcher | None, repeats: RepeatedSpanStop | None = None,
+                 best_effort: bool = False) -> None:
         self.matcher = matcher
+        self.repeats = repeats
+        self.best_effort = best_effort
 
     def fill_mask(self, mask: np.ndarray) -> None:
         """Write the allowed next tokens into `mask` (int32 [ceil(V/32)], bit i = token i)."""
-        self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
-        self.check()
+        if self.matcher is not None:
+            self.matcher.unsafe_compute_mask_ptr(mask.ctypes.data, mask.nbytes)
+            self.check()
+        if self.matcher is None:
+            mask[:] = -1
 
-    def accept(self, token_id: int) -> None:
-        if not self.matcher.consume_token(token_id):
-            raise ConstraintError(f"the grammar refused token {token_id}: {self.matcher.get_error()}")
+    def accept(self, token_id: int) -> bool:
+        """Advance by the sampled token; True when the choice ends here (it repeated a tagged span)."""
+        if self.matcher is not None and not self.matcher.consume_token(token_id):
+            self._fail(f"the grammar refused token {token_id}: {self.matcher.get_error()}")
+        return self.repeats is not None and self.repeats.feed(token_id)
 
     def fork(self) -> GrammarConstraint:
-        return GrammarConstraint(self.matcher.deep_copy())
+        return GrammarConstraint(self.matcher.deep_copy() if self.matcher is not None else None,
+                                 self.repeats.fork() if self.repeats else None, self.best_effort)
 
     def check(self) -> None:
-        """Raise if the matcher broke (a token it could not take, a resource limit)."""
-        if self.matcher.is_error():
-            raise ConstraintError(f"the grammar failed: {self.matcher.get_error()}")
+        """Raise if the matcher broke (a token it could not take, a resource limit); a best-effort
+        constraint lets go instead."""
+        if self.matcher is not None and self.matcher.is_error():
+            self._fail(f"the grammar failed: {self.matcher.get_error()}")
+
+    def _fail(self, message: str) -> None:
+        if not self.best_effort:
+            raise ConstraintError(message)
+        self.matcher = None

@@ -33,6 +33,8 @@ def fill_masks(rows: Sequence[tuple[int, Any]], masks: np.ndarray, executor: Any
         try:
             if _matcher(constraint) is not None:
                 constraint.check()
+                if _matcher(constraint) is None:  # a best-effort grammar let go: the row is free
+                    masks[row] = -1
             else:
                 constraint.fill_mask(masks[row])
             if not masks[row].any():

@@ -1,0 +1,129 @@
+"""The grammars that hold tool calls to the declared functions, for every tool_choice that calls.
+
+    "required" / a named function   the answer is only calls (tool_call_grammar)
+    "auto"                          free text, but a call the model opens is held to a valid call
+                                    of a declared function and then released (auto_call_grammar)
+
+In the Hermes format of tools.py, both end the answer once a call repeats an earlier one
+(engine/structured/repeats.py; the parser drops the repeat). How "auto" works, in llguidance's
+Lark (docs/syntax.md, "Tool calling"):
+
+    start: call{0,N} FREE                  up to N calls, each after some text, then text
+    call: opened body                      body: '{"name": "f", "arguments": ' %json '}</tool_call>'
+    opened[lazy]: /(?s:.*)<tool_call>/     any text up to the first opening, and no further
+    FREE: any text without the opening     so once the opening is written, only a call goes on
+
+One grammar for the whole answer, compiled at the door like any other: the engine's token masks
+(engine/structured/masks.py) need nothing new, and a free-text token costs one mask (~40 µs).
+
+Llama-3's format (tool_formats.py) is one call as the whole answer: under "auto" an answer that
+starts with "{" is that call, any other is text (llama3_grammar).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+from inferd.api.admission.ask import Grammar
+from inferd.api.conversation.render import takes_tools
+from inferd.api.conversation.tool_formats import HERMES, LLAMA3_JSON, tool_format
+from inferd.api.conversation.tools import MAX_PARALLEL_CALLS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+from inferd.engine.structured.grammar import JSON_LAYOUT
+from inferd.model.tokenizer import Tokenizer
+
+
+def tools_grammar(tokenizer: Tokenizer, tools: list[dict], *, forced: bool, name: str | None, parallel: bool,
+                  param: str) -> Grammar | None:
+    """The grammar of a request that offers `tools` (OpenAI function dicts): only calls when
+    `forced` (to function `name`, or any), else text with well-formed calls (None where the
+    model's template has a format not known here). Raises ValueError for a name not among the tools."""
+    repeats = (TOOL_CALL_OPEN, TOOL_CALL_CLOSE)
+    forced = forced or name is not None
+    form = tool_format(tokenizer)
+    if not (forced or tools):
+        return None
+    if form == LLAMA3_JSON:  # one call, the whole answer: nothing to repeat
+        return Grammar(llama3_grammar(tools, name, forced), kind="tools" if forced else "tools_auto", param=param,
+                       best_effort=not forced)
+    if forced:
+        return Grammar(tool_call_grammar(tools, name, parallel), kind="tools", param=param, repeat_tags=repeats)
+    if form != HERMES:
+        return None
+    # a template of its own (Qwen's) puts the call on a line of its own: allow its newlines
+    text = auto_call_grammar(tools, parallel, newlines=takes_tools(tokenizer))
+    # NOTE: best effort: tools whose grammar is too large or does not compile leave the answer
+    # free, as before, rather than refuse a request that asked for no constraint
+    return Grammar(text, kind="tools_auto", param=param, repeat_tags=repeats, ends_answer=False, best_effort=True)
+
+
+def tool_call_grammar(tools: list[dict], name: str | None, parallel: bool) -> str:
+    """An llguidance Lark grammar whose only outputs are tool calls in the prompt's format.
+
+    One call to function `name` (any of `tools` when None); with `parallel`, one to
+    MAX_PARALLEL_CALLS calls separated by "\\n". Raises ValueError when `name` is not among `tools`.
+    """
+    functions = [tool["function"] for tool in tools]
+    if name is not None:
+        functions = [f for f in functions if f["name"] == name]
+        if not functions:
+            raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
+    if not functions:
+        raise ValueError("tool calls are required but no tools were given")
+    lines = [f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "start: call",
+             f"call: {json.dumps(TOOL_CALL_OPEN)} body"]
+    return "\n".join(lines + _body_rules(functions, newlines=False)) + "\n"
+
+
+def auto_call_grammar(tools: list[dict], parallel: bool, newlines: bool = False) -> str:
+    """An llguidance Lark grammar for an answer under tool_choice "auto": any text, in which each
+    `<tool_call>` the model writes must go on as a valid call of one of `tools`, its arguments
+    valid against the function's parameters, and closes; at most MAX_PARALLEL_CALLS calls (one
+    without `parallel`), after which the opening cannot be written at all."""
+    opening = re.escape(TOOL_CALL_OPEN)
+    lines = ["%llguidance {}",
+             f"start: call{{0,{MAX_PARALLEL_CALLS if parallel else 1}}} FREE",
+             f"FREE: /(?s:.*)/ & ~/(?s:.*){opening}(?s:.*)/",  # text in which no call opens
+             "call: opened body",
+             f"opened[lazy]: /(?s:.*){opening}/"]  # the text before a call, and its opening
+    return "\n".join(lines + _body_rules([t["function"] for t in tools], newlines)) + "\n"
+
+
+def _body_rules(functions: list[dict], newlines: bool) -> list[str]:
+    """`body`: what follows the opening, a call of one of `functions` and the closing."""
+    gap = ' "\\n"?' if newlines else ""
+    calls = " | ".join(f"call_{i}" for i in range(len(functions)))
+    lines = [f'body:{gap} ({calls}) "}}"{gap} {json.dumps(TOOL_CALL_CLOSE)}']
+    for i, function in enumerate(functions):
+        head = '{"name": ' + json.dumps(function["name"]) + ', "arguments": '
+        lines.append(f"call_{i}: {json.dumps(head)} args_{i}")
+        lines.append(f"args_{i}: %json {json.dumps(_schema(function))}")
+    return lines
+
+
+def _schema(function: dict) -> dict:
+    """The function's parameters schema, with the JSON layout pinned."""
+    schema = dict(function.get("parameters") or {"type": "object"})
+    # NOTE: llguidance's %json allows any whitespace by default, and a small model can loop on
+    # newlines: the layout is pinned to the prompt's. Not strict: a schema keyword llguidance
+    # does not know (e.g. an unusual "format") is dropped instead of failing.
+    schema.setdefault("x-guidance", {**JSON_LAYOUT, "lenient": not function.get("strict")})
+    return schema
+
+
+def llama3_grammar(tools: list[dict], name: str | None, forced: bool) -> str:
+    """Llama-3's format: the answer is one call {"name": ..., "parameters": {...}} of function
+    `name` (any of `tools` when None); unless `forced`, an answer whose first non-blank character
+    is not "{" is free text instead."""
+    functions = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
+    if not functions:
+        raise ValueError(f"tool_choice names function {name!r}, which is not in tools" if name else
+                         "tool calls are required but no tools were given")
+    calls = " | ".join(f"call_{i}" for i in range(len(functions)))
+    lines = ["%llguidance {}", f"start: BLANK ({calls})" if forced else f"start: FREE | BLANK ({calls})",
+             r"BLANK: /\s*/", r"FREE: /(?s:\s*([^{\s].*)?)/"]  # text whose first non-blank is not "{"
+    for i, function in enumerate(functions):
+        head = '{"name": ' + json.dumps(function["name"]) + ', "parameters": '
+        lines.append(f'call_{i}: {json.dumps(head)} args_{i} "}}"')
+        lines.append(f"args_{i}: %json {json.dumps(_schema(function))}")
+    return "\n".join(lines) + "\n"
