@@ -28,8 +28,7 @@ async def test_an_agent_calls_its_tool_once_and_answers(server: Server) -> None:
     client = openai.AsyncOpenAI(base_url=str(server.test_server.make_url("/v1")), api_key="unused", max_retries=0)
     agent = Agent(name="weather", instructions="Answer with the tool's result, briefly.", tools=[get_weather],
                   model=OpenAIResponsesModel(model=MODEL, openai_client=client),
-                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=96,
-                                                 parallel_tool_calls=False))
+                  model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=96))
     result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
     assert len(calls) == 1 and calls[0]  # the tool ran once, with a city
     assert isinstance(result.final_output, str) and result.final_output.strip()
