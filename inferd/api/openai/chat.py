@@ -4,12 +4,14 @@ shared path (api/pipeline/) does the rest."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
 
 from inferd.api.body import read_json
+from inferd.api.conversation.reasoning import Markers, ReasoningSplitter, reasoning_markers, split_whole, starts_inside
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_formats import ToolParser, tool_parser
 from inferd.api.conversation.tools import Arguments, CallStart, Content
@@ -51,6 +53,9 @@ def _template_message(message: ChatMessage) -> dict[str, Any]:
         item["name"] = message.name
     if message.tool_call_id is not None:
         item["tool_call_id"] = message.tool_call_id
+    reasoning = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if reasoning is not None:
+        item["reasoning_content"] = reasoning  # (the name thinking templates read, Qwen3's among them)
     if message.tool_calls:
         # templates index arguments as a mapping (transformers' convention), OpenAI sends JSON text
         item["tool_calls"] = [{"id": c.id, "type": "function", "function": {
@@ -65,11 +70,17 @@ class ChatShape:
 
     def __init__(self, body: ChatCompletionRequest) -> None:
         self.body = body
+        self.markers: Markers | None = None  # a thinking model's: its answers split into reasoning and content
+        self.inside = False  # the prompt opened the reasoning block itself
 
     def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
         body = self.body
-        return [chat_prompt(tokenizer, body.messages, body.tools if body.calls_tools else None,
-                            template_kwargs=body.chat_template_kwargs)]
+        prompt = chat_prompt(tokenizer, body.messages, body.tools if body.calls_tools else None,
+                             template_kwargs=body.chat_template_kwargs)
+        self.markers = reasoning_markers(tokenizer)
+        if self.markers is not None:
+            self.inside = starts_inside(tokenizer.decode(prompt[-32:], skip_special_tokens=False), self.markers)
+        return [prompt]
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return tokenizer.decode(prompts[0])
@@ -82,16 +93,20 @@ class ChatShape:
                                       usage=Usage(**reply.usage())).model_dump(mode="json")
 
     def _choice(self, tokenizer: Tokenizer, token_text: TokenTexts, index: int, result: ChoiceResult) -> ChatChoice:
-        body = self.body
-        message, finish = ChatResponseMessage(content=result.text), result.finish_reason
+        body, text, reasoning = self.body, result.text, None
+        if self.markers is not None:
+            reasoning, text = split_whole(text, self.markers, self.inside)
+        message, finish = ChatResponseMessage(content=text), result.finish_reason
         if body.calls_tools:
             parser = tool_parser(tokenizer)
-            events = parser.feed(result.text) + parser.finish()
+            events = parser.feed(text) + parser.finish()
             content = "".join(e.text for e in events if isinstance(e, Content))
             calls = [ToolCallOut.model_validate(call) for call in parser.calls]
             message = ChatResponseMessage(content=content if content.strip() or not calls else None,
                                           tool_calls=calls or None)
             finish = _tool_finish(finish, bool(calls))
+        if reasoning:  # (a thinking model told not to think says nothing there: the fields stay absent)
+            message.reasoning_content = message.reasoning = reasoning
         return ChatChoice(
             index=index,
             message=message,
@@ -113,20 +128,33 @@ class ChatShape:
         return Events(head, with_usage(render, reply.usage) if body.continuous_usage else render, tail)
 
     def _renderer(self, tokenizer: Tokenizer, events: StreamEvents) -> Render:
-        body, token_text = self.body, token_texts(tokenizer)
+        body, token_text, markers = self.body, token_texts(tokenizer), self.markers
         parsers = {i: tool_parser(tokenizer) for i in range(body.n)} if body.calls_tools else None
+        splitters = {i: ReasoningSplitter(markers, self.inside) for i in range(body.n)} if markers else None
 
         def render(prompt: int, out: EngineOutput) -> dict[str, Any] | str:
-            delta: dict[str, Any] = {"content": out.text} if out.text or not out.finished else {}
+            reasoning = ""
+            if splitters is not None:
+                out, reasoning = _split_reasoning(splitters[out.index], out)
+            delta: dict[str, Any] = {"content": out.text} if out.text or not (out.finished or reasoning) else {}
             finish = out.finish_reason
             if parsers is not None:
                 delta, finish = _tool_delta(parsers[out.index], out)
+            if reasoning:
+                delta = {"reasoning_content": reasoning, "reasoning": reasoning, **delta}
             if not body.logprobs:
                 return events.token_event(out.index, f'"delta":{dumps(delta)}', finish)
             logprobs = chat_logprobs(token_text, out.logprobs or [])
             return events.event([{"index": out.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}])
 
         return render
+
+
+def _split_reasoning(splitter: ReasoningSplitter, out: EngineOutput) -> tuple[EngineOutput, str]:
+    """One streamed output of a thinking model: the output with its content only, and its reasoning."""
+    pieces = splitter.feed(out.text) + (splitter.finish() if out.finished else [])
+    content = "".join(p.text for p in pieces if p.channel == "content")
+    return dataclasses.replace(out, text=content), "".join(p.text for p in pieces if p.channel == "reasoning")
 
 
 def _tool_finish(finish: str | None, called: bool) -> str | None:

@@ -34,6 +34,9 @@ class ChatMessage(RequestModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message's answer to one
+    # an assistant's earlier reasoning, sent back under either name (llama.cpp's and SGLang's, vLLM's)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     # what the openai client echoes back from an earlier reply: accepted when null
     refusal: None = None
     audio: None = None
@@ -178,6 +181,10 @@ class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
     tool_calls: list[ToolCallOut] | None = None
+    # a thinking model's reasoning, under both names clients read (vLLM renamed the first to the
+    # second and broke the clients that read the first); absent for a model that does not think
+    reasoning_content: str | None = Field(default=None, exclude_if=lambda value: value is None)
+    reasoning: str | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 FinishReason = Literal["stop", "length", "content_filter", "timeout", "tool_calls"]
