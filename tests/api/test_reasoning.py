@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import copy
 
+import anthropic
+import openai
 import pytest
 from apiserver import MODEL, data_events, serve
 from hypothesis import given
@@ -87,3 +89,42 @@ async def test_either_name_goes_back_into_the_template(thinking_llm: LLMEngine) 
             assert status == 200, rendered
             text = thinking_llm.tokenizer.decode(rendered["tokens"], skip_special_tokens=False)
             assert "<think>\nGreet back.\n</think>\n\nHello" in text, text
+
+
+@pytest.mark.asyncio
+async def test_responses_carry_the_reasoning_as_a_reasoning_item(thinking_llm: LLMEngine) -> None:
+    turns = [{"role": m["role"], "content": m["content"]} for m in SHOTS]
+    ask = {"model": MODEL, "input": turns, "max_output_tokens": 24, "temperature": 0}
+    async with serve(thinking_llm) as server:
+        client = openai.AsyncOpenAI(base_url=str(server.test_server.make_url("/v1")), api_key="unused", max_retries=0)
+        whole = await client.responses.create(**ask)
+        assert whole.output[0].type == "reasoning" and whole.output[0].content[0].text.strip()
+        events = [event async for event in await client.responses.create(**ask, stream=True)]
+        reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+        assert reasoning == whole.output[0].content[0].text
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == whole.output_text
+        done = [e for e in events if e.type == "response.reasoning_text.done"]
+        assert [e.text for e in done] == [reasoning] and events[-1].response.output[0].type == "reasoning"
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+
+
+@pytest.mark.asyncio
+async def test_messages_carry_the_reasoning_as_a_thinking_block(thinking_llm: LLMEngine) -> None:
+    turns = [{"role": m["role"], "content": m["content"] if m["role"] == "user" else [
+        {"type": "thinking", "thinking": m.get("reasoning_content") or m.get("reasoning"), "signature": "x"},
+        {"type": "text", "text": m["content"]}]} for m in SHOTS]
+    ask = {"model": MODEL, "messages": turns, "max_tokens": 24, "extra_body": {"temperature": 0}}
+    async with serve(thinking_llm) as server:
+        client = anthropic.AsyncAnthropic(base_url=str(server.test_server.make_url("")), api_key="unused",
+                                          max_retries=0)
+        whole = await client.messages.create(**ask)
+        kinds = [block.type for block in whole.content]
+        assert kinds[0] == "thinking" and whole.content[0].thinking.strip(), whole.content
+        async with client.messages.stream(**ask) as stream:
+            final = await stream.get_final_message()
+        assert [b.model_dump() for b in final.content] == [b.model_dump() for b in whole.content]
+        # a thinking block sent back is rendered where the template reads the reasoning
+        status, counted = await server.post("/v1/messages/count_tokens", {"model": MODEL, "messages": turns})
+        plain = [{"role": m["role"], "content": m["content"]} for m in SHOTS]
+        _, without = await server.post("/v1/messages/count_tokens", {"model": MODEL, "messages": plain})
+        assert status == 200 and counted["input_tokens"] > without["input_tokens"], (counted, without)

@@ -23,11 +23,13 @@ from inferd.api.anthropic.wire import (
     MessagesRequest,
     Prompted,
     TextOut,
+    ThinkingOut,
     ToolUseOut,
     MessageUsage,
 )
 from inferd.api.anthropic.errors import DIALECT
 from inferd.api.body import read_json
+from inferd.api.conversation.reasoning import Markers, ReasoningSplitter, reasoning_markers, split_whole, starts_inside
 from inferd.api.conversation.render import render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
 from inferd.api.conversation.tool_grammar import tools_grammar
@@ -48,7 +50,7 @@ from inferd.model.tokenizer import Tokenizer
 def template_messages(body: Prompted) -> list[dict[str, Any]]:
     """The conversation as chat templates read it (role, content, tool_calls, tool_call_id):
     tool_use blocks become the assistant's tool calls, tool_result blocks tool messages, thinking
-    blocks are left out (a template re-renders no earlier reasoning)."""
+    blocks the assistant's `reasoning_content` (where thinking templates read it)."""
     out: list[dict[str, Any]] = []
     if body.system is not None:
         out.append({"role": "system", "content": body.system_text()})
@@ -60,10 +62,12 @@ def template_messages(body: Prompted) -> list[dict[str, Any]]:
 def _turn(message: Message) -> list[dict[str, Any]]:
     if isinstance(message.content, str):
         return [{"role": message.role, "content": message.content}]
-    texts, calls, results = [], [], []
+    texts, calls, results, thoughts = [], [], [], []
     for block in message.content:
         if block.type == "text":
             texts.append(block.text)
+        elif block.type == "thinking":
+            thoughts.append(block.thinking)
         elif block.type == "tool_use":
             calls.append({"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}})
         elif block.type == "tool_result":
@@ -73,6 +77,8 @@ def _turn(message: Message) -> list[dict[str, Any]]:
         item: dict[str, Any] = {"role": message.role, "content": "".join(texts)}
         if calls:
             item["tool_calls"] = calls
+        if thoughts:
+            item["reasoning_content"] = "".join(thoughts)
         turn.append(item)
     return turn
 
@@ -142,19 +148,32 @@ class MessagesShape:
 
     def __init__(self, body: MessagesRequest) -> None:
         self.body = body
+        self.markers: Markers | None = None  # a thinking model's (conversation/reasoning.py)
+        self.inside = False  # the prompt opened the reasoning block itself
 
     def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
-        return [messages_prompt(tokenizer, self.body)]
+        prompt = messages_prompt(tokenizer, self.body)
+        self.markers = reasoning_markers(tokenizer)
+        if self.markers is not None:
+            self.inside = starts_inside(tokenizer.decode(prompt[-32:], skip_special_tokens=False), self.markers)
+        return [prompt]
+
+    def reasoning_splitter(self) -> ReasoningSplitter | None:
+        return ReasoningSplitter(self.markers, self.inside) if self.markers is not None else None
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return tokenizer.decode(prompts[0])
 
     def whole(self, reply: Reply, results: dict[int, ChoiceResult]) -> dict[str, Any]:
-        result = results[0]
-        content: list[TextOut | ToolUseOut] = []
+        result, text = results[0], results[0].text
+        content: list[ThinkingOut | TextOut | ToolUseOut] = []
+        if self.markers is not None:
+            reasoning, text = split_whole(text, self.markers, self.inside)
+            if reasoning:
+                content.append(ThinkingOut(thinking=reasoning))
         if self.body.calls_tools:
             parser = tool_parser(reply.tokenizer, tool_use_id)
-            events = parser.feed(result.text) + parser.finish()
+            events = parser.feed(text) + parser.finish()
             text = "".join(e.text for e in events if isinstance(e, Content))
             if text.strip() or not parser.calls:
                 content.append(TextOut(text=text))
@@ -162,7 +181,7 @@ class MessagesShape:
                         for c in parser.calls]
             called = bool(parser.calls)
         else:
-            content.append(TextOut(text=result.text))
+            content.append(TextOut(text=text))
             called = False
         reason, sequence = stop_reason(self.body, result.finish_reason, result.stop_reason, called)
         return dump(MessageResponse(id=reply.id, model=reply.model, content=content, stop_reason=reason,  # type: ignore[arg-type]
@@ -172,7 +191,7 @@ class MessagesShape:
         start = {"type": "message_start", "message": {
             "id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": _usage(reply)}}
-        blocks = StreamBlocks(self.body, reply)
+        blocks = StreamBlocks(self.body, reply, self.reasoning_splitter())
         return Events([Named("message_start", start), Named("ping", {"type": "ping"})], blocks.render, blocks.tail,
                       DIALECT)
 
@@ -187,12 +206,13 @@ def _arguments(call: dict[str, Any]) -> dict[str, Any]:
 
 
 class StreamBlocks:
-    """The content blocks of one streamed answer, as Anthropic's events: a text block while the
-    model writes text, a tool_use block per call (its input as `input_json_delta` pieces), each
-    opened and stopped in turn; then `message_delta` (stop reason, usage) and `message_stop`."""
+    """The content blocks of one streamed answer, as Anthropic's events: a thinking block while a
+    thinking model reasons (`thinking_delta` pieces), a text block while the model writes text, a
+    tool_use block per call (its input as `input_json_delta` pieces), each opened and stopped in
+    turn; then `message_delta` (stop reason, usage) and `message_stop`."""
 
-    def __init__(self, body: MessagesRequest, reply: Reply) -> None:
-        self.body, self.reply = body, reply
+    def __init__(self, body: MessagesRequest, reply: Reply, splitter: ReasoningSplitter | None = None) -> None:
+        self.body, self.reply, self.splitter = body, reply, splitter
         self.parser = tool_parser(reply.tokenizer, tool_use_id) if body.calls_tools else None
         self.index = -1  # the open block's, -1 before the first
         self.open: str | None = None  # its type
@@ -200,11 +220,18 @@ class StreamBlocks:
 
     def render(self, prompt: int, out: EngineOutput) -> list[Payload]:
         events: list[Payload] = []
+        text = out.text
+        if self.splitter is not None:
+            pieces = self.splitter.feed(text) + (self.splitter.finish() if out.finished else [])
+            for piece in pieces:
+                if piece.channel == "reasoning":
+                    self._thinking(events, piece.text)
+            text = "".join(piece.text for piece in pieces if piece.channel == "content")
         if self.parser is None:
-            if out.text:
-                self._text(events, out.text)
+            if text:
+                self._text(events, text)
         else:
-            found = self.parser.feed(out.text) + (self.parser.finish() if out.finished else [])
+            found = self.parser.feed(text) + (self.parser.finish() if out.finished else [])
             for event in found:
                 if isinstance(event, Content):
                     if event.text and not (self.parser.calls_started and not event.text.strip()):
@@ -225,6 +252,11 @@ class StreamBlocks:
                                                                             "stop_sequence": sequence},
                                         "usage": _usage(self.reply)}),
                 Named("message_stop", {"type": "message_stop"})]
+
+    def _thinking(self, events: list[Payload], text: str) -> None:
+        if self.open != "thinking":
+            self._open(events, "thinking", {"type": "thinking", "thinking": "", "signature": ""})
+        events.append(self._delta({"type": "thinking_delta", "thinking": text}))
 
     def _text(self, events: list[Payload], text: str) -> None:
         if self.open != "text":

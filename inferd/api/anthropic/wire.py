@@ -187,6 +187,15 @@ class TextOut(ResponseModel):
     text: str
 
 
+class ThinkingOut(ResponseModel):
+    """A thinking model's reasoning. inferd signs nothing: `signature` is empty, and a thinking
+    block sent back is taken whatever its signature."""
+
+    type: Literal["thinking"] = "thinking"
+    thinking: str
+    signature: str = ""
+
+
 class ToolUseOut(ResponseModel):
     type: Literal["tool_use"] = "tool_use"
     id: str
@@ -202,7 +211,7 @@ class MessageResponse(ResponseModel):
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
     model: str
-    content: list[TextOut | ToolUseOut]
+    content: list[ThinkingOut | TextOut | ToolUseOut]
     stop_reason: StopReason | None
     stop_sequence: str | None = None
     usage: MessageUsage

@@ -18,6 +18,7 @@ from aiohttp import web
 
 from inferd.api.admission.ask import Ask, Grammar, Sampling
 from inferd.api.body import read_json
+from inferd.api.conversation.reasoning import Markers, ReasoningSplitter, reasoning_markers, split_whole, starts_inside
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
 from inferd.api.conversation.tool_formats import tool_parser
@@ -36,7 +37,9 @@ from inferd.api.responses.wire import (
     MessageItem,
     OutputFunctionCall,
     OutputMessage,
+    OutputReasoning,
     OutputText,
+    ReasoningText,
     Response,
     ResponsesRequest,
     ResponseUsage,
@@ -79,12 +82,15 @@ def template_messages(body: ResponsesRequest, history: Sequence[dict[str, Any]] 
 
 
 def output_messages(output: Sequence[OutputItem]) -> list[dict[str, Any]]:
-    """The output as the assistant's turn of the conversation a continuation renders."""
+    """The output as the assistant's turn of the conversation a continuation renders (its
+    reasoning where thinking templates read it)."""
     text = "".join(part.text for item in output if isinstance(item, OutputMessage) for part in item.content)
+    reasoning = "".join(part.text for item in output if isinstance(item, OutputReasoning) for part in item.content)
     calls = [{"id": item.call_id, "type": "function", "function": {"name": item.name,
                                                                     "arguments": call_arguments(item.arguments)}}
              for item in output if isinstance(item, OutputFunctionCall)]
-    return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {})}]
+    return [{"role": "assistant", "content": text, **({"tool_calls": calls} if calls else {}),
+             **({"reasoning_content": reasoning} if reasoning else {})}]
 
 
 def calls_tools(body: ResponsesRequest) -> bool:
@@ -140,9 +146,14 @@ class ResponsesShape:
         self.body = body
         self.history = history
         self.keeper = keeper
+        self.markers: Markers | None = None  # a thinking model's (conversation/reasoning.py)
+        self.inside = False  # the prompt opened the reasoning block itself
 
     def calls_tools(self) -> bool:
         return calls_tools(self.body)
+
+    def reasoning_splitter(self) -> ReasoningSplitter | None:
+        return ReasoningSplitter(self.markers, self.inside) if self.markers is not None else None
 
     def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
         body = self.body
@@ -150,7 +161,11 @@ class ResponsesShape:
         effort = body.reasoning.effort if body.reasoning else None
         kwargs = {"enable_thinking": False} if effort == "none" else None
         messages = template_messages(body, self.history)
-        return [render_prompt(tokenizer, messages, tools, template_kwargs=kwargs, param="input")]
+        prompt = render_prompt(tokenizer, messages, tools, template_kwargs=kwargs, param="input")
+        self.markers = reasoning_markers(tokenizer)
+        if self.markers is not None:
+            self.inside = starts_inside(tokenizer.decode(prompt[-32:], skip_special_tokens=False), self.markers)
+        return [prompt]
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return tokenizer.decode(prompts[0])
@@ -184,10 +199,14 @@ class ResponsesShape:
         result = results[0]
         output: list[OutputItem] = []
         text = result.text
+        if self.markers is not None:
+            reasoning, text = split_whole(text, self.markers, self.inside)
+            if reasoning:
+                output.append(OutputReasoning(id=item_id("rs"), content=[ReasoningText(text=reasoning)]))
         calls: list[dict[str, Any]] = []
         if calls_tools(self.body):
             parser = tool_parser(reply.tokenizer)
-            events = parser.feed(result.text) + parser.finish()
+            events = parser.feed(text) + parser.finish()
             text = "".join(e.text for e in events if isinstance(e, Content))
             calls = parser.calls
         if text.strip() or not calls:

@@ -2,7 +2,9 @@
 stream, also its SSE id `<response id>:<n>`, so a replay from `starting_after=N` is events N+1..):
 
     response.created, response.in_progress
-    per output item: response.output_item.added, (a message) response.content_part.added,
+    per output item: response.output_item.added, (a thinking model's reasoning, first)
+        response.reasoning_text.delta..., response.reasoning_text.done,
+        (a message) response.content_part.added,
         response.output_text.delta..., response.output_text.done, response.content_part.done
         (a function call) response.function_call_arguments.delta..., .done
         response.output_item.done
@@ -17,21 +19,23 @@ from __future__ import annotations
 import secrets
 from typing import Any, Protocol
 
+from inferd.api.conversation.reasoning import ReasoningSplitter
 from inferd.api.conversation.tool_formats import tool_parser
 from inferd.api.conversation.tools import Arguments, CallStart, Content
 from inferd.api.errors import APIError
 from inferd.api.pipeline.shape import Reply
-from inferd.api.responses.wire import OutputFunctionCall, OutputMessage, OutputText
+from inferd.api.responses.wire import OutputFunctionCall, OutputMessage, OutputReasoning, OutputText, ReasoningText
 from inferd.api.streaming.sse import Named, Payload
 from inferd.api.wire import dump
 from inferd.engine.protocol import EngineOutput
 
-OutputItem = OutputMessage | OutputFunctionCall
-# NOTE: the most events one token makes. An output's text makes a delta per piece the tool-call
-# parser finds in it; a piece may close the open item (3 events) and open another (2); every
-# item and every piece takes at least one token of text. So 8 per token bounds a response's
-# events (a background response's log: streaming/resume.py's event_bound).
-EVENTS_PER_TOKEN = 8
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
+# NOTE: the most events one token makes. An output's text makes a delta per piece the reasoning
+# splitter and the tool-call parser find in it; a piece may close the open item (3 events) and
+# open another (2); every item and every piece takes at least one token of text, but a token
+# may end the reasoning and start the content. So 12 per token bounds a response's events (a
+# background response's log: streaming/resume.py's event_bound).
+EVENTS_PER_TOKEN = 12
 
 
 def item_id(prefix: str) -> str:
@@ -46,6 +50,10 @@ class Responder(Protocol):
     """What the events need of their request's shape (create.py's ResponsesShape)."""
 
     def calls_tools(self) -> bool: ...
+
+    def reasoning_splitter(self) -> ReasoningSplitter | None:
+        """A thinking model's: its answer's reasoning split from its content."""
+        ...
 
     def response(self, reply: Reply, output: list[OutputItem], status: str, usage: bool = True) -> dict[str, Any]:
         """The `response` object with this output and status."""
@@ -62,6 +70,7 @@ class ResponseEvents:
     def __init__(self, shape: Responder, reply: Reply) -> None:
         self.shape, self.reply = shape, reply
         self.parser = tool_parser(reply.tokenizer) if shape.calls_tools() else None
+        self.splitter = shape.reasoning_splitter()
         self.sequence = 0
         self.output: list[OutputItem] = []
         self.open: OutputItem | None = None
@@ -86,8 +95,15 @@ class ResponseEvents:
     def render(self, prompt: int, out: EngineOutput) -> list[Payload]:
         self.started = True
         events: list[Payload] = []
-        found = [Content(out.text)] if self.parser is None else (
-            self.parser.feed(out.text) + (self.parser.finish() if out.finished else []))
+        text = out.text
+        if self.splitter is not None:
+            pieces = self.splitter.feed(text) + (self.splitter.finish() if out.finished else [])
+            for piece in pieces:
+                if piece.channel == "reasoning":
+                    self._reasoning(events, piece.text)
+            text = "".join(piece.text for piece in pieces if piece.channel == "content")
+        found = [Content(text)] if self.parser is None else (
+            self.parser.feed(text) + (self.parser.finish() if out.finished else []))
         for event in found:
             if isinstance(event, Content) and event.text:
                 if not (self.parser is not None and self.parser.calls_started and not event.text.strip()):
@@ -127,6 +143,15 @@ class ResponseEvents:
         events.append(self._event("response.output_text.delta", item_id=message.id, output_index=len(self.output) - 1,
                                   content_index=0, delta=text, logprobs=[]))
 
+    def _reasoning(self, events: list[Payload], text: str) -> None:
+        if not isinstance(self.open, OutputReasoning):
+            self._open(events, OutputReasoning(id=item_id("rs"), status="in_progress", content=[ReasoningText(text="")]))
+        item = self.open
+        assert isinstance(item, OutputReasoning)
+        item.content[0].text += text
+        events.append(self._event("response.reasoning_text.delta", item_id=item.id, output_index=len(self.output) - 1,
+                                  content_index=0, delta=text))
+
     def _open(self, events: list[Payload], item: OutputItem) -> None:
         self._close(events)
         self.output.append(item)
@@ -145,6 +170,9 @@ class ResponseEvents:
                                       content_index=0, text=item.content[0].text, logprobs=[]))
             events.append(self._event("response.content_part.done", item_id=item.id, output_index=index,
                                       content_index=0, part=part))
+        elif isinstance(item, OutputReasoning):
+            events.append(self._event("response.reasoning_text.done", item_id=item.id, output_index=index,
+                                      content_index=0, text=item.content[0].text))
         else:
             events.append(self._event("response.function_call_arguments.done", item_id=item.id, output_index=index,
                                       name=item.name, arguments=item.arguments))

@@ -170,6 +170,21 @@ class OutputMessage(ResponseModel):
     content: list[OutputText]
 
 
+class ReasoningText(ResponseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(ResponseModel):
+    """A thinking model's reasoning, as it wrote it (no summary is made: `summary` stays empty)."""
+
+    type: Literal["reasoning"] = "reasoning"
+    id: str
+    summary: list[Any] = Field(default_factory=list)
+    content: list[ReasoningText]
+    status: Literal["completed", "incomplete", "in_progress"] = "completed"
+
+
 class OutputFunctionCall(ResponseModel):
     type: Literal["function_call"] = "function_call"
     id: str
@@ -205,7 +220,7 @@ class Response(ResponseModel):
     created_at: int
     status: Literal["completed", "incomplete", "in_progress", "failed", "queued", "cancelled"]
     model: str
-    output: list[OutputMessage | OutputFunctionCall]
+    output: list[OutputReasoning | OutputMessage | OutputFunctionCall]
     usage: ResponseUsage | None = None
     incomplete_details: IncompleteDetails | None = None
     error: dict[str, Any] | None = None
