@@ -6,6 +6,8 @@ tokens are computed, block 0 (positions 0..3) can never be read again.
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from inferd.engine.kv.block_manager import BlockManager
@@ -161,3 +163,122 @@ def test_pool_is_whole_after_finish_abort_and_preemption(mode: str) -> None:
     assert not s.has_work() and s.num_preemptions > 0
     assert all(len(r.output_ids) == 12 for r in requests[:3])
     assert bm.num_used_blocks == 0 and bm.num_free_blocks == 24 and bm.num_free_host_blocks == 24
+
+
+class RandomRun:
+    """Random allocate (shared prefixes) / append / commit / fork / free / swap on a hybrid
+    manager, against a fake KV cache: every slot holds (group, the tokens up to it), so a
+    sequence must read back its own tokens over every group's held blocks."""
+
+    def __init__(self, seed: int, windows: tuple[int | None, ...]) -> None:
+        self.rng = random.Random(seed)
+        num_blocks = self.rng.randint(8, 40)
+        self.bm = BlockManager(num_blocks, BS, num_host_blocks=self.rng.randint(0, 30), windows=windows)
+        self.cache: dict[int, tuple[int, tuple[int, ...]]] = {}  # slot -> (group, tokens up to it)
+        self.host: dict[int, tuple[int, tuple[int, ...]]] = {}
+        self.tokens: dict[int, list[int]] = {}  # live sequences
+        self.swapped: dict[int, list[int]] = {}
+        self.prompts: list[list[int]] = [[]]
+        self.next_seq = 0
+
+    def write(self, seq: int, start: int, end: int) -> None:
+        bm, tokens = self.bm, self.tokens[seq]
+        for g in range(len(bm.windows)):
+            table = bm.block_table(seq, g)
+            for p, slot in zip(range(start, end), bm.slots(seq, start, end, g)):
+                assert bm.pool.refcount(table[p // BS]) == 1 and bm.prefix_cache.key(table[p // BS]) is None
+                self.cache[slot] = (g, tuple(tokens[:p + 1]))
+
+    def copy(self, pairs: list[tuple[int, int]], src: dict, dst: dict) -> None:
+        for a, b in pairs:
+            for i in range(BS):
+                if a * BS + i in src:
+                    dst[b * BS + i] = src[a * BS + i]
+
+    def step(self) -> None:
+        rng, bm = self.rng, self.bm
+        op = rng.choice(["allocate", "allocate", "append", "append", "fork", "free", "swap_out", "swap_in"])
+        live, swapped = sorted(self.tokens), sorted(self.swapped)
+        if op == "allocate" or not live and op != "swap_in":
+            base = rng.choice(self.prompts)
+            prompt = base[:rng.randint(0, len(base))] + [rng.randint(0, 2) for _ in range(rng.randint(1, 30))]
+            seq, n = self.next_seq, rng.randint(1, len(prompt))
+            hit = bm.allocate(seq, n, prompt, reserve=rng.randint(0, 2))
+            if hit is not None:
+                self.next_seq += 1
+                self.tokens[seq] = prompt[:n]
+                self.prompts.append(prompt)
+                self.write(seq, hit, n)
+                bm.commit(seq, n, lambda a, b: prompt[a:b])
+        elif op == "append":
+            seq = rng.choice(live)
+            new = [rng.randint(0, 2) for _ in range(rng.randint(0, 9))]
+            old = len(self.tokens[seq])
+            pairs = bm.append(seq, len(new))
+            if pairs is not None:
+                self.copy(pairs, self.cache, self.cache)
+                self.tokens[seq] += new
+                self.write(seq, old, old + len(new))
+                tokens = self.tokens[seq]
+                bm.commit(seq, len(tokens), lambda a, b: tokens[a:b])
+        elif op == "fork":
+            parent = rng.choice(live)
+            bm.fork(parent, self.next_seq)
+            self.tokens[self.next_seq] = list(self.tokens[parent])
+            self.next_seq += 1
+        elif op == "free":
+            seq = rng.choice(live)
+            bm.free(seq)
+            del self.tokens[seq]
+        elif op == "swap_out":
+            seq = rng.choice(live)
+            pairs = bm.swap_out(seq)
+            if pairs is not None:
+                self.copy(pairs, self.cache, self.host)
+                self.swapped[seq] = self.tokens.pop(seq)
+        elif swapped:
+            seq = rng.choice(swapped)
+            pairs = bm.swap_in(seq)
+            if pairs is not None:
+                self.copy(pairs, self.host, self.cache)
+                self.tokens[seq] = self.swapped.pop(seq)
+        self.check()
+
+    def check(self) -> None:
+        bm = self.bm
+        bm.check_invariants()
+        for seq, tokens in self.tokens.items():
+            for g, window in enumerate(bm.windows):
+                start = bm._starts[seq][g]
+                assert start <= first_needed_block(window, len(tokens), BS)  # what a next query needs is held
+                first = start * BS
+                slots = bm.slots(seq, first, len(tokens), g)
+                assert [self.cache[s] for s in slots] == [(g, tuple(tokens[:p + 1])) for p in range(first, len(tokens))]
+
+    def finish(self) -> None:
+        for seq in list(self.tokens):
+            self.bm.free(seq)
+        for seq in list(self.swapped):
+            self.bm.free_swapped(seq)
+        self.bm.check_invariants()
+        assert self.bm.num_free_blocks == self.bm.pool.num_blocks
+        assert self.bm.num_free_host_blocks == self.bm.num_host_blocks
+
+
+@pytest.mark.parametrize("windows", [HYBRID, (W,), (None, W, W)])
+def test_random_operations_keep_every_window_readable(windows: tuple[int | None, ...]) -> None:
+    for seed in range(3):
+        run = RandomRun(seed, windows)
+        for _ in range(150):
+            run.step()
+        run.finish()
+
+
+@pytest.mark.soak
+@pytest.mark.parametrize("windows", [HYBRID, (W,), (None, W, W), (None, 1)])
+def test_random_operations_keep_every_window_readable_long(windows: tuple[int | None, ...]) -> None:
+    for seed in range(60):
+        run = RandomRun(seed, windows)
+        for _ in range(600):
+            run.step()
+        run.finish()

@@ -235,9 +235,8 @@ class BlockManager:
             # reserve, which only limits taking blocks, cannot refuse it).
             total = self._num_tokens[seq_id] + num_new_tokens
             refcounts = self.pool._refcounts
-            if total <= len(tables[0]) * self.block_size and (
-                num_new_tokens == 0 or all(refcounts[t[-1]] == 1 for t in tables)
-            ):
+            if total <= len(tables[0]) * self.block_size and (num_new_tokens == 0 or refcounts[tables[0][-1]] == 1 and (
+                len(tables) == 1 or all(refcounts[t[-1]] == 1 for t in tables))):
                 self._num_tokens[seq_id] = total
                 return []
         need, cow = self._append_need(seq_id, num_new_tokens)
