@@ -180,6 +180,22 @@ def test_sliding_layers_give_back_their_blocks_and_still_match(family: str, case
     assert bm.prefix_hits - hits >= len(case.prompts[0]) + NEW_TOKENS - 4
 
 
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_sliding_model_preempted_for_memory_still_matches(mode: str, cases: Callable[[str], Case]) -> None:
+    """Gemma 3 (a full and a sliding group) on a pool too small for its running set."""
+    from inferd.settings.policy import SchedulingPolicy
+
+    case = cases("gemma3")
+    per_block = case.engine.kv_cache.storage[:, :, :1].nbytes * 4 // 16  # (blocks of 4, not 16)
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(case.folder), dtype="float32", block_size=4, max_num_batched_tokens=8,
+        kv_cache_memory=30 * per_block, swap_space=64 * per_block, policy=SchedulingPolicy(preemption_mode=mode)))
+    assert engine.block_manager.pool.num_blocks == 30
+    assert generate(engine, case.prompts) == case.reference
+    assert engine.scheduler.preemptions[mode] > 0, engine.scheduler.preemptions
+    assert engine.block_manager.num_free_host_blocks == engine.block_manager.num_host_blocks
+
+
 def greedy_argmax(model: Any, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits.argmax(-1)
