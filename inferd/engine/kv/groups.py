@@ -16,10 +16,10 @@ A sliding group holds only the blocks that cover its window. A query at position
 `first_needed_block(W, computed)` on; the entries before that point at no block of the sequence
 (the runner sends block 0 there; the kernels skip them, the reference masks them):
 
-    block_size 4, W = 6, 14 computed      positions 0..3 | 4..7 | 8..11 | 12..13
-    full group table                      [ 7            | 2    | 5     | 9    ]
-    sliding group table                   [ -            | -    | 4     | 8    ]   first_needed = 2
-                                                                   ^ keys 8..13 seen by position 14
+    block_size 4, W = 6, 14 computed   positions  0..3 | 4..7 | 8..11 | 12..15
+    full group table                              7    | 2    | 5     | 9
+    sliding group table                           0    | 0    | 4     | 8     first_needed = 2: the
+                                                                             query at 14 sees 9..14
 """
 
 from __future__ import annotations
