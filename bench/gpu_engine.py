@@ -115,7 +115,7 @@ class EngineLoop:
             r.status = RequestStatus.RUNNING
             r.num_computed_tokens = context - 1
             table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            chunks.append(ScheduledChunk(r, context - 1, 1, table))
+            chunks.append(ScheduledChunk(r, context - 1, 1, [table]))
         plan = SchedulerOutput()
         plan.decodes = chunks
         for _ in range(3):

@@ -90,7 +90,8 @@ def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: in
         config.block_size, config.max_num_seqs, max_model_len, deterministic))
     model.set_batch_invariant(deterministic)
     graphs = None
-    if config.cuda_graphs and isinstance(model.attention, CudaAttention):
+    # (a hybrid model's decode steps run eagerly: the graphs hold one block table per row)
+    if config.cuda_graphs and isinstance(model.attention, CudaAttention) and len(kv_cache.layout.groups) == 1:
         graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
         graphs.capture()
     return Execution(kv_cache, ModelRunner(model, kv_cache, graphs=graphs), num_blocks, num_host_blocks)

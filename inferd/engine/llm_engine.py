@@ -96,7 +96,8 @@ class LLMEngine:
         self.kv_cache, self.runner = execution.kv_cache, execution.runner
         self.block_manager = BlockManager(execution.num_blocks, config.block_size,
                                           num_host_blocks=execution.num_host_blocks,
-                                          enable_prefix_caching=config.enable_prefix_caching)
+                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          windows=self.kv_cache.layout.windows)
         self.policy = config.policy
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.policy)
@@ -131,7 +132,9 @@ class LLMEngine:
         return EngineLimits(
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
             max_num_seqs=self.config.max_num_seqs, block_size=bs, num_kv_blocks=num_blocks,
-            class_kv_tokens={c.name: (num_blocks - self.scheduler.reserve_blocks(c)) * bs for c in self.policy.classes},
+            class_kv_tokens={c.name: self.kv_cache.layout.max_tokens(num_blocks - self.scheduler.reserve_blocks(c), bs,
+                                                                     self.config.max_num_batched_tokens)
+                             for c in self.policy.classes},
             policy=self.policy, architecture=self.model_config.architecture, num_layers=self.model_config.num_layers,
             dtype=str(self.model.dtype).removeprefix("torch."), device=str(self.model.device),
             model_path=self.config.model or str(default_model_path()),

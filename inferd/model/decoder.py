@@ -26,19 +26,24 @@ from inferd.model.rope import rotate
 
 
 @dataclass
+class LayerAttention:
+    """Where a layer writes and what it attends over, for one step: layers whose KV share block
+    tables (a KV group, inferd.engine.kv.groups) share one of these."""
+
+    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (negative: padding, skipped)
+    prefill: object | None  # the attention backend's plans (see inferd.model.attention), the
+    decode: object | None  # layer's window in them
+
+
+@dataclass
 class StepAttention:
     """What every layer's attention needs for one step; built once by the runner."""
 
-    slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (negative: padding, skipped)
+    layers: list[LayerAttention]  # per layer
     num_prefill_tokens: int  # tokens [0, num_prefill_tokens) are prefill chunks, the rest decodes
-    prefill: object | None  # the attention backend's plans (see inferd.model.attention)
-    decode: object | None
     # tokens [0, dense_rows) multiply by packed layers' dense copies (quant.SplitLinear): the
     # prefill rows of long prompts, which the runner puts first
     dense_rows: int = 0
-    # the sliding layers' plans (their window in the mask), when the model has such layers
-    window_prefill: object | None = None
-    window_decode: object | None = None
 
 
 class RMSNorm:
@@ -63,6 +68,7 @@ class DecoderLayer:
                  index: int) -> None:
         self.cfg = cfg
         self.attention = attention
+        self.index = index
         self.sliding = cfg.is_sliding(index)
 
         def norm(name: str) -> RMSNorm:
@@ -107,8 +113,9 @@ class DecoderLayer:
         q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
         v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         key_cache, value_cache = kv_cache
-        self.attention.write_kv(k, v, key_cache, value_cache, attn.slot_mapping)
-        prefill, decode = (attn.window_prefill, attn.window_decode) if self.sliding else (attn.prefill, attn.decode)
+        plans = attn.layers[self.index]
+        self.attention.write_kv(k, v, key_cache, value_cache, plans.slot_mapping)
+        prefill, decode = plans.prefill, plans.decode
         parts = []
         if prefill is not None:
             parts.append(self.attention.prefill(q[:p], key_cache, value_cache, prefill, self.scale, self.softcap))

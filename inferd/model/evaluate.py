@@ -3,6 +3,7 @@
 Non-overlapping windows, each prefilled from position 0 into the first blocks of a paged cache
 (`kv_layers`, per layer (keys, values) as inferd.engine.worker.kv_cache.KVCache holds them); the
 perplexity is exp of the mean negative log-likelihood of every token after a window's first.
+Full-attention models only: every layer gets the same table and no window.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from inferd.model.decoder import DecoderModel, StepAttention
+from inferd.model.decoder import DecoderModel, LayerAttention, StepAttention
 from inferd.model.quant import DENSE_PREFILL_MIN_TOKENS
 from inferd.model.tensors import device_tensor
 
@@ -27,11 +28,11 @@ def perplexity(model: DecoderModel, kv_layers: list[tuple[torch.Tensor, torch.Te
         n = len(inputs)
         table = list(range(-(-n // block_size)))
         positions = torch.arange(n, device=device)
+        # blocks 0, 1, ... in order: slot p is position p
+        plans = LayerAttention(positions, model.attention.plan_prefill([table], [n], [n], block_size, device), None)
         attn = StepAttention(
-            slot_mapping=positions,  # blocks 0, 1, ... in order: slot p is position p
+            layers=[plans] * model.cfg.num_layers,
             num_prefill_tokens=n,
-            prefill=model.attention.plan_prefill([table], [n], [n], block_size, device),
-            decode=None,
             dense_rows=n if n >= DENSE_PREFILL_MIN_TOKENS else 0,  # as the runner would
         )
         logits = model.forward(device_tensor(inputs, torch.int64, device), positions, kv_layers, attn, positions)

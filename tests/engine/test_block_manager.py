@@ -27,11 +27,11 @@ def snapshot(bm: BlockManager) -> tuple:
     seqs = sorted(bm._tables)
     return (
         bm.num_free_blocks,
-        [(s, list(bm.block_table(s)), bm.num_tokens(s), list(bm._keys[s])) for s in seqs],
+        [(s, [list(t) for t in bm.block_tables(s)], bm._starts[s], bm.num_tokens(s), list(bm._keys[s])) for s in seqs],
         [bm.pool.refcount(b) for b in range(bm.pool.num_blocks)],
         list(bm.pool._free), list(bm.prefix_cache._evictable), sorted(bm.prefix_cache._cached.items()),
-        list(bm._host_free),
-        sorted((s, list(w.host_table), w.num_tokens, list(w.keys)) for s, w in bm._swapped.items()),
+        list(bm.host.free),
+        sorted((s, w.host_tables, w.starts, w.num_tokens, list(w.keys)) for s, w in bm.host.swapped.items()),
         bm.prefix_queries, bm.prefix_hits,
     )
 
@@ -533,7 +533,7 @@ def test_check_invariants_detects_cache_and_host_corruption() -> None:
         bm.check_invariants()
 
     bm = BlockManager(4, 2, num_host_blocks=2)
-    bm._host_free.popleft()  # a host block lost
+    bm.host.free.popleft()  # a host block lost
     with pytest.raises(BlockError, match="host block"):
         bm.check_invariants()
 
@@ -804,7 +804,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert [self.cache[s] for s in bm.slots(seq, 0, len(tokens))] == self._ids(tokens)
         # ... or swapped out
         for seq, tokens in self.swapped.items():
-            host_table = bm._swapped[seq].host_table
+            host_table = bm.host.swapped[seq].host_tables[0]
             assert [self.host[host_table[p // bs] * bs + p % bs] for p in range(len(tokens))] == self._ids(tokens)
         # every cached block, used or evictable, holds exactly the prefix its key names
         for key, block in bm.prefix_cache._cached.items():

@@ -152,6 +152,50 @@ def test_small_prefill_chunks_match_transformers(case: Case) -> None:
     assert generate(engine, case.prompts) == case.reference
 
 
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])  # sliding and full layers; sliding only
+def test_sliding_layers_give_back_their_blocks_and_still_match(family: str, cases: Callable[[str], Case]) -> None:
+    """Blocks of 4 and chunks of 5: sliding groups hold only their window (engine/kv/groups.py),
+    and a second turn extending the first hits the prefix cache, token-exact all the same."""
+    case = cases(family)
+    engine = LLMEngine.from_config(EngineConfig(model=str(case.folder), dtype="float32", kv_cache_memory=16 * 2**20,
+                                                block_size=4, max_num_batched_tokens=5))
+    bm = engine.block_manager
+    sliding = [g for g, w in enumerate(bm.windows) if w is not None]
+    assert sliding and len(bm.windows) == (2 if family == "gemma3" else 1)
+    released: list[int] = []
+    commit = bm.commit
+
+    def watched(seq_id: int, computed: int, tokens: Any) -> None:
+        commit(seq_id, computed, tokens)
+        for g in sliding:  # (at most the window behind the next chunk: 12 + 5 tokens, +2 blocks)
+            assert len(bm.block_table(seq_id, g)) - bm._starts[seq_id][g] <= -(-(WINDOW + 5) // 4) + 2
+            released.append(bm._starts[seq_id][g])
+
+    bm.commit = watched  # type: ignore[method-assign]
+    assert generate(engine, case.prompts) == case.reference
+    assert max(released) >= 4
+    second = case.prompts[0] + case.reference[0] + case.prompts[1]  # the next turn of a chat
+    hits = bm.prefix_hits
+    assert generate(engine, [second])[0][:8] == tm.greedy_reference(case.model, [second], 8)[0]
+    assert bm.prefix_hits - hits >= len(case.prompts[0]) + NEW_TOKENS - 4
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_sliding_model_preempted_for_memory_still_matches(mode: str, cases: Callable[[str], Case]) -> None:
+    """Gemma 3 (a full and a sliding group) on a pool too small for its running set."""
+    from inferd.settings.policy import SchedulingPolicy
+
+    case = cases("gemma3")
+    per_block = case.engine.kv_cache.storage[:, :, :1].nbytes * 4 // 16  # (blocks of 4, not 16)
+    engine = LLMEngine.from_config(EngineConfig(
+        model=str(case.folder), dtype="float32", block_size=4, max_num_batched_tokens=8,
+        kv_cache_memory=30 * per_block, swap_space=64 * per_block, policy=SchedulingPolicy(preemption_mode=mode)))
+    assert engine.block_manager.pool.num_blocks == 30
+    assert generate(engine, case.prompts) == case.reference
+    assert engine.scheduler.preemptions[mode] > 0, engine.scheduler.preemptions
+    assert engine.block_manager.num_free_host_blocks == engine.block_manager.num_host_blocks
+
+
 def greedy_argmax(model: Any, ids: list[int]) -> torch.Tensor:
     with torch.inference_mode():
         return model(torch.tensor([ids])).logits.argmax(-1)

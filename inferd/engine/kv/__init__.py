@@ -1,6 +1,8 @@
 """KV memory as block ids: which blocks each request holds, which are free, which are cached.
 
     block_manager.py  allocate, append, free, swap; the check-then-act calls the scheduler makes
+    groups.py         KV groups: which layers share a block table; what a sliding window keeps
+    host.py           host blocks of swapped-out sequences
     block_pool.py     the free list and reference counts
     prefix_cache.py   full blocks by the hash of their tokens, for reuse across requests
 

@@ -2,6 +2,7 @@
 sequences (no tensors here). The scheduler's check-then-act API to KV memory.
 
     block_manager  tables, token counts, copy-on-write, swap      (this module)
+    groups         which layers share a table; sliding windows    KVLayout, first_needed_block
     block_pool     refcounts and the free list                    BlockPool
     prefix_cache   block keys, lookup, evictable LRU              PrefixCache, block_key
 
@@ -39,6 +40,12 @@ reuses the leading cached blocks, and the caller computes from the first positio
 
 A freed block that is still cached stays *evictable* (see block_pool.py for the three states).
 
+KV groups (kv/groups.py): a hybrid model's sequence has one table per group, all of the same
+length, over the one pool. A sliding group's blocks before its window go back to the pool as
+`commit` learns that they are computed (their table entries then say 0: no block of the
+sequence), and a prefix hit takes full groups' blocks for the whole prefix and sliding groups'
+blocks for the window at its end. A model with one group runs exactly the one-table path.
+
 Swap: `swap_out` gives a sequence's blocks host copies and frees its device blocks; `swap_in`
 brings them back into fresh device blocks. The caller copies the returned pairs, in one step, in
 this order: swap-out pairs, swap-in pairs, copy-on-write pairs, then runs the model.
@@ -50,47 +57,44 @@ then nothing has changed, so the scheduler can pick a sequence to preempt and tr
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from inferd.engine.kv.block_pool import BlockPool
+from inferd.engine.kv.groups import first_needed_block, usable_hit
+from inferd.engine.kv.host import HostBlocks
 from inferd.engine.kv.prefix_cache import BlockError, PrefixCache
-
-
-@dataclass(slots=True)
-class SwappedSeq:
-    """What a swapped-out sequence needs to come back: its host blocks, in table order."""
-
-    host_table: list[int]
-    num_tokens: int
-    keys: list[bytes]  # the keys of its full computed blocks, for chaining later commits
-    root: bytes  # its prefix-cache namespace
 
 
 class BlockManager:
     """Block tables of all live sequences over one `BlockPool` and its `PrefixCache`; the only
-    writer of all three."""
+    writer of all three. `windows`: per KV group, its sliding window or None (kv/groups.py)."""
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True) -> None:
+                 enable_prefix_caching: bool = True, windows: Sequence[int | None] = (None,)) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if num_host_blocks < 0:
-            raise ValueError(f"num_host_blocks must be >= 0, got {num_host_blocks}")
+        if not windows or any(w is not None and w < 1 for w in windows):
+            raise ValueError(f"windows must be None or >= 1, one per KV group, got {windows}")
         self.pool = BlockPool(num_blocks)
         self.prefix_cache: PrefixCache = self.pool.cache
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self._tables: dict[int, list[int]] = {}
+        self.windows = tuple(windows)
+        self._sliding = [g for g, w in enumerate(self.windows) if w is not None]
+        # a group's cached blocks are filed under key + its tag: a block is one group's only
+        self._tags = [b"" if g == 0 else bytes([g]) for g in range(len(self.windows))]
+        self._tables: dict[int, list[list[int]]] = {}  # per live sequence, one table per group
+        # per live sequence and group: the first table entry it holds (the entries before it are
+        # 0 and hold nothing: out of a sliding window); always 0 for a full group
+        self._starts: dict[int, list[int]] = {}
         self._num_tokens: dict[int, int] = {}
         # per live sequence: the keys of its first len(keys) blocks, all full and computed
         self._keys: dict[int, list[bytes]] = {}
         # per live sequence: its prefix-cache namespace, the first block's parent key (b"": shared)
         self._roots: dict[int, bytes] = {}
+        self.host = HostBlocks(num_host_blocks)
         self.num_host_blocks = num_host_blocks
-        self._host_free: deque[int] = deque(range(num_host_blocks))
-        self._swapped: dict[int, SwappedSeq] = {}
         # metrics: prompt tokens looked up in, and served from, the prefix cache by `allocate`
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -116,34 +120,45 @@ class BlockManager:
 
     @property
     def num_free_host_blocks(self) -> int:
-        return len(self._host_free)
+        return len(self.host.free)
 
-    def block_table(self, seq_id: int) -> list[int]:
-        """The live table (not a copy): callers read it, never change it."""
+    def block_table(self, seq_id: int, group: int = 0) -> list[int]:
+        """The live table of one KV group (not a copy): callers read it, never change it."""
+        return self._table(seq_id)[group]
+
+    def block_tables(self, seq_id: int) -> list[list[int]]:
+        """The live tables, one per KV group (not copies)."""
         return self._table(seq_id)
+
+    def num_held_blocks(self, seq_id: int) -> int:
+        """Blocks the sequence holds, over all groups."""
+        tables, starts = self._table(seq_id), self._starts[seq_id]
+        return sum(len(t) - s for t, s in zip(tables, starts))
 
     def num_tokens(self, seq_id: int) -> int:
         self._table(seq_id)
         return self._num_tokens[seq_id]
 
     def is_swapped(self, seq_id: int) -> bool:
-        return seq_id in self._swapped
+        return seq_id in self.host.swapped
 
-    def slot(self, seq_id: int, position: int) -> int:
-        table = self._table(seq_id)
-        if not 0 <= position < self._num_tokens[seq_id]:
-            raise IndexError(f"position {position} outside seq {seq_id} "
-                             f"of {self._num_tokens[seq_id]} tokens")
-        return table[position // self.block_size] * self.block_size + position % self.block_size
-
-    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Slot mapping for positions [start, end)."""
-        table = self._table(seq_id)
+    def slots(self, seq_id: int, start: int, end: int, group: int = 0) -> list[int]:
+        """Slot mapping for positions [start, end) in one group's table."""
+        table = self._table(seq_id)[group]
         if not 0 <= start <= end <= self._num_tokens[seq_id]:
             raise IndexError(f"positions [{start}, {end}) outside seq {seq_id} "
                              f"of {self._num_tokens[seq_id]} tokens")
+        if start < self._starts[seq_id][group] * self.block_size:
+            raise IndexError(f"position {start} of seq {seq_id} is out of group {group}'s window")
         bs = self.block_size
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def slot(self, seq_id: int, position: int, group: int = 0) -> int:
+        if not 0 <= position < self._num_tokens.get(seq_id, 0):
+            self._table(seq_id)
+            raise IndexError(f"position {position} outside seq {seq_id} "
+                             f"of {self._num_tokens[seq_id]} tokens")
+        return self.slots(seq_id, position, position + 1, group)[0]
 
     def cached_prefix(self, token_ids: Sequence[int] | None, root: bytes = b"") -> int:
         """How many leading tokens cached blocks hold in namespace `root`: a multiple of
@@ -151,7 +166,7 @@ class BlockManager:
         logits); 0 without token ids (a sequence that reuses nothing). Changes nothing."""
         if not self.enable_prefix_caching or token_ids is None:
             return 0
-        return len(self.prefix_cache.match(token_ids, len(token_ids) - 1, self.block_size, root)[0]) * self.block_size
+        return len(self._match(token_ids, len(token_ids) - 1, root)[1]) * self.block_size
 
     # ---- check ----
 
@@ -163,19 +178,19 @@ class BlockManager:
         return self._fits(self._append_need(seq_id, num_new_tokens)[0], reserve)
 
     def can_swap_out(self, seq_id: int) -> bool:
-        return len(self._table(seq_id)) <= len(self._host_free)
+        return self.num_held_blocks(seq_id) <= len(self.host.free)
 
     def num_swapped_blocks(self, seq_id: int) -> int:
-        return len(self._swapped_seq(seq_id).host_table)
+        return self.host.get(seq_id).num_blocks
 
     def can_swap_in(self, seq_id: int, reserve: int = 0) -> bool:
-        return self._fits(len(self._swapped_seq(seq_id).host_table), reserve)
+        return self._fits(self.num_swapped_blocks(seq_id), reserve)
 
     # ---- act ----
 
     def allocate(self, seq_id: int, num_tokens: int, token_ids: Sequence[int] | None = None,
                  reserve: int = 0, root: bytes = b"") -> int | None:
-        """A fresh table covering the first `num_tokens` tokens of a new sequence.
+        """Fresh tables covering the first `num_tokens` tokens of a new sequence.
 
         With `token_ids` (the prompt) and prefix caching on, the leading cached blocks are reused,
         up to `num_tokens` and len(token_ids) - 1 tokens, from the namespace `root` (and its full
@@ -184,18 +199,23 @@ class BlockManager:
         `reserve` blocks would be left allocatable (then nothing changed).
         """
         self._check_new(seq_id)
-        hit_blocks, hit_keys, need = self._allocate_plan(num_tokens, token_ids, root)
+        hits, hit_keys, need = self._allocate_plan(num_tokens, token_ids, root)
         if not self._fits(need, reserve):
             return None
+        num_hit = len(hit_keys)
+        starts = [first_needed_block(w, num_hit * self.block_size, self.block_size) for w in self.windows]
         # NOTE: hits first, so that the fresh allocations below cannot evict them.
-        for block_id in hit_blocks:
-            self.pool.acquire(block_id)
-        table = hit_blocks + [self._alloc() for _ in range(self.blocks_for(num_tokens) - len(hit_blocks))]
-        self._tables[seq_id] = table
+        for blocks, start in zip(hits, starts):
+            for block_id in blocks[start:]:
+                self.pool.acquire(block_id)  # type: ignore[arg-type]
+        fresh = self.blocks_for(num_tokens) - num_hit
+        self._tables[seq_id] = [[0] * start + blocks[start:] + [self._alloc() for _ in range(fresh)]
+                                for blocks, start in zip(hits, starts)]  # type: ignore[misc]
+        self._starts[seq_id] = starts
         self._num_tokens[seq_id] = num_tokens
         self._keys[seq_id] = hit_keys
         self._roots[seq_id] = root
-        hit_tokens = len(hit_blocks) * self.block_size
+        hit_tokens = num_hit * self.block_size
         if token_ids is not None:
             self.prefix_queries += len(token_ids)
             self.prefix_hits += hit_tokens
@@ -205,39 +225,41 @@ class BlockManager:
         """Make room for `num_new_tokens` more tokens; None if short (then nothing changed).
 
         Returns the copy-on-write pairs (src_block, dst_block) that the caller must copy in the
-        KV cache before writing the new tokens: at most one, when the partly filled last block is
-        shared with a fork.
+        KV cache before writing the new tokens: at most one per group, when a partly filled last
+        block is shared with a fork.
         """
-        table = self._tables.get(seq_id)
-        if table is not None and num_new_tokens >= 0:
+        tables = self._tables.get(seq_id)
+        if tables is not None and num_new_tokens >= 0:
             # NOTE: the common decode case, kept cheap: the tokens fit in the room left in the last
             # block and that block is not shared, so no block is allocated or copied (and so the
             # reserve, which only limits taking blocks, cannot refuse it).
             total = self._num_tokens[seq_id] + num_new_tokens
-            if total <= len(table) * self.block_size and (
-                num_new_tokens == 0 or self.pool._refcounts[table[-1]] == 1
-            ):
+            refcounts = self.pool._refcounts
+            if total <= len(tables[0]) * self.block_size and (num_new_tokens == 0 or refcounts[tables[0][-1]] == 1 and (
+                len(tables) == 1 or all(refcounts[t[-1]] == 1 for t in tables))):
                 self._num_tokens[seq_id] = total
                 return []
         need, cow = self._append_need(seq_id, num_new_tokens)
         if not self._fits(need, reserve):
             return None
-        table = self._tables[seq_id]
+        tables = self._tables[seq_id]
         pairs: list[tuple[int, int]] = []
-        if cow:
-            src = table[-1]
+        for g in cow:
+            src = tables[g][-1]
             dst = self._alloc()
             self.pool.decref(src)  # still held by the fork(s): refcount >= 1
-            table[-1] = dst
+            tables[g][-1] = dst
             pairs.append((src, dst))
         total = self._num_tokens[seq_id] + num_new_tokens
-        for _ in range(self.blocks_for(total) - len(table)):
-            table.append(self._alloc())
+        for table in tables:
+            for _ in range(self.blocks_for(total) - len(table)):
+                table.append(self._alloc())
         self._num_tokens[seq_id] = total
         return pairs
 
     def commit(self, seq_id: int, num_computed_tokens: int, tokens: Callable[[int, int], Sequence[int]]) -> None:
-        """Cache every block that the first `num_computed_tokens` tokens now fill.
+        """Cache every block that the first `num_computed_tokens` tokens now fill, then give back
+        the sliding groups' blocks that no later query can see.
 
         `tokens(start, end)` returns the sequence's token ids [start, end); it is called once per
         newly full block, so calling commit after every step costs O(1) when none became full.
@@ -247,34 +269,40 @@ class BlockManager:
         if keys is None:
             raise BlockError(f"unknown seq {seq_id}")
         num_full = num_computed_tokens // self.block_size
-        if not self.enable_prefix_caching or num_full <= len(keys):
-            return
-        if num_computed_tokens > self._num_tokens[seq_id]:
-            raise BlockError(f"seq {seq_id}: {num_computed_tokens} computed tokens but room "
-                             f"for {self._num_tokens[seq_id]}")
-        self.prefix_cache.fill(self._tables[seq_id], keys, num_full, tokens, self.block_size, self._roots[seq_id])
+        if self.enable_prefix_caching and num_full > len(keys):
+            if num_computed_tokens > self._num_tokens[seq_id]:
+                raise BlockError(f"seq {seq_id}: {num_computed_tokens} computed tokens but room "
+                                 f"for {self._num_tokens[seq_id]}")
+            tables, first = self._tables[seq_id], len(keys)
+            self.prefix_cache.fill(tables[0], keys, num_full, tokens, self.block_size, self._roots[seq_id])
+            for table, tag in zip(tables[1:], self._tags[1:]):  # (the same keys, each group's blocks)
+                for i in range(first, num_full):
+                    self.prefix_cache.register(table[i], keys[i] + tag)
+        if self._sliding:
+            self._release_window(seq_id, num_computed_tokens)
 
     def fork(self, parent_id: int, child_id: int) -> None:
         """The child shares all the parent's blocks and has the same token count."""
-        table = self._table(parent_id)
+        tables, starts = self._table(parent_id), self._starts[parent_id]
         self._check_new(child_id)
-        for block_id in table:
-            self.pool.incref(block_id)
-        self._tables[child_id] = list(table)
+        for table, start in zip(tables, starts):
+            for block_id in table[start:]:
+                self.pool.incref(block_id)
+        self._tables[child_id] = [list(table) for table in tables]
+        self._starts[child_id] = list(starts)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
         self._keys[child_id] = list(self._keys[parent_id])
         self._roots[child_id] = self._roots[parent_id]
 
     def free(self, seq_id: int) -> None:
-        table = self._table(seq_id)
+        tables, starts = self._table(seq_id), self._starts[seq_id]
         # NOTE: tail first: with FIFO reuse a sequence's prefix blocks are reused last, and the
         # tail of a cached prefix is evicted before its head (a tail is no use without its head).
-        for block_id in reversed(table):
-            self.pool.decref(block_id)
-        del self._tables[seq_id]
-        del self._num_tokens[seq_id]
-        del self._keys[seq_id]
-        del self._roots[seq_id]
+        for table, start in zip(tables, starts):
+            for block_id in reversed(table[start:]):
+                self.pool.decref(block_id)
+        for state in (self._tables, self._starts, self._num_tokens, self._keys, self._roots):
+            del state[seq_id]
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]] | None:
         """Copy a sequence to host blocks and free its device blocks; None if host blocks are short.
@@ -282,13 +310,13 @@ class BlockManager:
         Returns the (device_block, host_block) pairs the caller copies before anything else this
         step. The freed device blocks may be handed out again in the same step.
         """
-        table = self._table(seq_id)
-        if len(table) > len(self._host_free):
+        if not self.can_swap_out(seq_id):
             return None
-        host_table = [self._host_free.popleft() for _ in table]
-        pairs = list(zip(table, host_table))
-        self._swapped[seq_id] = SwappedSeq(host_table, self._num_tokens[seq_id], self._keys[seq_id],
-                                           self._roots[seq_id])
+        tables, starts = self._tables[seq_id], self._starts[seq_id]
+        held = [table[start:] for table, start in zip(tables, starts)]
+        host_tables = self.host.take(seq_id, held, starts, self._num_tokens[seq_id], self._keys[seq_id],
+                                     self._roots[seq_id])
+        pairs = [pair for blocks, host in zip(held, host_tables) for pair in zip(blocks, host)]
         self.free(seq_id)
         return pairs
 
@@ -298,79 +326,51 @@ class BlockManager:
         Returns the (host_block, device_block) pairs to copy (after the swap-out pairs). The new
         blocks are not cached again, even where the old ones were.
         """
-        swapped = self._swapped_seq(seq_id)
-        if not self._fits(len(swapped.host_table), reserve):
+        if not self._fits(self.num_swapped_blocks(seq_id), reserve):
             return None
-        table = [self._alloc() for _ in swapped.host_table]
-        del self._swapped[seq_id]
-        self._host_free.extend(swapped.host_table)
-        self._tables[seq_id] = table
+        swapped = self.host.give_back(seq_id)
+        held = [[self._alloc() for _ in host] for host in swapped.host_tables]
+        self._tables[seq_id] = [[0] * start + blocks for start, blocks in zip(swapped.starts, held)]
+        self._starts[seq_id] = swapped.starts
         self._num_tokens[seq_id] = swapped.num_tokens
         self._keys[seq_id] = swapped.keys
         self._roots[seq_id] = swapped.root
-        return list(zip(swapped.host_table, table))
+        return [pair for host, blocks in zip(swapped.host_tables, held) for pair in zip(host, blocks)]
 
     def free_swapped(self, seq_id: int) -> None:
         """Drop a sequence that finished (or was aborted) while swapped out."""
-        swapped = self._swapped_seq(seq_id)
-        del self._swapped[seq_id]
-        self._host_free.extend(swapped.host_table)
+        self.host.give_back(seq_id)
 
     def check_invariants(self) -> None:
         """Raise BlockError if a block is lost, misfiled or refcounted wrongly, the cache map and
         the blocks' keys disagree, or a host block is lost or held twice. O(blocks)."""
-        if self._keys.keys() != self._tables.keys() or self._roots.keys() != self._tables.keys():
+        if not (self._keys.keys() == self._roots.keys() == self._starts.keys() == self._tables.keys()):
             raise BlockError("sequences with keys and with tables differ")
         refs: Counter[int] = Counter()
-        for seq_id, table in self._tables.items():
+        for seq_id, tables in self._tables.items():
             n = self._num_tokens[seq_id]
-            if len(table) != self.blocks_for(n):
-                raise BlockError(f"seq {seq_id}: {len(table)} blocks for {n} tokens")
+            for table, start in zip(tables, self._starts[seq_id], strict=True):
+                if len(table) != self.blocks_for(n) or not 0 <= start <= len(table):
+                    raise BlockError(f"seq {seq_id}: {len(table)} blocks from {start} for {n} tokens")
+                refs.update(table[start:])
             if len(self._keys[seq_id]) > n // self.block_size:
                 raise BlockError(f"seq {seq_id}: {len(self._keys[seq_id])} keys for {n} tokens")
-            refs.update(table)
         if not self.enable_prefix_caching and (len(self.prefix_cache) or any(self._keys.values())):
             raise BlockError("prefix caching is off but blocks are cached")
         self.pool.check_invariants(refs)  # and the prefix cache's own
-        self._check_host()
-
-    def _check_host(self) -> None:
-        """Swapped sequences are not live, and each host block is free or held by one of them."""
-        if self._swapped.keys() & self._tables.keys():
-            raise BlockError(f"seqs {self._swapped.keys() & self._tables.keys()} are live and swapped")
-        host_refs = Counter(self._host_free)
-        for seq_id, swapped in self._swapped.items():
-            if len(swapped.host_table) != self.blocks_for(swapped.num_tokens):
-                raise BlockError(f"swapped seq {seq_id}: {len(swapped.host_table)} host blocks "
-                                 f"for {swapped.num_tokens} tokens")
-            if len(swapped.keys) > swapped.num_tokens // self.block_size:
-                raise BlockError(f"swapped seq {seq_id}: {len(swapped.keys)} keys "
-                                 f"for {swapped.num_tokens} tokens")
-            host_refs.update(swapped.host_table)
-        for host_id in range(self.num_host_blocks):
-            if host_refs[host_id] != 1:
-                raise BlockError(f"host block {host_id} is held {host_refs[host_id]} times (free or swapped)")
-        unknown = [h for h in host_refs if not 0 <= h < self.num_host_blocks]
-        if unknown:
-            raise BlockError(f"unknown host block ids {unknown}")
+        self.host.check_invariants(self._tables.keys(), self.blocks_for, self.block_size)
 
     # ---- internals ----
 
-    def _table(self, seq_id: int) -> list[int]:
+    def _table(self, seq_id: int) -> list[list[int]]:
         try:
             return self._tables[seq_id]
         except KeyError:
-            state = " (swapped out)" if seq_id in self._swapped else ""
+            state = " (swapped out)" if seq_id in self.host.swapped else ""
             raise BlockError(f"unknown seq {seq_id}{state}") from None
 
-    def _swapped_seq(self, seq_id: int) -> SwappedSeq:
-        try:
-            return self._swapped[seq_id]
-        except KeyError:
-            raise BlockError(f"seq {seq_id} is not swapped out") from None
-
     def _check_new(self, seq_id: int) -> None:
-        if seq_id in self._tables or seq_id in self._swapped:
+        if seq_id in self._tables or seq_id in self.host.swapped:
             raise BlockError(f"seq {seq_id} already has a block table")
 
     def _alloc(self) -> int:
@@ -383,28 +383,60 @@ class BlockManager:
         fits: the reserve limits what an allocation takes, not what others left."""
         return need <= 0 or need + reserve <= self.pool.num_free
 
+    def _release_window(self, seq_id: int, computed: int) -> None:
+        """Give back each sliding group's blocks before the window of the next query (position
+        `computed`), oldest first, so that the pool evicts them before the newer ones."""
+        tables, starts = self._tables[seq_id], self._starts[seq_id]
+        for g in self._sliding:
+            table = tables[g]
+            # (the last block stays: it is where the sequence grows, even with a window of 1)
+            end = min(first_needed_block(self.windows[g], computed, self.block_size), len(table) - 1)
+            for i in range(starts[g], end):
+                self.pool.decref(table[i])
+                table[i] = 0
+            starts[g] = max(starts[g], end)
+
+    def _match(self, token_ids: Sequence[int], max_tokens: int,
+               root: bytes) -> tuple[list[list[int | None]], list[bytes]]:
+        """Per group, the cached blocks of the longest usable prefix hit (full groups: all of it;
+        sliding groups: its window's, None before), and the hit's keys."""
+        cache, bs = self.prefix_cache, self.block_size
+        if self.windows[0] is None:  # (full groups come first: they bound the hit, stopping early)
+            blocks, keys = cache.match(token_ids, max_tokens, bs, root)
+            if len(self.windows) == 1:
+                return [blocks], keys  # type: ignore[list-item]
+        else:
+            keys = cache.chain_keys(token_ids, max_tokens, bs, root)
+        found = [[cache.lookup(key + tag) for key in keys] for tag in self._tags]
+        num_hit = usable_hit(found, self.windows, bs)
+        return [blocks[:num_hit] for blocks in found], keys[:num_hit]
+
     def _allocate_plan(self, num_tokens: int, token_ids: Sequence[int] | None,
-                       root: bytes = b"") -> tuple[list[int], list[bytes], int]:
-        """(cached blocks to reuse, their keys, blocks the allocation takes from the allocatable
-        ones): fresh blocks, plus reused blocks that were evictable."""
+                       root: bytes = b"") -> tuple[list[list[int | None]], list[bytes], int]:
+        """(per group, cached blocks to reuse; their keys; blocks the allocation takes from the
+        allocatable ones): fresh blocks, plus reused blocks that were evictable."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        blocks: list[int] = []
+        hits: list[list[int | None]] = [[] for _ in self.windows]
         keys: list[bytes] = []
         if token_ids is not None and self.enable_prefix_caching:
-            blocks, keys = self.prefix_cache.match(token_ids, min(len(token_ids) - 1, num_tokens), self.block_size,
-                                                   root)
-        refcount = self.pool.refcount
-        need = self.blocks_for(num_tokens) - len(blocks) + sum(refcount(b) == 0 for b in blocks)
-        return blocks, keys, need
+            hits, keys = self._match(token_ids, min(len(token_ids) - 1, num_tokens), root)
+        refcount, bs = self.pool.refcount, self.block_size
+        need = len(self.windows) * (self.blocks_for(num_tokens) - len(keys))
+        for blocks, window in zip(hits, self.windows):
+            reused = blocks[first_needed_block(window, len(keys) * bs, bs):]
+            need += sum(refcount(b) == 0 for b in reused)  # type: ignore[arg-type]
+        return hits, keys, need
 
-    def _append_need(self, seq_id: int, num_new_tokens: int) -> tuple[int, bool]:
-        """(blocks to allocate, whether the last block needs copy-on-write) for an append."""
-        table = self._table(seq_id)
+    def _append_need(self, seq_id: int, num_new_tokens: int) -> tuple[int, list[int]]:
+        """(blocks to allocate, the groups whose last block needs copy-on-write) for an append."""
+        tables = self._table(seq_id)
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         n = self._num_tokens[seq_id]
-        cow = (num_new_tokens > 0 and n % self.block_size != 0
-               and self.pool.refcount(table[-1]) > 1)
-        need = self.blocks_for(n + num_new_tokens) - len(table) + cow
+        cow = []
+        if num_new_tokens > 0 and n % self.block_size != 0:
+            cow = [g for g, (t, s) in enumerate(zip(tables, self._starts[seq_id]))
+                   if s < len(t) and self.pool.refcount(t[-1]) > 1]
+        need = len(tables) * (self.blocks_for(n + num_new_tokens) - len(tables[0])) + len(cow)
         return need, cow

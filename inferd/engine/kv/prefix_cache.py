@@ -78,27 +78,38 @@ class PrefixCache:
     # ---- hashing and matching ----
 
     def match(self, token_ids: Sequence[int], max_tokens: int, block_size: int,
-              root: bytes = b"") -> tuple[list[int], list[bytes]]:
+              root: bytes = b"", tag: bytes = b"") -> tuple[list[int], list[bytes]]:
         """The cached blocks (and their keys) holding the leading full blocks of `token_ids`, at
-        most `max_tokens` tokens' worth, in the namespace `root` (the first block's parent key).
-        Changes nothing."""
+        most `max_tokens` tokens' worth, in the namespace `root` (the first block's parent key),
+        filed under key + `tag` (a KV group's: kv/groups.py). Changes nothing."""
         bs = block_size
         blocks: list[int] = []
         keys: list[bytes] = []
         parent = root
         for i in range(max(max_tokens, 0) // bs):
             parent = block_key(parent, token_ids[i * bs:(i + 1) * bs])
-            block_id = self._cached.get(parent)
+            block_id = self._cached.get(parent + tag)
             if block_id is None:
                 break
             blocks.append(block_id)
             keys.append(parent)
         return blocks, keys
 
+    def chain_keys(self, token_ids: Sequence[int], max_tokens: int, block_size: int, root: bytes = b"") -> list[bytes]:
+        """The keys of the leading full blocks of `token_ids`, at most `max_tokens` tokens' worth,
+        cached or not."""
+        keys: list[bytes] = []
+        parent = root
+        for i in range(max(max_tokens, 0) // block_size):
+            parent = block_key(parent, token_ids[i * block_size:(i + 1) * block_size])
+            keys.append(parent)
+        return keys
+
     def fill(self, table: list[int], keys: list[bytes], num_full: int,
-             tokens: Callable[[int, int], Sequence[int]], block_size: int, root: bytes = b"") -> None:
+             tokens: Callable[[int, int], Sequence[int]], block_size: int, root: bytes = b"", tag: bytes = b"") -> None:
         """File blocks table[len(keys):num_full], which the caller holds and which are now full and
-        computed, appending their keys to `keys` (a sequence's keys so far, chained on from `root`)."""
+        computed, under their key + `tag`, appending their keys to `keys` (a sequence's keys so
+        far, chained on from `root`)."""
         bs = block_size
         parent = keys[-1] if keys else root
         for i in range(len(keys), num_full):
@@ -108,7 +119,7 @@ class PrefixCache:
             parent = block_key(parent, block_tokens)
             # NOTE: the key goes on the sequence's list even when register refuses it (another
             # block holds it): the next block's key chains from it either way.
-            self.register(table[i], parent)
+            self.register(table[i], parent + tag)
             keys.append(parent)
 
     def register(self, block_id: int, key: bytes) -> bool:

@@ -7,7 +7,7 @@ threads read `ClassSnapshot`s and `RequestSnapshot`s, frozen copies made once pe
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from inferd.engine.protocol import ClassSnapshot, RequestSnapshot, Samples
@@ -122,7 +122,7 @@ class SchedulerAccounting:
                 stats.deadline_misses["tpot"] += 1
 
     def snapshot(self, now: float, waiting: Iterable[Request], running: Iterable[Request],
-                 block_table: Callable[[int], Sequence[int]]) -> list[ClassSnapshot]:
+                 held_blocks: Callable[[int], int]) -> list[ClassSnapshot]:
         """Every class's state now, most important first (O(waiting + running))."""
         num_waiting: Counter[str] = Counter()
         queued: Counter[str] = Counter()
@@ -136,7 +136,7 @@ class SchedulerAccounting:
         blocks: Counter[str] = Counter()
         for req in running:
             num_running[req.priority_class.name] += 1
-            blocks[req.priority_class.name] += len(block_table(req.seq_id))
+            blocks[req.priority_class.name] += held_blocks(req.seq_id)
         return [
             _class_snapshot(cls, self.stats[cls.name], num_waiting[cls.name], queued[cls.name],
                             oldest.get(cls.name, 0.0), num_running[cls.name], blocks[cls.name])

@@ -17,7 +17,12 @@ class ScheduledChunk:
     request: Request
     start: int  # position of the first new token
     num_tokens: int  # new tokens computed this step
-    block_table: list[int]  # the request's blocks (read-only for the runner)
+    block_tables: list[list[int]]  # the request's blocks, one table per KV group (read-only for the runner)
+
+    @property
+    def block_table(self) -> list[int]:
+        """The first KV group's table (the only one of a model without sliding layers)."""
+        return self.block_tables[0]
 
     @property
     def samples(self) -> bool:

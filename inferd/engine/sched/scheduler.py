@@ -262,7 +262,7 @@ class Scheduler:
             out.started.append(req)
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, copies: list[tuple[int, int]]) -> None:
-        chunk = ScheduledChunk(req, req.num_computed_tokens, n, self.block_manager.block_table(req.seq_id))
+        chunk = ScheduledChunk(req, req.num_computed_tokens, n, self.block_manager.block_tables(req.seq_id))
         (out.decodes if chunk.is_decode else out.prefills).append(chunk)
         self._scheduled[req.seq_id] = (chunk, copies)
         self._budget -= n
@@ -294,7 +294,7 @@ class Scheduler:
         """(vtc) The rank's seats, or its blocks, between its tenants now."""
         assert self.fair is not None
         bm = self.block_manager
-        capacity, held = ((bm.pool.num_blocks, lambda r: len(bm.block_table(r.seq_id))) if by_blocks
+        capacity, held = ((bm.pool.num_blocks, lambda r: bm.num_held_blocks(r.seq_id)) if by_blocks
                           else (self.max_num_seqs, lambda r: 1))
         return self.fair.rank_view(rank, itertools.chain(self.waiting, self.running), self.running, capacity, held)
 
@@ -443,7 +443,7 @@ class Scheduler:
 
     def snapshot(self) -> list[ClassSnapshot]:
         """Every class's state now, most important first (O(waiting + running))."""
-        return self.accounting.snapshot(self.clock(), self.waiting, self.running, self.block_manager.block_table)
+        return self.accounting.snapshot(self.clock(), self.waiting, self.running, self.block_manager.num_held_blocks)
 
     def tenants_snapshot(self) -> tuple[TenantSnapshot, ...]:
         """Every tenant's fair share now (none under fcfs)."""

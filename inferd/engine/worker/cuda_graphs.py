@@ -21,7 +21,7 @@ import torch
 from inferd.engine.worker.kv_cache import KVCache
 from inferd.engine.sched.plan import ScheduledChunk
 from inferd.model.attention import CudaAttention
-from inferd.model.decoder import DecoderModel, StepAttention
+from inferd.model.decoder import DecoderModel, LayerAttention, StepAttention
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,8 @@ class DecodeGraphs:
     def __init__(self, model: DecoderModel, kv_cache: KVCache, max_num_seqs: int, max_model_len: int) -> None:
         if not isinstance(model.attention, CudaAttention):
             raise ValueError("CUDA graphs need the CUDA attention backend (their launches are capturable)")
+        if len(kv_cache.layout.groups) > 1:
+            raise ValueError("CUDA graphs cover models with one KV group (no sliding and full layers mixed)")
         self.model = model
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
@@ -87,14 +89,11 @@ class DecodeGraphs:
         seq_lens = self._ints[:b]
         tables = self._ints[self._largest: self._largest + b * self.max_blocks].view(b, self.max_blocks)
         backend: CudaAttention = self.model.attention  # type: ignore[assignment]
-        window = self.model.cfg.sliding_window if self.model.cfg.has_sliding_layers else None
-        attn = StepAttention(
-            slot_mapping=self._longs[2, :b],
-            num_prefill_tokens=0,
-            prefill=None,
-            decode=backend.decode_plan(tables, seq_lens, self.max_model_len),
-            window_decode=None if window is None else backend.decode_plan(tables, seq_lens, self.max_model_len, window),
-        )
+        # (one KV group: DecodeGraphs refuses more)
+        window = self.kv_cache.layout.groups[0].window
+        decode = backend.decode_plan(tables, seq_lens, self.max_model_len, window)
+        plans = LayerAttention(self._longs[2, :b], None, decode)
+        attn = StepAttention(layers=[plans] * self.model.cfg.num_layers, num_prefill_tokens=0)
         return self.model.forward(self._longs[0, :b], self._longs[1, :b], self.kv_cache.layers, attn,
                                   self._rows[:b])
 

@@ -1,5 +1,8 @@
 """The paged KV cache tensors, sized from `kv_cache_memory`, allocated once at start-up, and the
-host copy space that preempted sequences are swapped out to."""
+host copy space that preempted sequences are swapped out to.
+
+A block id is `group_size` layers' K/V (kv/groups.py): every layer for a model without sliding
+layers; for a hybrid one, slot i of a block is layer i of whichever KV group holds the block."""
 
 from __future__ import annotations
 
@@ -9,14 +12,20 @@ import os
 
 import torch
 
+from inferd.engine.kv.groups import KVLayout
 from inferd.model.config import ModelConfig
 from inferd.model.tensors import device_tensor, to_device
 
 
+def kv_layout(cfg: ModelConfig) -> KVLayout:
+    """The model's KV groups: one of every layer, unless it has sliding and full layers."""
+    return KVLayout.for_layers([cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)])
+
+
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block across all layers."""
+    """K and V of one block: its group_size layers (all of them without sliding layers)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    return 2 * kv_layout(cfg).group_size * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
 def available_memory(device: torch.device) -> int:
@@ -75,16 +84,19 @@ class KVCache:
         self.num_blocks = num_blocks
         self.num_host_blocks = num_host_blocks
         self.block_size = block_size
-        # [num_layers, 2 (K, V), num_blocks, block_size, n_kv_heads, head_dim]
-        shape = (cfg.num_layers, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.layout = layout = kv_layout(cfg)
+        # [group_size, 2 (K, V), num_blocks, block_size, n_kv_heads, head_dim]
+        shape = (layout.group_size, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.storage = _zeroed(shape, dtype, device)
-        # per layer: (key_cache, value_cache), each [num_blocks, block_size, n_kv_heads, head_dim]
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [(layer[0], layer[1]) for layer in self.storage]
-        # [num_layers, 2 (K, V), num_host_blocks, block_size, n_kv_heads, head_dim] on the CPU;
+        # per layer: (key_cache, value_cache), each [num_blocks, block_size, n_kv_heads, head_dim];
+        # layers in the same slot of different groups share tensors (their groups' blocks differ)
+        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (self.storage[slot, 0], self.storage[slot, 1]) for _group, slot in layout.placement()]
+        # [group_size, 2 (K, V), num_host_blocks, block_size, n_kv_heads, head_dim] on the CPU;
         # None when swapping is off
         self.host_storage: torch.Tensor | None = None
         if num_host_blocks > 0:
-            host_shape = (cfg.num_layers, 2, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+            host_shape = (layout.group_size, 2, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
             if device.type == "cuda":
                 # NOTE: pinned (page-locked), as the copies to and from it cross PCIe; zeroed, like
                 # the device cache, because a swapped-in partial block brings its unwritten slots.
@@ -99,7 +111,7 @@ class KVCache:
         device = self.storage.device
         src = device_tensor([s for s, _ in pairs], torch.int64, device)
         dst = device_tensor([d for _, d in pairs], torch.int64, device)
-        for key_cache, value_cache in self.layers:
+        for key_cache, value_cache in self.storage:  # (each slot once)
             key_cache[dst] = key_cache[src]
             value_cache[dst] = value_cache[src]
 
@@ -110,7 +122,7 @@ class KVCache:
         host = self._host()
         device_idx = device_tensor([d for d, _ in pairs], torch.int64, self.storage.device)
         host_idx = torch.tensor([h for _, h in pairs])
-        # [num_layers, 2, len(pairs), block_size, n_kv_heads, head_dim]
+        # [group_size, 2, len(pairs), block_size, n_kv_heads, head_dim]
         host[:, :, host_idx] = self.storage[:, :, device_idx].cpu()
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
@@ -120,7 +132,7 @@ class KVCache:
         host = self._host()
         host_idx = torch.tensor([h for h, _ in pairs])
         device_idx = device_tensor([d for _, d in pairs], torch.int64, self.storage.device)
-        # [num_layers, 2, len(pairs), block_size, n_kv_heads, head_dim]
+        # [group_size, 2, len(pairs), block_size, n_kv_heads, head_dim]
         self.storage[:, :, device_idx] = to_device(host[:, :, host_idx], self.storage.device)
 
     def _host(self) -> torch.Tensor:

@@ -12,7 +12,7 @@ from inferd.engine.worker.kv_cache import KVCache
 from inferd.engine.structured.masks import MaskFiller
 from inferd.engine.sched.request import Request
 from inferd.engine.sched.plan import ScheduledChunk, SchedulerOutput
-from inferd.model.decoder import DecoderModel, StepAttention
+from inferd.model.decoder import DecoderModel, LayerAttention, StepAttention
 from inferd.model.quant import DENSE_PREFILL_MIN_TOKENS
 from inferd.model.sampler import Sampler, SamplerOutput
 from inferd.model.tensors import device_tensor
@@ -55,10 +55,8 @@ class ModelRunner:
         self.graphs = graphs  # CUDA graphs for decode-only steps, if captured
         self._generators: dict[int, torch.Generator] = {}  # per seeded request, advanced every step
         self.masks = MaskFiller(model.cfg.vocab_size)
-        # one set of attention plans per kind of layer the model has (None: full attention)
-        cfg = model.cfg
-        self.windows = sorted({cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)},
-                              key=lambda w: w or 0)
+        # per layer, its KV group (whose block tables and attention plans it uses) and slot
+        self._placement = kv_cache.layout.placement()
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         self.apply_block_ops(out)
@@ -138,11 +136,9 @@ class ModelRunner:
         # the GIL, and while the event loop thread is busy streaming, each re-acquisition can
         # wait a whole switch interval (5 ms), so a few dozen small ops cost more than the lists.
         chunks = prefills + decodes
-        bs = self.kv_cache.block_size
         device = self.device
         ids: list[int] = []  # [T]
         positions: list[int] = []  # [T]
-        slot_mapping: list[int] = []  # [T]
         logits_indices: list[int] = []  # [S]
         seq_lens: list[int] = []  # [N]
         query_lens: list[int] = []  # [N]
@@ -150,40 +146,25 @@ class ModelRunner:
             start, n = c.start, c.num_tokens
             end = start + n
             ids += c.request.token_ids(start, end)
-            table = c.block_table
             if n == 1:
                 positions.append(start)
-                slot_mapping.append(table[start // bs] * bs + start % bs)
             else:
                 positions += range(start, end)
-                slot_mapping += [table[p // bs] * bs + p % bs for p in range(start, end)]
             if c.samples:
                 logits_indices.append(len(ids) - 1)
             seq_lens.append(end)
             query_lens.append(n)
-        # block tables cut to each chunk's context and padded with block 0 to the widest
-        widths = [-(-n // bs) for n in seq_lens]
-        max_blocks = max(widths)
-        rows = [c.block_table[:w] + [0] * (max_blocks - w) for c, w in zip(chunks, widths)]  # [N, max_blocks]
-
-        backend = self.model.attention
         dense = sum(1 for c in prefills if _dense_prefill(c))  # (first: run sorted them)
         # short prompts attend row by row through the decode kernel where the backend can (the
         # CPU's): one row per token, its context up to itself, no padding of the context
-        p = dense if backend.row_prefill else len(prefills)
-        tables: list[list[int]] = []
-        lens: list[int] = []
-        for row, end, n in zip(rows[p:], seq_lens[p:], query_lens[p:]):
-            tables += [row] * n
-            lens += range(end - n + 1, end + 1)
+        p = dense if self.model.attention.row_prefill else len(prefills)
+        groups = [self._group_attention(chunks, g, window, seq_lens, query_lens, p)
+                  for g, window in enumerate(self.kv_cache.layout.windows)]
         attn = StepAttention(
-            slot_mapping=device_tensor(slot_mapping, torch.int64, device),
+            layers=[groups[g] for g, _slot in self._placement],
             num_prefill_tokens=sum(query_lens[:p]),
             dense_rows=sum(query_lens[:dense]),
-            prefill=None,
-            decode=None,
         )
-        self._plan(attn, (rows[:p], seq_lens[:p], query_lens[:p]), (tables, lens))
         return (
             device_tensor(ids, torch.int64, device),
             device_tensor(positions, torch.int64, device),
@@ -191,18 +172,31 @@ class ModelRunner:
             device_tensor(logits_indices, torch.int64, device),
         )
 
-    def _plan(self, attn: StepAttention, prefill: tuple[list[list[int]], list[int], list[int]],
-              decode: tuple[list[list[int]], list[int]]) -> None:
-        """The step's attention plans: (block tables, context lengths, query lengths) of the
-        prefill group and (block tables, context lengths) of the rows, for each kind of layer."""
+    def _group_attention(self, chunks: list[ScheduledChunk], group: int, window: int | None, seq_lens: list[int],
+                         query_lens: list[int], p: int) -> LayerAttention:
+        """One KV group's slots and attention plans: chunks [0, p) as the prefill group (block
+        tables, context and query lengths), the rest as rows (one per token)."""
         backend, bs, device = self.model.attention, self.kv_cache.block_size, self.device
-        for window in self.windows:
-            pre = backend.plan_prefill(*prefill, bs, device, window) if prefill[0] else None
-            dec = backend.plan_decode(*decode, bs, device, window) if decode[0] else None
-            if window is None:
-                attn.prefill, attn.decode = pre, dec
+        slot_mapping: list[int] = []  # [T]
+        # block tables cut to each chunk's context and padded with block 0 to the widest
+        max_blocks = -(-max(seq_lens) // bs)
+        rows: list[list[int]] = []  # [N, max_blocks]
+        for c, end in zip(chunks, seq_lens):
+            table, start = c.block_tables[group], c.start
+            if c.num_tokens == 1:
+                slot_mapping.append(table[start // bs] * bs + start % bs)
             else:
-                attn.window_prefill, attn.window_decode = pre, dec
+                slot_mapping += [table[q // bs] * bs + q % bs for q in range(start, end)]
+            width = -(-end // bs)
+            rows.append(table[:width] + [0] * (max_blocks - width))
+        tables: list[list[int]] = []
+        lens: list[int] = []
+        for row, end, n in zip(rows[p:], seq_lens[p:], query_lens[p:]):
+            tables += [row] * n
+            lens += range(end - n + 1, end + 1)
+        prefill = backend.plan_prefill(rows[:p], seq_lens[:p], query_lens[:p], bs, device, window) if p else None
+        decode = backend.plan_decode(tables, lens, bs, device, window) if tables else None
+        return LayerAttention(device_tensor(slot_mapping, torch.int64, device), prefill, decode)
 
 
 def _prompt_rows(prefills: list[ScheduledChunk]) -> list[tuple[Request, int, list[int]]]:
