@@ -7,8 +7,9 @@
                 and its parser
     tool_grammar.py  the grammars that hold calls to the declared functions: only calls
                 ("required", a named function), or free text whose calls are held ("auto")
+    reasoning.py  a thinking model's answer split into reasoning and content, streamed or whole
 
 A protocol front-end (openai/, anthropic/) turns its own messages into template dicts (role,
-content, tool_calls, tool_call_id) and its tools into OpenAI-style function dicts, and calls these.
+content, tool_calls, tool_call_id, reasoning_content) and its tools into OpenAI-style function dicts, and calls these.
 It may import: pipeline and below (shared), the engine's structured grammars; no protocol package.
 """
