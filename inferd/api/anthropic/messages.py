@@ -29,7 +29,14 @@ from inferd.api.anthropic.wire import (
 )
 from inferd.api.anthropic.errors import DIALECT
 from inferd.api.body import read_json
-from inferd.api.conversation.reasoning import Markers, ReasoningSplitter, reasoning_markers, split_whole, starts_inside
+from inferd.api.conversation.reasoning import (
+    Markers,
+    ReasoningSplitter,
+    reasoning_markers,
+    split_output,
+    split_whole,
+    starts_inside,
+)
 from inferd.api.conversation.render import render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
 from inferd.api.conversation.tool_grammar import tools_grammar
@@ -222,11 +229,9 @@ class StreamBlocks:
         events: list[Payload] = []
         text = out.text
         if self.splitter is not None:
-            pieces = self.splitter.feed(text) + (self.splitter.finish() if out.finished else [])
-            for piece in pieces:
-                if piece.channel == "reasoning":
-                    self._thinking(events, piece.text)
-            text = "".join(piece.text for piece in pieces if piece.channel == "content")
+            reasoning, text = split_output(self.splitter, text, out.finished)
+            if reasoning:
+                self._thinking(events, reasoning)
         if self.parser is None:
             if text:
                 self._text(events, text)

@@ -96,6 +96,13 @@ class ReasoningSplitter:
         return kept
 
 
+def split_output(splitter: ReasoningSplitter, text: str, finished: bool) -> tuple[str, str]:
+    """(reasoning, content) of one streamed output: its text through the splitter, flushed at the end."""
+    pieces = splitter.feed(text) + (splitter.finish() if finished else [])
+    return ("".join(p.text for p in pieces if p.channel == "reasoning"),
+            "".join(p.text for p in pieces if p.channel == "content"))
+
+
 def split_whole(text: str, markers: Markers, inside: bool = False) -> tuple[str, str]:
     """(reasoning, content) of a whole answer: the splitter over one chunk."""
     splitter = ReasoningSplitter(markers, inside)

@@ -11,7 +11,14 @@ from typing import Any
 from aiohttp import web
 
 from inferd.api.body import read_json
-from inferd.api.conversation.reasoning import Markers, ReasoningSplitter, reasoning_markers, split_whole, starts_inside
+from inferd.api.conversation.reasoning import (
+    Markers,
+    ReasoningSplitter,
+    reasoning_markers,
+    split_output,
+    split_whole,
+    starts_inside,
+)
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_formats import ToolParser, tool_parser
 from inferd.api.conversation.tools import Arguments, CallStart, Content
@@ -152,9 +159,8 @@ class ChatShape:
 
 def _split_reasoning(splitter: ReasoningSplitter, out: EngineOutput) -> tuple[EngineOutput, str]:
     """One streamed output of a thinking model: the output with its content only, and its reasoning."""
-    pieces = splitter.feed(out.text) + (splitter.finish() if out.finished else [])
-    content = "".join(p.text for p in pieces if p.channel == "content")
-    return dataclasses.replace(out, text=content), "".join(p.text for p in pieces if p.channel == "reasoning")
+    reasoning, content = split_output(splitter, out.text, out.finished)
+    return dataclasses.replace(out, text=content), reasoning
 
 
 def _tool_finish(finish: str | None, called: bool) -> str | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, Protocol
 
-from inferd.api.conversation.reasoning import ReasoningSplitter
+from inferd.api.conversation.reasoning import ReasoningSplitter, split_output
 from inferd.api.conversation.tool_formats import tool_parser
 from inferd.api.conversation.tools import Arguments, CallStart, Content
 from inferd.api.errors import APIError
@@ -97,11 +97,9 @@ class ResponseEvents:
         events: list[Payload] = []
         text = out.text
         if self.splitter is not None:
-            pieces = self.splitter.feed(text) + (self.splitter.finish() if out.finished else [])
-            for piece in pieces:
-                if piece.channel == "reasoning":
-                    self._reasoning(events, piece.text)
-            text = "".join(piece.text for piece in pieces if piece.channel == "content")
+            reasoning, text = split_output(self.splitter, text, out.finished)
+            if reasoning:
+                self._reasoning(events, reasoning)
         found = [Content(text)] if self.parser is None else (
             self.parser.feed(text) + (self.parser.finish() if out.finished else []))
         for event in found:
