@@ -32,6 +32,7 @@ from inferd.api.responses.wire import (
     OutputMessage,
     OutputText,
     Response,
+    TOOL_TYPES,
     ResponsesRequest,
     ResponseUsage,
 )
@@ -68,6 +69,11 @@ def template_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
 
 def calls_tools(body: ResponsesRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
+
+
+def namespace_of(body: ResponsesRequest, name: str) -> str | None:
+    """The namespace tool a called function came in (None for a plain function tool)."""
+    return next((space for space, tool in body.namespaced_tools() if tool.name == name), None)
 
 
 def grammar(body: ResponsesRequest) -> Grammar | None:
@@ -156,6 +162,7 @@ class ResponsesShape:
         if text.strip() or not calls:
             output.append(OutputMessage(id=_item_id("msg"), content=[OutputText(text=text)]))
         output += [OutputFunctionCall(id=_item_id("fc"), call_id=c["id"], name=c["function"]["name"],
+                                      namespace=namespace_of(self.body, c["function"]["name"]),
                                       arguments=c["function"]["arguments"]) for c in calls]
         return self.response(reply, output, _status(result.finish_reason))
 
@@ -201,6 +208,7 @@ class ResponseEvents:
                     self._text(events, event.text)
             elif isinstance(event, CallStart):
                 self._open(events, OutputFunctionCall(id=_item_id("fc"), call_id=event.id, name=event.name,
+                                                      namespace=namespace_of(self.shape.body, event.name),
                                                       arguments="", status="in_progress"))
             elif isinstance(event, Arguments) and isinstance(self.open, OutputFunctionCall):
                 self.open.arguments += event.fragment
@@ -259,7 +267,7 @@ class ResponseEvents:
 async def create_response(request: web.Request) -> web.StreamResponse:
     body = ResponsesRequest.model_validate(await read_json(request))
     if body.tools:
-        body.tools = supported_tools(request, body.tools, lambda tool: tool.get("type"), lambda kind: kind == "function")
+        body.tools = supported_tools(request, body.tools, lambda tool: tool.get("type"), lambda kind: kind in TOOL_TYPES)
     if body.previous_response_id is not None:
         raise APIError(404, f"no stored response {body.previous_response_id!r}: this server keeps no responses "
                        "yet (send the whole conversation as input)", param="previous_response_id",
