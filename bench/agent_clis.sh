@@ -87,6 +87,7 @@ if [[ -z "$URL" ]]; then
     PY="${INFERD_PYTHON:-}"
     [[ -z "$PY" && -x "$HERE/.venv/bin/python" ]] && PY="$HERE/.venv/bin/python"
     PY="${PY:-python3}"
+    : >"$OUT/serve.log"
     (cd "$OUT" && PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" exec "$PY" -m inferd.cli serve --port 0 \
         --log-format json >/dev/null 2>"$OUT/serve.log") &
     SERVER_PID=$!
@@ -146,15 +147,16 @@ CODEX_S=$(( $(date +%s) - start ))
 
 # ---------------------------------------------------------------------------- Claude Code
 mkdir -p "$OUT/claude-home"
-# NOTE: Claude Code asks for 32,000 tokens (inferd lowers it to its ceiling); the default model at
-# temperature 1 sometimes rambles for a thousand tokens, and a reply cut at max_tokens makes Claude
-# Code ask again for a shorter one (up to three times): 200 keeps a turn to minutes on 2 busy cores.
+# NOTE: Claude Code asks for 32,000 tokens (inferd lowers it to its ceiling) at Anthropic's default
+# temperature 1, where the default model often rambles for hundreds of tokens; a reply cut at
+# max_tokens makes Claude Code ask again for a shorter one, three times, then fail. So: greedy
+# (CLAUDE_CODE_EXTRA_BODY is merged into its request body) and 200 tokens at most.
 start=$(date +%s)
 set +e
 (cd "$OUT/work" && env HOME="$OUT/claude-home" ANTHROPIC_BASE_URL="$URL" ANTHROPIC_API_KEY="$API_KEY" \
     ANTHROPIC_MODEL="$MODEL" ANTHROPIC_SMALL_FAST_MODEL="$MODEL" ANTHROPIC_DEFAULT_HAIKU_MODEL="$MODEL" \
     ANTHROPIC_DEFAULT_SONNET_MODEL="$MODEL" ANTHROPIC_DEFAULT_OPUS_MODEL="$MODEL" CLAUDE_CODE_SUBAGENT_MODEL="$MODEL" \
-    CLAUDE_CODE_MAX_OUTPUT_TOKENS=200 DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 DISABLE_ERROR_REPORTING=1 \
+    CLAUDE_CODE_MAX_OUTPUT_TOKENS=200 CLAUDE_CODE_EXTRA_BODY='{"temperature": 0}' DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 DISABLE_ERROR_REPORTING=1 \
     DISABLE_BUG_COMMAND=1 CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 timeout "$TIMEOUT" \
     "$CLAUDE" -p "$PROMPT" --output-format json --system-prompt "$SYSTEM" --tools "" \
     </dev/null >"$OUT/claude.json" 2>"$OUT/claude.err")
