@@ -149,14 +149,15 @@ CODEX_S=$(( $(date +%s) - start ))
 mkdir -p "$OUT/claude-home"
 # NOTE: Claude Code asks for 32,000 tokens (inferd lowers it to its ceiling) at Anthropic's default
 # temperature 1, where the default model often rambles for hundreds of tokens; a reply cut at
-# max_tokens makes Claude Code ask again for a shorter one, three times, then fail. So: greedy
-# (CLAUDE_CODE_EXTRA_BODY is merged into its request body) and 200 tokens at most.
+# max_tokens makes Claude Code ask again for a shorter one, three times, then fail; greedy, it can
+# repeat itself to the limit as well. So: greedy, the answer's first line (a stop sequence; both
+# through CLAUDE_CODE_EXTRA_BODY, merged into its request body) and 200 tokens at most.
 start=$(date +%s)
 set +e
 (cd "$OUT/work" && env HOME="$OUT/claude-home" ANTHROPIC_BASE_URL="$URL" ANTHROPIC_API_KEY="$API_KEY" \
     ANTHROPIC_MODEL="$MODEL" ANTHROPIC_SMALL_FAST_MODEL="$MODEL" ANTHROPIC_DEFAULT_HAIKU_MODEL="$MODEL" \
     ANTHROPIC_DEFAULT_SONNET_MODEL="$MODEL" ANTHROPIC_DEFAULT_OPUS_MODEL="$MODEL" CLAUDE_CODE_SUBAGENT_MODEL="$MODEL" \
-    CLAUDE_CODE_MAX_OUTPUT_TOKENS=200 CLAUDE_CODE_EXTRA_BODY='{"temperature": 0}' DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 DISABLE_ERROR_REPORTING=1 \
+    CLAUDE_CODE_MAX_OUTPUT_TOKENS=200 CLAUDE_CODE_EXTRA_BODY='{"temperature": 0, "stop_sequences": ["\n"]}' DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 DISABLE_ERROR_REPORTING=1 \
     DISABLE_BUG_COMMAND=1 CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 timeout "$TIMEOUT" \
     "$CLAUDE" -p "$PROMPT" --output-format json --system-prompt "$SYSTEM" --tools "" \
     </dev/null >"$OUT/claude.json" 2>"$OUT/claude.err")
