@@ -86,6 +86,7 @@ REFUSED = [
     ({"previous_response_id": "resp_0"}, 404, "previous_response_id"),
     ({"background": True}, 400, "background"),
     ({"tools": [{"type": "web_search"}]}, 400, "web_search"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": []}]}, 400, "tools"),
     ({"input": [{"type": "local_shell_call", "call_id": "c"}]}, 400, "local_shell_call"),
     ({"temperature": 3}, 400, "temperature"),
     ({"surprise": 1}, 400, "surprise"),
@@ -94,7 +95,7 @@ REFUSED = [
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("extra, status, named", REFUSED,
-                         ids=["stored", "background", "web-search", "shell-item", "temperature", "unknown-field"])
+                         ids=["stored", "background", "web-search", "empty-namespace", "shell-item", "temperature", "unknown-field"])
 async def test_what_is_not_served_is_refused_in_openais_shape(server: Server, extra: dict, status: int,
                                                               named: str) -> None:
     got, reply = await server.post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2, **extra})
