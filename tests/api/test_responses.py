@@ -2,7 +2,8 @@
 answers that agree, the event sequence numbered and in order, a function-tool round trip (the
 second turn served partly from the prefix cache), text.format as a schema, the refusals of what
 is not served (an unknown previous response, a background one not kept, non-function tools), and
-the policy that drops unsupported tools instead. Stored responses: test_responses_store.py."""
+the policy that drops unsupported tools instead; Codex's first request (its namespace tool) as Codex
+0.169 sends it. Stored responses: test_responses_store.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from apiserver import MODEL, Server, assert_pool_whole, serve
+from apiserver import MODEL, Server, assert_pool_whole, data_events, serve
 
 from inferd.engine.llm_engine import LLMEngine
 from inferd.settings.config import Settings
@@ -86,6 +87,7 @@ REFUSED = [
     ({"previous_response_id": "resp_0"}, 404, "previous_response_id"),
     ({"background": True, "store": False}, 400, "background"),
     ({"tools": [{"type": "web_search"}]}, 400, "web_search"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": []}]}, 400, "tools"),
     ({"input": [{"type": "local_shell_call", "call_id": "c"}]}, 400, "local_shell_call"),
     ({"temperature": 3}, 400, "temperature"),
     ({"surprise": 1}, 400, "surprise"),
@@ -94,7 +96,8 @@ REFUSED = [
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("extra, status, named", REFUSED,
-                         ids=["unknown-previous", "background-unkept", "web-search", "shell-item", "temperature", "unknown-field"])
+                         ids=["unknown-previous", "background-unkept", "web-search", "empty-namespace", "shell-item",
+                              "temperature", "unknown-field"])
 async def test_what_is_not_served_is_refused_in_openais_shape(server: Server, extra: dict, status: int,
                                                               named: str) -> None:
     got, reply = await server.post("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2, **extra})
@@ -117,3 +120,63 @@ async def test_unsupported_tools_are_dropped_and_named_where_the_setting_says(ll
             async with server.session.post(path, json=body) as r:
                 assert r.status == 200, await r.text()
                 assert r.headers["x-inferd-dropped-tools"] == dropped
+
+
+# Codex 0.169.1's first request of a turn (`codex exec`, its default features), field for field and
+# header for header; only the texts are shortened. Its sub-agent functions come as one `namespace`
+# tool, which was a 400 ("tool type namespace is not supported") until namespaces were served.
+CODEX_TURN = "01a23ad1-fa52-7ca3-937d-290f9d5d0d4a"
+CODEX_HEADERS = {"Accept": "text/event-stream", "originator": "codex_exec", "session-id": CODEX_TURN,
+                 "thread-id": CODEX_TURN, "x-client-request-id": CODEX_TURN, "x-codex-window-id": f"{CODEX_TURN}:0",
+                 "x-codex-beta-features": "remote_compaction_v2", "x-codex-turn-metadata": '{"turn_trigger":"exec"}',
+                 "User-Agent": "codex_exec/0.169.1 (Debian 12.0.0; x86_64) xterm (codex_exec; 0.169.1)"}
+AGENT = {"type": "object", "properties": {"target": {"type": "string", "maxLength": 8}}, "required": ["target"],
+         "additionalProperties": False}
+CODEX_TOOLS = [
+    {"type": "function", "name": "exec_command", "description": "Runs a command in a PTY.", "strict": False,
+     "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"],
+                    "additionalProperties": False}},
+    {"type": "namespace", "name": "multi_agent_v1", "description": "Tools for spawning and managing sub-agents.",
+     "tools": [{"type": "function", "name": "close_agent", "description": "Close an agent.", "strict": False,
+                "parameters": AGENT},
+               {"type": "function", "name": "resume_agent", "description": "Resume a closed agent.", "strict": False,
+                "parameters": AGENT}]},
+]
+
+
+def text(t: str) -> dict:
+    return {"type": "input_text", "text": t}
+
+
+def codex_body(**extra: object) -> dict:
+    return {"model": MODEL, "stream": True, "input": [
+        {"type": "message", "id": "msg_1", "role": "developer", "content": [text("You are a helpful assistant.")]},
+        {"type": "message", "id": "msg_2", "role": "developer",
+         "content": [text("<skills_instructions>none</skills_instructions>"), text("<permissions instructions>")]},
+        {"type": "message", "id": "msg_3", "role": "user", "content": [text("<environment_context/>")]},
+        {"type": "message", "id": "msg_4", "role": "user", "content": [text("What is the capital of France?")]}],
+        "tools": CODEX_TOOLS, "tool_choice": "auto", "parallel_tool_calls": True, "reasoning": {"summary": "auto"},
+        "store": False, "include": ["reasoning.encrypted_content"], "prompt_cache_key": CODEX_TURN,
+        "client_metadata": {"session_id": CODEX_TURN, "thread_id": CODEX_TURN, "turn_id": "t1"}, **extra}
+
+
+@pytest.mark.asyncio
+async def test_codex_first_request_with_its_namespace_tool_is_served(server: Server) -> None:
+    """Codex's default request streams to response.completed; a call of a namespaced function
+    (forced here) names its namespace, as Codex routes it, and goes back in as Codex sends it."""
+    r, events = await server.stream("/v1/responses", codex_body(max_output_tokens=8, temperature=0),
+                                    headers=CODEX_HEADERS)
+    assert r.status == 200, events
+    assert data_events(events)[-1]["type"] in ("response.completed", "response.incomplete")
+    forced = codex_body(stream=False, tool_choice={"type": "function", "name": "close_agent"},
+                        parallel_tool_calls=False, max_output_tokens=30, temperature=0)
+    got, reply = await server.post("/v1/responses", forced, headers=CODEX_HEADERS)
+    assert got == 200, reply
+    [call] = reply["output"]
+    assert (call["type"], call["name"], call["namespace"]) == ("function_call", "close_agent", "multi_agent_v1")
+    back = codex_body(stream=False, max_output_tokens=4, temperature=0)
+    back["input"] += [{k: call[k] for k in ("type", "call_id", "name", "namespace", "arguments")},
+                      {"type": "function_call_output", "call_id": call["call_id"], "output": "closed"}]
+    got, reply = await server.post("/v1/responses", back, headers=CODEX_HEADERS)
+    assert got == 200, reply
+    await assert_pool_whole(server.engine, server.door)

@@ -41,6 +41,7 @@ from inferd.api.responses.wire import (
     OutputText,
     ReasoningText,
     Response,
+    TOOL_TYPES,
     ResponsesRequest,
     ResponseUsage,
 )
@@ -97,6 +98,11 @@ def calls_tools(body: ResponsesRequest) -> bool:
     return bool(body.tools) and body.tool_choice != "none"
 
 
+def namespace_of(body: ResponsesRequest, name: str) -> str | None:
+    """The namespace tool a called function came in (None for a plain function tool)."""
+    return next((space for space, tool in body.namespaced_tools() if tool.name == name), None)
+
+
 def grammar(body: ResponsesRequest, tokenizer: Tokenizer) -> Grammar | None:
     """tool_choice "required" or a named function: only calls; "auto": text, and well-formed
     calls; text.format json_schema / json_object: that JSON. Tools and a format cannot hold at once."""
@@ -151,6 +157,9 @@ class ResponsesShape:
 
     def calls_tools(self) -> bool:
         return calls_tools(self.body)
+
+    def namespace_of(self, name: str) -> str | None:
+        return namespace_of(self.body, name)
 
     def reasoning_splitter(self) -> ReasoningSplitter | None:
         return ReasoningSplitter(self.markers, self.inside) if self.markers is not None else None
@@ -212,6 +221,7 @@ class ResponsesShape:
         if text.strip() or not calls:
             output.append(OutputMessage(id=item_id("msg"), content=[OutputText(text=text)]))
         output += [OutputFunctionCall(id=item_id("fc"), call_id=c["id"], name=c["function"]["name"],
+                                      namespace=namespace_of(self.body, c["function"]["name"]),
                                       arguments=c["function"]["arguments"]) for c in calls]
         response = self.response(reply, output, finish_status(result.finish_reason))
         self.finished(reply, response, output)
@@ -232,7 +242,7 @@ class ResponsesShape:
 async def create_response(request: web.Request) -> web.StreamResponse:
     body = ResponsesRequest.model_validate(await read_json(request))
     if body.tools:
-        body.tools = supported_tools(request, body.tools, lambda tool: tool.get("type"), lambda kind: kind == "function")
+        body.tools = supported_tools(request, body.tools, lambda tool: tool.get("type"), lambda kind: kind in TOOL_TYPES)
     history = _history(request, body)
     return await generate(request, to_ask(body), ResponsesShape(body, history, _keeper(request, body)))
 

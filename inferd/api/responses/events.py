@@ -51,6 +51,10 @@ class Responder(Protocol):
 
     def calls_tools(self) -> bool: ...
 
+    def namespace_of(self, name: str) -> str | None:
+        """The namespace tool a called function came in (None for a plain function tool)."""
+        ...
+
     def reasoning_splitter(self) -> ReasoningSplitter | None:
         """A thinking model's: its answer's reasoning split from its content."""
         ...
@@ -108,6 +112,7 @@ class ResponseEvents:
                     self._text(events, event.text)
             elif isinstance(event, CallStart):
                 self._open(events, OutputFunctionCall(id=item_id("fc"), call_id=event.id, name=event.name,
+                                                      namespace=self.shape.namespace_of(event.name),
                                                       arguments="", status="in_progress"))
             elif isinstance(event, Arguments) and isinstance(self.open, OutputFunctionCall):
                 self.open.arguments += event.fragment

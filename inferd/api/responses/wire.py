@@ -37,6 +37,7 @@ class FunctionCallItem(RequestModel):
     id: str | None = None
     call_id: str
     name: str
+    namespace: str | None = None  # a call of a namespace tool's function
     arguments: str
     status: str | None = None
 
@@ -94,6 +95,19 @@ class FunctionTool(RequestModel):
         return {"type": "function", "function": function}
 
 
+class NamespaceTool(RequestModel):
+    """A named group of function tools (Codex sends its sub-agent tools as one): its functions are
+    offered as the others are, and a call of one names the namespace."""
+
+    type: Literal["namespace"]
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    tools: list[FunctionTool] = Field(min_length=1)
+
+
+TOOL_TYPES = ("function", "namespace")  # what /v1/responses runs; other types: conversation/tool_policy.py
+
+
 class NamedFunction(RequestModel):
     type: Literal["function"]
     name: str
@@ -126,7 +140,7 @@ class ResponsesRequest(RequestModel):
     model: str
     input: str | list[InputItem]
     instructions: str | None = None
-    tools: list[dict[str, Any]] | None = None  # function tools; other types: conversation/tool_policy.py
+    tools: list[dict[str, Any]] | None = None  # TOOL_TYPES; other types: conversation/tool_policy.py
     tool_choice: Literal["auto", "none", "required"] | NamedFunction = "auto"
     parallel_tool_calls: bool = True
     max_output_tokens: int | None = Field(default=None, ge=1)
@@ -150,7 +164,18 @@ class ResponsesRequest(RequestModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=0)  # token logprobs: not yet
 
     def function_tools(self) -> list[FunctionTool]:
-        return [FunctionTool.model_validate(t) for t in self.tools or []]
+        """Every function the model may call: the function tools, then each namespace's."""
+        return [tool for _, tool in self.namespaced_tools()]
+
+    def namespaced_tools(self) -> list[tuple[str | None, FunctionTool]]:
+        out: list[tuple[str | None, FunctionTool]] = []
+        for tool in self.tools or []:
+            if tool.get("type") == "namespace":
+                space = NamespaceTool.model_validate(tool)
+                out += [(space.name, function) for function in space.tools]
+            else:
+                out.append((None, FunctionTool.model_validate(tool)))
+        return out
 
 
 # ------------------------------------------------------------------------------ replies
@@ -190,6 +215,7 @@ class OutputFunctionCall(ResponseModel):
     id: str
     call_id: str
     name: str
+    namespace: str | None = None  # the namespace tool the function came in
     arguments: str
     status: Literal["completed", "incomplete", "in_progress"] = "completed"
 
