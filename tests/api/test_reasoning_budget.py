@@ -11,7 +11,7 @@ import anthropic
 import jsonschema
 import openai
 import pytest
-from apiserver import MODEL, serve
+from apiserver import MODEL, data_events, serve
 from test_reasoning import SHOTS, thinking_llm  # noqa: F401  (the fixture)
 
 from inferd.api.conversation import reasoning_grammar
@@ -50,6 +50,10 @@ async def test_the_budget_ends_the_reasoning_at_its_count(thinking_llm: LLMEngin
         budgeted, tokens = await chat(server, SHOTS, thinking_token_budget=BUDGET)
         assert reasoned(tokens, close_tokens) == BUDGET and tokens[:BUDGET] == free_tokens[:BUDGET], tokens
         assert budgeted["reasoning"] == "".join(tokens[:BUDGET]) + "\n" and budgeted["content"].strip(), budgeted
+        _, events = await server.stream("/v1/chat/completions", {"model": MODEL, "messages": SHOTS, "max_tokens": 24,
+                                                                 "temperature": 0, "thinking_token_budget": BUDGET})
+        deltas = [c["choices"][0]["delta"] for c in data_events(events) if c["choices"]]
+        assert "".join(d.get("reasoning", "") for d in deltas) == budgeted["reasoning"]  # streamed alike
 
         # Anthropic's budget_tokens: the same prompt (thinking blocks render as the reasoning)
         client = anthropic.AsyncAnthropic(base_url=str(server.test_server.make_url("")), api_key="unused",
@@ -83,6 +87,11 @@ async def test_a_grammar_holds_the_content_not_the_reasoning(thinking_llm: LLMEn
         message, _ = await chat(server, SHOTS, response_format=fmt, max_tokens=40)
         assert message["reasoning"] == free["reasoning"], message  # free reasoning: as without a grammar
         jsonschema.validate(json.loads(message["content"]), SCHEMA)
+        tool = {"type": "function", "function": {"name": "add", "parameters": SCHEMA}}
+        called, _ = await chat(server, SHOTS, tools=[tool], tool_choice="required", max_tokens=48)
+        assert called["reasoning"] == free["reasoning"], called  # a tool call after it, as well
+        [call] = called["tool_calls"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), SCHEMA)
 
         # within a budget too (Responses' text.format and reasoning.effort)
         monkeypatch.setitem(reasoning_grammar.EFFORT_BUDGETS, "minimal", BUDGET)
