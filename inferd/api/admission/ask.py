@@ -39,6 +39,18 @@ class Grammar:
 
 
 @dataclass(frozen=True, slots=True)
+class Thinking:
+    """A thinking model's reasoning as the prompt leaves it, and its budget: the closing marker is
+    forced once `budget` reasoning tokens are spent (engine/structured/budget.py)."""
+
+    open: str  # the markers' text (conversation/reasoning.py)
+    close: str
+    inside: bool  # the prompt opened the block (else the answer may)
+    budget: int
+    closing: str  # what is forced once it is spent: the closing marker, as the template frames it
+
+
+@dataclass(frozen=True, slots=True)
 class Sampling:
     """The sampling fields every protocol shares (max_tokens and logprobs are the door's to settle)."""
 
@@ -80,6 +92,8 @@ class Ask:
     # chat template), built on demand (it may raise the front-end's 400; the door counts it as
     # invalid); None: free text
     grammar: Callable[[Tokenizer], Grammar | None] | None = None
+    # a thinking budget, asked once the prompts are made (the shape knows the markers by then)
+    thinking: Callable[[], Thinking | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,10 @@ the event loop.
 max_tokens (the server's limit, the default fitted to the context, the context, the functional
 ladder's ceiling, the class's ceiling, the class's KV capacity); logprobs against the output
 filter; the sampling values; logit_bias against the vocabulary; the grammar (compiled off the
-loop). Each check reads the limits the engine published at start-up; nothing after `prepare`
-checks again, and the engine only asserts. The door is the only owner of its class queues:
-the engine thread never writes them (it reports through `StepOutputs`, arriving on this loop).
+loop), within a thinking budget if one is asked. Each check reads the limits the engine
+published at start-up; nothing after `prepare` checks again, and the engine only asserts. The
+door is the only owner of its class queues: the engine thread never writes them (it reports
+through `StepOutputs`, arriving on this loop).
 """
 
 from __future__ import annotations
@@ -25,12 +26,13 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from inferd.api.admission.ask import Ask, Grammar, Prepared
+from inferd.api.admission.ask import Ask, Grammar, Prepared, Thinking
 from inferd.api.admission.queues import AdmissionError, ClassQueues
 from inferd.api.errors import APIError, bad_request
 from inferd.api.state import ServerState
 from inferd.engine.async_engine import AsyncEngine, RequestStream
 from inferd.engine.protocol import EngineLimits, EngineRequest, LogitsConstraint
+from inferd.engine.structured.budget import ReasoningBudget
 from inferd.engine.structured.grammar import GrammarCompiler, GrammarError
 from inferd.model.sampling_params import SamplingParams
 from inferd.settings.config import LimitSettings
@@ -144,8 +146,18 @@ class FrontDoor:
         return max_tokens
 
     async def _constraints(self, ask: Ask, prompts: int) -> list[LogitsConstraint] | None:
-        """One fresh grammar constraint per prompt, or None for free text; a 400 naming the field
-        for a grammar that does not compile or cannot hold with the other fields."""
+        """One fresh constraint per prompt (the grammar's, within a thinking budget if one is
+        asked), or None for free text; a 400 naming the field for a grammar that does not
+        compile or cannot hold with the other fields."""
+        first = await self._grammar(ask)
+        thinking = ask.thinking() if ask.thinking is not None else None
+        if thinking is not None:
+            first = self._budget(thinking, first)
+        if first is None:
+            return None
+        return [first] + [first.fork() for _ in range(prompts - 1)]
+
+    async def _grammar(self, ask: Ask) -> LogitsConstraint | None:
         if ask.grammar is None:
             return None
         try:
@@ -159,10 +171,20 @@ class FrontDoor:
         except APIError:
             self.counts.grammars["invalid"] += 1
             raise
-        if first is None:
-            return None
-        self.counts.grammars[grammar.kind] += 1
-        return [first] + [first.fork() for _ in range(prompts - 1)]
+        if first is not None:
+            self.counts.grammars[grammar.kind] += 1
+        return first
+
+    def _budget(self, thinking: Thinking, inner: LogitsConstraint | None) -> LogitsConstraint:
+        """`inner` (or free text) within a thinking budget."""
+        tokenizer = self.engine.tokenizer
+        special = tokenizer.special_ids
+
+        def token_bytes(token: int) -> bytes:
+            return tokenizer.id_to_token(token).encode() if token in special else tokenizer.token_bytes(token)
+
+        return ReasoningBudget(thinking.budget, tokenizer.encode(thinking.closing, add_special_tokens=False),
+                               thinking.open.encode(), thinking.close.encode(), thinking.inside, token_bytes, inner)
 
     async def _compile(self, grammar: Grammar) -> LogitsConstraint | None:
         """The grammar's constraint; a 400 for one too large or that does not compile, or, for a

@@ -37,6 +37,7 @@ from inferd.api.conversation.reasoning import (
     split_whole,
     starts_inside,
 )
+from inferd.api.conversation.reasoning_grammar import after_reasoning, thinking
 from inferd.api.conversation.render import render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
 from inferd.api.conversation.tool_grammar import tools_grammar
@@ -118,12 +119,17 @@ def calls_grammar(body: MessagesRequest, tokenizer: Tokenizer) -> Grammar | None
         raise bad_request(str(e), param="tool_choice") from None
 
 
-def to_ask(body: MessagesRequest) -> Ask:
+def to_ask(body: MessagesRequest, shape: MessagesShape) -> Ask:
+    """A thinking model's tool-call grammar holds the content only; `thinking.budget_tokens` is
+    its budget (both asked once the shape has made the prompt, and knows the markers)."""
     sampling = Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k or 0,
                         stop=tuple(body.stop_sequences or ()))
+    budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
     return Ask(model=body.model, stream=body.stream, user=body.metadata.user_id if body.metadata else None,
                max_tokens=body.max_tokens, clamp_max_tokens=True, sampling=sampling, prompt_param="messages",
-               grammar=lambda tokenizer: calls_grammar(body, tokenizer))
+               grammar=lambda tokenizer: after_reasoning(calls_grammar(body, tokenizer), tokenizer, shape.markers,
+                                                         shape.inside),
+               thinking=lambda: thinking(shape.markers, shape.inside, budget))
 
 
 def tool_use_id() -> str:
@@ -292,7 +298,8 @@ def _custom_tools_only(request: web.Request, body: Prompted) -> None:
 async def create_message(request: web.Request) -> web.StreamResponse:
     body = MessagesRequest.model_validate(await read_json(request))
     _custom_tools_only(request, body)
-    return await generate(request, to_ask(body), MessagesShape(body))
+    shape = MessagesShape(body)
+    return await generate(request, to_ask(body, shape), shape)
 
 
 async def count_tokens(request: web.Request) -> web.Response:

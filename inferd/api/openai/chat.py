@@ -19,11 +19,13 @@ from inferd.api.conversation.reasoning import (
     split_whole,
     starts_inside,
 )
+from inferd.api.conversation.reasoning_grammar import after_reasoning, thinking
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_formats import ToolParser, tool_parser
 from inferd.api.conversation.tools import Arguments, CallStart, Content
 from inferd.api.openai.ask import to_ask
 from inferd.api.openai.events import StreamEvents, with_usage
+from inferd.api.openai.structured import request_grammar
 from inferd.api.openai.logprobs import TokenTexts, chat_logprobs, token_texts
 from inferd.api.openai.chat_wire import (
     ChatChoice,
@@ -192,6 +194,12 @@ def _tool_delta(parser: ToolParser, out: EngineOutput) -> tuple[dict[str, Any], 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = ChatCompletionRequest.model_validate(await read_json(request))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    ask = to_ask(body, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                 fit_default=True, prompt_param="messages")
-    return await generate(request, ask, ChatShape(body))
+    ask, shape = to_ask(body, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                        fit_default=True, prompt_param="messages"), ChatShape(body)
+    # a thinking model's grammar holds the content only, and its reasoning may have a budget
+    # (both asked once the prompt is made: the shape knows the markers then)
+    ask = dataclasses.replace(
+        ask, grammar=lambda tokenizer: after_reasoning(request_grammar(body, tokenizer), tokenizer, shape.markers,
+                                                       shape.inside),
+        thinking=lambda: thinking(shape.markers, shape.inside, body.thinking_token_budget))
+    return await generate(request, ask, shape)

@@ -97,6 +97,8 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
     # extra variables for the model's chat template (vLLM's field): Qwen3's enable_thinking, say
     chat_template_kwargs: dict[str, Any] | None = None
+    # a thinking model's reasoning ends after this many tokens (vLLM's field): its closing marker is forced
+    thinking_token_budget: int | None = Field(default=None, ge=0)
     store: Literal[False] | None = None  # completions are not stored
     service_tier: Literal["auto", "default"] | None = None  # one tier: see `priority` for classes
     modalities: list[Literal["text"]] | None = None

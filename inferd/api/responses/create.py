@@ -19,6 +19,7 @@ from aiohttp import web
 from inferd.api.admission.ask import Ask, Grammar, Sampling
 from inferd.api.body import read_json
 from inferd.api.conversation.reasoning import Markers, ReasoningSplitter, reasoning_markers, split_whole, starts_inside
+from inferd.api.conversation.reasoning_grammar import EFFORT_BUDGETS, after_reasoning, thinking
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
 from inferd.api.conversation.tool_formats import tool_parser
@@ -127,11 +128,17 @@ def grammar(body: ResponsesRequest, tokenizer: Tokenizer) -> Grammar | None:
     return None
 
 
-def to_ask(body: ResponsesRequest) -> Ask:
+def to_ask(body: ResponsesRequest, shape: ResponsesShape) -> Ask:
+    """A thinking model's grammar holds the content only; `reasoning.effort` is its budget
+    (EFFORT_BUDGETS); both are asked once the shape has made the prompt (and knows the markers)."""
+    effort = body.reasoning.effort if body.reasoning else None
+    budget = EFFORT_BUDGETS.get(effort) if effort is not None else None
     # (a background response's events are produced, and kept, even when its client is not streamed them)
     return Ask(model=body.model, stream=body.stream or body.background, user=body.user, max_tokens=body.max_output_tokens,
                fit_default=True, sampling=Sampling(temperature=body.temperature, top_p=body.top_p),
-               prompt_param="input", grammar=lambda tokenizer: grammar(body, tokenizer))
+               prompt_param="input",
+               grammar=lambda tokenizer: after_reasoning(grammar(body, tokenizer), tokenizer, shape.markers, shape.inside),
+               thinking=lambda: thinking(shape.markers, shape.inside, budget))
 
 
 def _usage(reply: Reply) -> ResponseUsage:
@@ -244,7 +251,8 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if body.tools:
         body.tools = supported_tools(request, body.tools, lambda tool: tool.get("type"), lambda kind: kind in TOOL_TYPES)
     history = _history(request, body)
-    return await generate(request, to_ask(body), ResponsesShape(body, history, _keeper(request, body)))
+    shape = ResponsesShape(body, history, _keeper(request, body))
+    return await generate(request, to_ask(body, shape), shape)
 
 
 def _history(request: web.Request, body: ResponsesRequest) -> list[dict[str, Any]]:

@@ -17,7 +17,8 @@ from inferd.engine.protocol import ConstraintError
 
 
 def _matcher(constraint: Any) -> Any:
-    """The llguidance matcher of a grammar constraint (engine/structured/grammar.py); None for any other."""
+    """The llguidance matcher of a grammar constraint (engine/structured/grammar.py), or of the
+    grammar a thinking budget wraps (budget.py); None for any other."""
     return getattr(constraint, "matcher", None)
 
 
@@ -35,6 +36,8 @@ def fill_masks(rows: Sequence[tuple[int, Any]], masks: np.ndarray, executor: Any
                 constraint.check()
                 if _matcher(constraint) is None:  # a best-effort grammar let go: the row is free
                     masks[row] = -1
+                if hasattr(constraint, "narrow"):  # a thinking budget over the grammar (budget.py)
+                    constraint.narrow(masks[row])
             else:
                 constraint.fill_mask(masks[row])
             if not masks[row].any():
