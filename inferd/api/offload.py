@@ -11,7 +11,10 @@ that), and Python code does every few milliseconds.
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from aiohttp import web
@@ -37,3 +40,15 @@ class Offload:
 
 
 OFFLOAD = web.AppKey("offload", Offload)
+
+
+def prestarted_pool(workers: int = min(32, (os.cpu_count() or 1) + 4)) -> ThreadPoolExecutor:
+    """A thread pool whose `workers` threads all exist from the start: the event loop's default
+    executor (`asyncio.to_thread`, `run_in_executor(None, ...)`), asyncio's default size. One that
+    grows on demand adds a thread the first time that many pieces of work overlap, minutes or
+    hours in, which a count of the server's threads cannot tell from a leak."""
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="inferd-worker")
+    started = threading.Barrier(workers)  # each submit finds every thread so far waiting: a new one
+    for _ in range(workers):
+        pool.submit(started.wait)
+    return pool

@@ -20,6 +20,7 @@ from aiohttp import web
 from inferd.api.app import create_app
 from inferd.api.edge import connection_options
 from inferd.api.gateway.gate import GATEWAY
+from inferd.api.offload import prestarted_pool
 from inferd.api.gateway.tenants import Keyring
 from inferd.api.routing.registry import REGISTRY, ModelRegistry
 from inferd.api.routing.reload import reload_changed
@@ -41,6 +42,7 @@ async def serve(settings: Settings, api_keys: frozenset[str], load: Callable[[],
     reloads every model whose table `read_specs` finds changed."""
     notifier = Notifier.from_environ()
     notifier.status("loading the models")
+    asyncio.get_running_loop().set_default_executor(prestarted_pool())
     app = create_app(load(), settings, api_keys, reload_keys)
     state, models = app[STATE], app[REGISTRY]
     engine = models.primary.current.engine
