@@ -29,14 +29,7 @@ from inferd.api.anthropic.wire import (
 )
 from inferd.api.anthropic.errors import DIALECT
 from inferd.api.body import read_json
-from inferd.api.conversation.reasoning import (
-    Markers,
-    ReasoningSplitter,
-    reasoning_markers,
-    split_output,
-    split_whole,
-    starts_inside,
-)
+from inferd.api.conversation.reasoning import PromptReasoning, ReasoningSplitter, prompt_reasoning, split_output
 from inferd.api.conversation.reasoning_grammar import after_reasoning, thinking
 from inferd.api.conversation.render import render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
@@ -121,15 +114,14 @@ def calls_grammar(body: MessagesRequest, tokenizer: Tokenizer) -> Grammar | None
 
 def to_ask(body: MessagesRequest, shape: MessagesShape) -> Ask:
     """A thinking model's tool-call grammar holds the content only; `thinking.budget_tokens` is
-    its budget (both asked once the shape has made the prompt, and knows the markers)."""
+    its budget (both asked once the shape has made the prompt, and knows how it reasons)."""
     sampling = Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k or 0,
                         stop=tuple(body.stop_sequences or ()))
     budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
     return Ask(model=body.model, stream=body.stream, user=body.metadata.user_id if body.metadata else None,
                max_tokens=body.max_tokens, clamp_max_tokens=True, sampling=sampling, prompt_param="messages",
-               grammar=lambda tokenizer: after_reasoning(calls_grammar(body, tokenizer), tokenizer, shape.markers,
-                                                         shape.inside),
-               thinking=lambda: thinking(shape.markers, shape.inside, budget))
+               grammar=lambda tokenizer: after_reasoning(calls_grammar(body, tokenizer), tokenizer, shape.reasoning),
+               thinking=lambda: thinking(shape.reasoning, budget))
 
 
 def tool_use_id() -> str:
@@ -161,18 +153,15 @@ class MessagesShape:
 
     def __init__(self, body: MessagesRequest) -> None:
         self.body = body
-        self.markers: Markers | None = None  # a thinking model's (conversation/reasoning.py)
-        self.inside = False  # the prompt opened the reasoning block itself
+        self.reasoning: PromptReasoning | None = None  # a thinking model's (conversation/reasoning.py)
 
     def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
         prompt = messages_prompt(tokenizer, self.body)
-        self.markers = reasoning_markers(tokenizer)
-        if self.markers is not None:
-            self.inside = starts_inside(tokenizer.decode(prompt[-32:], skip_special_tokens=False), self.markers)
+        self.reasoning = prompt_reasoning(tokenizer, prompt)
         return [prompt]
 
     def reasoning_splitter(self) -> ReasoningSplitter | None:
-        return ReasoningSplitter(self.markers, self.inside) if self.markers is not None else None
+        return self.reasoning.splitter() if self.reasoning is not None else None
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return tokenizer.decode(prompts[0])
@@ -180,8 +169,8 @@ class MessagesShape:
     def whole(self, reply: Reply, results: dict[int, ChoiceResult]) -> dict[str, Any]:
         result, text = results[0], results[0].text
         content: list[ThinkingOut | TextOut | ToolUseOut] = []
-        if self.markers is not None:
-            reasoning, text = split_whole(text, self.markers, self.inside)
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
             if reasoning:
                 content.append(ThinkingOut(thinking=reasoning))
         if self.body.calls_tools:

@@ -13,6 +13,7 @@ chunk ending in a marker's first characters holds them back until the next chunk
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -94,6 +95,31 @@ class ReasoningSplitter:
         kept = [p for p in pieces if p.text]
         self.reasoning += "".join(p.text for p in kept if p.channel == "reasoning")
         return kept
+
+
+@dataclass(frozen=True)
+class PromptReasoning:
+    """How the answer to one prompt of a thinking model reasons: the markers, and whether the
+    prompt opened the block itself. Made once, by `prompt_reasoning`, when the prompt is."""
+
+    markers: Markers
+    inside: bool
+
+    def splitter(self) -> ReasoningSplitter:
+        return ReasoningSplitter(self.markers, self.inside)
+
+    def split(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) of a whole answer."""
+        return split_whole(text, self.markers, self.inside)
+
+
+def prompt_reasoning(tokenizer: Tokenizer, prompt: Sequence[int]) -> PromptReasoning | None:
+    """None for a model that does not think; else its markers, and whether `prompt` (its last
+    tokens are enough) leaves the reasoning block open."""
+    markers = reasoning_markers(tokenizer)
+    if markers is None:
+        return None
+    return PromptReasoning(markers, starts_inside(tokenizer.decode(prompt[-32:], skip_special_tokens=False), markers))
 
 
 def split_output(splitter: ReasoningSplitter, text: str, finished: bool) -> tuple[str, str]:

@@ -20,28 +20,29 @@ import json
 import re
 
 from inferd.api.admission.ask import Grammar, Thinking
-from inferd.api.conversation.reasoning import Markers
+from inferd.api.conversation.reasoning import PromptReasoning
 from inferd.model.tokenizer import Tokenizer
 
 # the Responses API's reasoning.effort as thinking budgets (tokens of reasoning; None: unbounded)
 EFFORT_BUDGETS: dict[str, int | None] = {"minimal": 128, "low": 512, "medium": 2048, "high": 8192, "xhigh": None}
 
 
-def thinking(markers: Markers | None, inside: bool, budget: int | None) -> Thinking | None:
+def thinking(reasoning: PromptReasoning | None, budget: int | None) -> Thinking | None:
     """The budget of a thinking model's request (None: none asked, or a model that does not think)."""
-    if markers is None or budget is None:
+    if reasoning is None or budget is None:
         return None
+    markers, inside = reasoning.markers, reasoning.inside
     # NOTE: forced as thinking templates write it ("\n</think>\n\n"): after the bare marker the
     # default model ends its answer at once, after the newlines it answers
     return Thinking(markers.open, markers.close, inside, budget, closing=f"\n{markers.close}\n\n")
 
 
-def after_reasoning(grammar: Grammar | None, tokenizer: Tokenizer, markers: Markers | None,
-                    inside: bool) -> Grammar | None:
+def after_reasoning(grammar: Grammar | None, tokenizer: Tokenizer, reasoning: PromptReasoning | None) -> Grammar | None:
     """`grammar` for the content that follows a thinking model's reasoning (the module's
     docstring); unchanged for a model that does not think."""
-    if grammar is None or markers is None:
+    if grammar is None or reasoning is None:
         return grammar
+    markers, inside = reasoning.markers, reasoning.inside
     text = grammar.text
     top = json.loads(text) if text.lstrip().startswith("{") else {"grammars": [{"lark_grammar": text}]}
     inner = top["grammars"]

@@ -11,14 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from inferd.api.body import read_json
-from inferd.api.conversation.reasoning import (
-    Markers,
-    ReasoningSplitter,
-    reasoning_markers,
-    split_output,
-    split_whole,
-    starts_inside,
-)
+from inferd.api.conversation.reasoning import PromptReasoning, ReasoningSplitter, prompt_reasoning, split_output
 from inferd.api.conversation.reasoning_grammar import after_reasoning, thinking
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_formats import ToolParser, tool_parser
@@ -79,16 +72,13 @@ class ChatShape:
 
     def __init__(self, body: ChatCompletionRequest) -> None:
         self.body = body
-        self.markers: Markers | None = None  # a thinking model's: its answers split into reasoning and content
-        self.inside = False  # the prompt opened the reasoning block itself
+        self.reasoning: PromptReasoning | None = None  # a thinking model's: its answers split into reasoning and content
 
     def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
         body = self.body
         prompt = chat_prompt(tokenizer, body.messages, body.tools if body.calls_tools else None,
                              template_kwargs=body.chat_template_kwargs)
-        self.markers = reasoning_markers(tokenizer)
-        if self.markers is not None:
-            self.inside = starts_inside(tokenizer.decode(prompt[-32:], skip_special_tokens=False), self.markers)
+        self.reasoning = prompt_reasoning(tokenizer, prompt)
         return [prompt]
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
@@ -103,8 +93,8 @@ class ChatShape:
 
     def _choice(self, tokenizer: Tokenizer, token_text: TokenTexts, index: int, result: ChoiceResult) -> ChatChoice:
         body, text, reasoning = self.body, result.text, None
-        if self.markers is not None:
-            reasoning, text = split_whole(text, self.markers, self.inside)
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
         message, finish = ChatResponseMessage(content=text), result.finish_reason
         if body.calls_tools:
             parser = tool_parser(tokenizer)
@@ -137,9 +127,9 @@ class ChatShape:
         return Events(head, with_usage(render, reply.usage) if body.continuous_usage else render, tail)
 
     def _renderer(self, tokenizer: Tokenizer, events: StreamEvents) -> Render:
-        body, token_text, markers = self.body, token_texts(tokenizer), self.markers
+        body, token_text, thinks = self.body, token_texts(tokenizer), self.reasoning
         parsers = {i: tool_parser(tokenizer) for i in range(body.n)} if body.calls_tools else None
-        splitters = {i: ReasoningSplitter(markers, self.inside) for i in range(body.n)} if markers else None
+        splitters = {i: thinks.splitter() for i in range(body.n)} if thinks is not None else None
 
         def render(prompt: int, out: EngineOutput) -> dict[str, Any] | str:
             reasoning = ""
@@ -197,9 +187,8 @@ async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     ask, shape = to_ask(body, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
                         fit_default=True, prompt_param="messages"), ChatShape(body)
     # a thinking model's grammar holds the content only, and its reasoning may have a budget
-    # (both asked once the prompt is made: the shape knows the markers then)
+    # (both asked once the prompt is made: the shape knows how it reasons then)
     ask = dataclasses.replace(
-        ask, grammar=lambda tokenizer: after_reasoning(request_grammar(body, tokenizer), tokenizer, shape.markers,
-                                                       shape.inside),
-        thinking=lambda: thinking(shape.markers, shape.inside, body.thinking_token_budget))
+        ask, grammar=lambda tokenizer: after_reasoning(request_grammar(body, tokenizer), tokenizer, shape.reasoning),
+        thinking=lambda: thinking(shape.reasoning, body.thinking_token_budget))
     return await generate(request, ask, shape)

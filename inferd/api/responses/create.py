@@ -18,7 +18,7 @@ from aiohttp import web
 
 from inferd.api.admission.ask import Ask, Grammar, Sampling
 from inferd.api.body import read_json
-from inferd.api.conversation.reasoning import Markers, ReasoningSplitter, reasoning_markers, split_whole, starts_inside
+from inferd.api.conversation.reasoning import PromptReasoning, ReasoningSplitter, prompt_reasoning
 from inferd.api.conversation.reasoning_grammar import EFFORT_BUDGETS, after_reasoning, thinking
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
@@ -130,15 +130,15 @@ def grammar(body: ResponsesRequest, tokenizer: Tokenizer) -> Grammar | None:
 
 def to_ask(body: ResponsesRequest, shape: ResponsesShape) -> Ask:
     """A thinking model's grammar holds the content only; `reasoning.effort` is its budget
-    (EFFORT_BUDGETS); both are asked once the shape has made the prompt (and knows the markers)."""
+    (EFFORT_BUDGETS); both are asked once the shape has made the prompt (and knows how it reasons)."""
     effort = body.reasoning.effort if body.reasoning else None
     budget = EFFORT_BUDGETS.get(effort) if effort is not None else None
     # (a background response's events are produced, and kept, even when its client is not streamed them)
     return Ask(model=body.model, stream=body.stream or body.background, user=body.user, max_tokens=body.max_output_tokens,
                fit_default=True, sampling=Sampling(temperature=body.temperature, top_p=body.top_p),
                prompt_param="input",
-               grammar=lambda tokenizer: after_reasoning(grammar(body, tokenizer), tokenizer, shape.markers, shape.inside),
-               thinking=lambda: thinking(shape.markers, shape.inside, budget))
+               grammar=lambda tokenizer: after_reasoning(grammar(body, tokenizer), tokenizer, shape.reasoning),
+               thinking=lambda: thinking(shape.reasoning, budget))
 
 
 def _usage(reply: Reply) -> ResponseUsage:
@@ -159,8 +159,7 @@ class ResponsesShape:
         self.body = body
         self.history = history
         self.keeper = keeper
-        self.markers: Markers | None = None  # a thinking model's (conversation/reasoning.py)
-        self.inside = False  # the prompt opened the reasoning block itself
+        self.reasoning: PromptReasoning | None = None  # a thinking model's (conversation/reasoning.py)
 
     def calls_tools(self) -> bool:
         return calls_tools(self.body)
@@ -169,7 +168,7 @@ class ResponsesShape:
         return namespace_of(self.body, name)
 
     def reasoning_splitter(self) -> ReasoningSplitter | None:
-        return ReasoningSplitter(self.markers, self.inside) if self.markers is not None else None
+        return self.reasoning.splitter() if self.reasoning is not None else None
 
     def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
         body = self.body
@@ -178,9 +177,7 @@ class ResponsesShape:
         kwargs = {"enable_thinking": False} if effort == "none" else None
         messages = template_messages(body, self.history)
         prompt = render_prompt(tokenizer, messages, tools, template_kwargs=kwargs, param="input")
-        self.markers = reasoning_markers(tokenizer)
-        if self.markers is not None:
-            self.inside = starts_inside(tokenizer.decode(prompt[-32:], skip_special_tokens=False), self.markers)
+        self.reasoning = prompt_reasoning(tokenizer, prompt)
         return [prompt]
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
@@ -215,8 +212,8 @@ class ResponsesShape:
         result = results[0]
         output: list[OutputItem] = []
         text = result.text
-        if self.markers is not None:
-            reasoning, text = split_whole(text, self.markers, self.inside)
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.split(text)
             if reasoning:
                 output.append(OutputReasoning(id=item_id("rs"), content=[ReasoningText(text=reasoning)]))
         calls: list[dict[str, Any]] = []
