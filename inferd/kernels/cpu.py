@@ -1,10 +1,12 @@
-"""Our CPU kernel (csrc/cpu_attention.cpp): paged decode attention, batch-invariant by construction.
+"""Our CPU kernels, batch-invariant by construction: paged decode attention
+(csrc/cpu_attention.cpp) and products over block-quantized weights on AVX-512 VNNI
+(csrc/cpu_matmul.cpp; inferd.model.quant packs the weights for them).
 
-It is compiled once per machine with the system's g++ against the installed torch (`make`
+They are compiled once per machine with the system's g++ against the installed torch (`make`
 builds it: `python -m inferd.kernels.cpu`), into a cache folder keyed by the source, the torch
 version and the CPU's instruction sets (-march=native: the library fits only this kind of CPU).
 A server that finds no library builds it at start-up (~30 s); without g++ the model falls back
-to the torch reference, with a warning.
+to the torch reference and torch's packed products, with a warning.
 
     INFERD_KERNEL_DIR   where the libraries are kept (default ~/.cache/inferd/kernels)
 """
@@ -25,7 +27,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "cpu_attention.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_matmul.cpp")]
 # Reassociation (-fassociative-math and what it needs): vectorized sums, in a fixed order all the
 # same (one compiled loop). NOT -ffast-math: linking with it sets flush-to-zero for the whole
 # process (crtfastmath), which changes torch's arithmetic and breaks hypothesis (tests/kernels).
@@ -44,7 +46,8 @@ class KernelBuildError(RuntimeError):
 def library_path() -> Path:
     """Where this machine's build of the current source lives."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        key.update(source.read_bytes())
     key.update(" ".join(FLAGS).encode())
     key.update(torch.__version__.encode())
     key.update(platform.machine().encode())
@@ -81,12 +84,12 @@ def build(force: bool = False) -> Path:
     # built beside the target and renamed into place: a concurrent start never loads half a file
     with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
         partial = Path(tmp.name)
-    command = [compiler, *FLAGS, abi, *includes, str(SOURCE),
+    command = [compiler, *FLAGS, abi, *includes, *map(str, SOURCES),
                *libraries, *rpaths, "-lc10", "-ltorch_cpu", "-o", str(partial)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise KernelBuildError(f"building {SOURCE.name} failed:\n{result.stderr[-4000:]}")
+        raise KernelBuildError(f"building {', '.join(s.name for s in SOURCES)} failed:\n{result.stderr[-4000:]}")
     partial.replace(target)
     return target
 
@@ -98,17 +101,28 @@ def available() -> bool:
         try:
             path = library_path()
             if not path.exists():
-                log.info("building the CPU attention kernel for this machine (once; make does it ahead)")
+                log.info("building the CPU kernels for this machine (once; make does it ahead)")
             torch.ops.load_library(str(build()))
             _loaded = True
         except (KernelBuildError, OSError, RuntimeError) as e:
-            log.warning("CPU attention kernel unavailable, using the torch reference: %s", e)
+            log.warning("CPU kernels unavailable, using the torch reference and torch's products: %s", e)
             _loaded = False
     return _loaded
 
 
 def supports(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
     return head_dim % HEAD_SIZE_MULTIPLE == 0 and num_heads % num_kv_heads == 0
+
+
+def block_matmul_available() -> bool:
+    """The quantized products run here: the kernels built, and on a CPU with AVX-512 VNNI."""
+    return available() and torch.ops.inferd_cpu.block_matmul_available()
+
+
+def block_matmul(x: torch.Tensor,  # [M, K]
+                 weight: torch.Tensor,  # uint8 [N / 16, K / 32, bytes]: quant.BlockLinear's packing
+                 bits: int) -> torch.Tensor:  # [M, N], x's dtype
+    return torch.ops.inferd_cpu.block_matmul(x, weight, bits)
 
 
 def decode_attention(query: torch.Tensor,  # [N, heads, head_dim]

@@ -167,3 +167,35 @@ def prefill_attention(
 ) -> torch.Tensor:  # [T, n_heads, head_dim]
     plan = plan_attention(block_tables, seq_lens, query_lens, key_cache.shape[1], window=window)
     return attention_planned(query, key_cache, value_cache, plan, scale, softcap)
+
+
+def quantize_rows_q8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations as the block products take them: per row and block of `block` inputs, codes
+    round(x * 127 / max |x|) and the scale max |x| / 127. Returns codes [M, K] (float64) and
+    scales [M, K / block] (float64)."""
+    m, k = x.shape
+    blocks = x.float().view(m, k // block, block)
+    top = blocks.abs().amax(-1)  # float32, as the kernel computes it
+    # NOTE: a tensor over a tensor: `127.0 / top` is top.reciprocal() * 127 in torch, an ulp off
+    # the kernel's correctly rounded quotient a quarter of the time (and then codes at a half step flip)
+    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
+    codes = torch.round(blocks * inverse[..., None])  # round half to even, as nearbyint
+    return codes.view(m, k).double(), (top / 127.0).double()
+
+
+def block_matmul(x: torch.Tensor,  # [M, K]
+                 codes: torch.Tensor,  # [N, K] integer codes
+                 scale: torch.Tensor,  # [N, K / 32]
+                 minimum: torch.Tensor | None) -> torch.Tensor:  # [N, K / 32] (int4) or None (int8)
+    """The specification of inferd_cpu::block_matmul (csrc/cpu_matmul.cpp), in float64: each
+    block of 32 inputs an exact integer dot product of weight codes and the row's 8-bit codes,
+    times both scales, plus (int4) the block's minimum times the sum of its inputs."""
+    m, k = x.shape
+    n, blocks = codes.shape[0], k // 32
+    qx, dx = quantize_rows_q8(x)
+    dots = torch.einsum("mbi,nbi->mnb", qx.view(m, blocks, 32), codes.double().view(n, blocks, 32))  # [M, N, B]
+    out = (dots * scale.double()[None] * dx[:, None]).sum(-1)
+    if minimum is not None:
+        sums = x.float().view(m, blocks, 32).sum(-1).double()  # [M, B]
+        out = out + sums @ minimum.double().t()
+    return out

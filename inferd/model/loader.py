@@ -53,6 +53,7 @@ class Checkpoint:
     source: Path
     gguf_metadata: dict[str, Any] | None = None  # for the tokenizer, when the source is a GGUF file
     stored_types: dict[str, str] = field(default_factory=dict)  # canonical name -> GGUF type (Q4_1, ...)
+    head_blocks: quant.Q8Blocks | None = None  # the head's Q8_0 blocks as stored (GGUF, weights "auto")
 
 
 def default_model_path() -> Path:
@@ -76,7 +77,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype, weights: str = "bf16")
     checkpoint = _load_hf_folder(path, dtype) if path.is_dir() else _load_gguf(path, dtype, weights)
     if weights != "bf16":
         checkpoint.tensors = quant.pack_weights(checkpoint.tensors, weights, checkpoint.stored_types,
-                                                checkpoint.config.tie_word_embeddings)
+                                                checkpoint.config.tie_word_embeddings, checkpoint.head_blocks)
     return checkpoint
 
 
@@ -131,7 +132,13 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
     tensors = {part: t for name, ts in converted.items() for part, t in zip(wanted[name][0], ts)}
     config = replace(_gguf_rope(config, gguf.metadata, gguf.tensors, load), tie_word_embeddings="lm_head" not in tensors)
     stored = {part: gguf.tensors[name].ggml_type.name for name, (parts, _) in wanted.items() for part in parts}
-    return Checkpoint(config, tensors, path, gguf_metadata=gguf.metadata, stored_types=stored)
+    head_blocks = None
+    if weights == "auto":  # the head's codes as stored, for the block products (quant.pack_weights)
+        source = {part: name for name, (parts, _) in wanted.items() for part in parts}
+        head = source["lm_head" if "lm_head" in tensors else "embed"]
+        head_blocks = quant.q8_from_gguf(gguf.raw(head), gguf.tensors[head].ggml_type.name)
+    return Checkpoint(config, tensors, path, gguf_metadata=gguf.metadata, stored_types=stored,
+                      head_blocks=head_blocks)
 
 
 # tensors that are RoPE's parameters, read by _gguf_rope

@@ -7,11 +7,15 @@
     weights = "auto"   what the GGUF file stores: Q4_0 / Q4_1 as int4, Q8_0 as int8, the
                        rest (and every Hugging Face folder) dense
 
-The products are torch's packed CPU kernels (`_weight_int4pack_mm_for_cpu`,
-`_weight_int8pack_mm`). At one to a few rows they read a quarter (a half) of the bytes of bf16
-and run 2-5x faster; from ~16 rows on they are slower than a bf16 GEMM (bench/RESULTS.md). A
-row's result does not depend on how many rows share the call (tests/engine/test_batch_invariance.py),
-which the default, batch-invariant configuration relies on.
+On a CPU with AVX-512 VNNI the int4 layers (and, under "auto", the head: 8-bit codes in blocks
+of 32, as GGUF's Q8_0 stores the default model's tied embedding) run on our block products
+(`BlockLinear`, inferd/kernels/csrc/cpu_matmul.cpp): activations quantized to 8 bits per block
+of 32, integer dot products, llama.cpp's arithmetic. They read a quarter of bf16's bytes at one
+row and outrun a bf16 GEMM at 32 (bench/block_matmul.py). Elsewhere the products are torch's
+packed CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`): 2-5x faster than
+bf16 at a few rows, slower from ~16. Every one of them gives a row the same result whatever
+else shares the call (tests/engine/test_batch_invariance.py), which the default,
+batch-invariant configuration relies on.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.nn.functional as F
+
+from inferd.kernels import cpu
 
 GROUP = 32  # int4 group size along the input dimension (GGUF's Q4 block size too)
 _LINEAR = {"q", "k", "v", "o", "gate", "up", "down"}
@@ -69,6 +75,34 @@ class Int8Codes:
         return self.codes.float() * self.scale[:, None]
 
 
+@dataclass
+class Q8Blocks:
+    """w[n, k] = codes[n, k] * scale[n, k // 32]: GGUF's Q8_0 (block products only, BlockLinear)."""
+
+    codes: torch.Tensor  # [N, K] int8, -127..127
+    scale: torch.Tensor  # [N, K // GROUP] float32 (float16 values)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)  # type: ignore[return-value]
+
+    def dequantize(self) -> torch.Tensor:  # [N, K] float32
+        n, k = self.codes.shape
+        return (self.codes.float().view(n, k // GROUP, GROUP) * self.scale[..., None]).view(n, k)
+
+
+def q8_from_gguf(raw: np.ndarray, type_name: str) -> Q8Blocks | None:
+    """Q8_0 blocks (`raw`: uint8 [N, row_bytes]: {fp16 d, 32 int8 codes}, w = q * d) exactly;
+    None for other types."""
+    if type_name != "Q8_0":
+        return None
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, 2 + GROUP)  # [N, K / 32, 34]
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
+    return Q8Blocks(torch.from_numpy(codes), torch.from_numpy(scale))
+
+
 def int4_from_gguf(raw: np.ndarray, type_name: str) -> Int4Codes | None:
     """Q4_0 / Q4_1 blocks (`raw`: uint8 [N, row_bytes]) as codes, scales and minimums, exactly;
     None for other types. Q4_1: {fp16 d, fp16 m, 16 bytes}, w = q * d + m; Q4_0: {fp16 d,
@@ -110,7 +144,7 @@ def packable(shape: tuple[int, ...]) -> bool:
     return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % GROUP == 0
 
 
-Weight = torch.Tensor | Int4Codes | Int8Codes
+Weight = torch.Tensor | Int4Codes | Int8Codes | Q8Blocks
 
 
 def fuse(parts: list[Weight]) -> Weight:
@@ -174,6 +208,56 @@ class Int8Linear:
         return self.codes.float() * self.scale.float()[:, None]
 
 
+class BlockLinear:
+    """A product on our block kernels (inferd.kernels.cpu.block_matmul): `bits` 4 (Int4Codes:
+    code * scale + minimum) or 8 (code * scale, codes -127..127), per block of 32 inputs, the
+    scales (and minimums) held in float16 as GGUF stores them."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> None:
+        n, k = codes.shape
+        self.out_features, self.bits = n, 4 if minimum is not None else 8
+        self.bias = bias
+        tiles, blocks = n // 16, k // GROUP
+        half = [t.to(torch.float16).view(tiles, 16, blocks).transpose(1, 2).contiguous()
+                for t in (scale, minimum) if t is not None]  # [tiles, blocks, 16] each
+        if self.bits == 4:
+            c = codes.view(tiles, 16, blocks, GROUP)
+            nibbles = c[..., :16] | (c[..., 16:] << 4)  # byte q: code q (low nibble), code 16 + q (high)
+            # vector j, lane n, byte i: the lane's inputs 4j .. 4j + 3 (and 16 + 4j ..)
+            body = nibbles.view(tiles, 16, blocks, 4, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 256)
+            tail = [h.view(torch.uint8) for h in half]  # scales, minimums
+        else:
+            c = codes.view(tiles, 16, blocks, GROUP)
+            body = c.view(tiles, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4).reshape(tiles, blocks, 512).view(torch.uint8)
+            # the kernel feeds activations as unsigned (q + 128): starting each sum at -128 x the
+            # block's codes takes the offset back out, exactly
+            offset = (-128 * c.sum(-1, dtype=torch.int32)).transpose(1, 2).contiguous()  # [tiles, blocks, 16]
+            tail = [half[0].view(torch.uint8), offset.view(torch.uint8)]
+        self.weight = torch.cat([body, *tail], dim=-1).contiguous()  # uint8 [tiles, blocks, 320 | 608]
+        self.scale = half[0].transpose(1, 2).reshape(n, blocks).float()  # as the kernel holds them
+        self.minimum = half[1].transpose(1, 2).reshape(n, blocks).float() if self.bits == 4 else None
+        self.codes = codes
+
+    @staticmethod
+    def fits(shape: tuple[int, ...]) -> bool:
+        """This machine runs the block products, and on this shape (outputs in tiles of 16)."""
+        return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % GROUP == 0 and cpu.block_matmul_available()
+
+    def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
+        y = cpu.block_matmul(x, self.weight, self.bits)
+        return y if self.bias is None else y + self.bias
+
+    def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Rows [start, end) of the weights this layer multiplies by, [rows, K] float32."""
+        codes = self.codes[start:end]
+        n, k = codes.shape
+        w = codes.float().view(n, k // GROUP, GROUP) * self.scale[start:end, :, None]
+        if self.minimum is not None:
+            w = w + self.minimum[start:end, :, None]
+        return w.view(n, k)
+
+
 # Prompts of at least this many tokens prefill on a packed layer's dense copy; shorter ones, and
 # every decode row, on the packed product. A property of the request, never of the batch.
 # (torch's int4 product costs ~6.5 us a row on a 576 x 960 layer against ~4.7 for bf16 GEMM
@@ -202,14 +286,22 @@ class SplitLinear:
         return torch.cat([self.dense(x[:p]), self.packed(x[p:])])
 
 
-Linear = DenseLinear | Int4Linear | Int8Linear | SplitLinear
+Linear = DenseLinear | Int4Linear | Int8Linear | BlockLinear | SplitLinear
 
 
 def make_linear(weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, split: bool = False) -> Linear:
     """The product for `weight`; `split`: a packed one keeps a dense copy for prefill rows."""
     if isinstance(weight, torch.Tensor):
         return DenseLinear(weight, bias)
-    packed = Int4Linear(weight, bias, dtype) if isinstance(weight, Int4Codes) else Int8Linear(weight, bias, dtype)
+    packed: Int4Linear | Int8Linear | BlockLinear
+    if isinstance(weight, Int4Codes | Q8Blocks) and BlockLinear.fits(weight.shape):
+        packed = BlockLinear(weight.codes, weight.scale, getattr(weight, "minimum", None), bias)
+    elif isinstance(weight, Q8Blocks):
+        return DenseLinear(weight.dequantize().to(dtype), bias)
+    elif isinstance(weight, Int4Codes):
+        packed = Int4Linear(weight, bias, dtype)
+    else:
+        packed = Int8Linear(weight, bias, dtype)
     if not split:
         return packed
     return SplitLinear(packed, DenseLinear(dense_copy(weight, packed, dtype), bias))
@@ -218,12 +310,18 @@ def make_linear(weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, s
 _DENSE_COPY_ROWS = 128  # rows of a dense copy computed at once (see dense_copy)
 
 
-def dense_copy(weight: Int4Codes | Int8Codes, packed: Int4Linear | Int8Linear, dtype: torch.dtype) -> torch.Tensor:
+def dense_copy(weight: Int4Codes | Int8Codes, packed: Int4Linear | Int8Linear | BlockLinear,
+               dtype: torch.dtype) -> torch.Tensor:
     """The weights `packed` multiplies by, as [N, K] in `dtype` (row-major: a bf16 GEMM over a
     column-major weight took 20x longer on a CPU without AVX-512 BF16). For int4, from the codes
     read at load and the scales and zeros as the kernel holds them: `packed.dequantize()`'s numbers,
     without its identity product (most of a bf16 load's time), computed in float32 a slice of rows
     at a time (the slice stays in cache: ~3x faster than whole-tensor passes, the same bits)."""
+    if isinstance(packed, BlockLinear):
+        dense = torch.empty(packed.codes.shape, dtype=dtype)
+        for start in range(0, packed.out_features, _DENSE_COPY_ROWS):
+            dense[start:start + _DENSE_COPY_ROWS] = packed.dequantize(start, start + _DENSE_COPY_ROWS)
+        return dense
     if not isinstance(weight, Int4Codes) or not isinstance(packed, Int4Linear):
         return packed.dequantize().to(dtype).contiguous()
     n, k = weight.shape
@@ -247,19 +345,23 @@ def pack(weight: Weight, mode: str) -> Weight:
 
 
 def pack_weights(tensors: dict[str, Weight], mode: str, stored_types: dict[str, str],
-                 tied: bool) -> dict[str, Weight]:
+                 tied: bool, head_blocks: Q8Blocks | None = None) -> dict[str, Weight]:
     """The linear layers' weights packed for `mode`; a tied head gets its own packed copy of the
-    embedding (the lookup keeps the dense one)."""
+    embedding (the lookup keeps the dense one). `head_blocks`: the head's Q8_0 blocks as stored."""
     packed = dict(tensors)
     stored = dict(stored_types)
     if tied:
         packed["lm_head"], stored["lm_head"] = tensors["embed"], stored_types.get("embed", "")
     for name, weight in packed.items():
         if name == "lm_head":
-            # the head reads only the sampled rows; auto leaves it dense (int8's product is 2-3x
-            # slower than bf16 from ~16 rows on) and int4 is too coarse for it (perplexity +7%
-            # on the default model, against +0.2% for int8: bench/RESULTS.md)
-            packed[name] = weight if mode == "auto" else pack(weight, "int8")
+            # the head reads only the sampled rows; auto leaves it dense (torch's int8 product is
+            # 2-3x slower than bf16 from ~16 rows on), but for Q8_0 blocks on the block products,
+            # which take them as stored; int4 is too coarse for it (perplexity +7% on the default
+            # model, against +0.2% for int8: bench/RESULTS.md)
+            if mode != "auto":
+                packed[name] = pack(weight, "int8")
+            elif head_blocks is not None and BlockLinear.fits(head_blocks.shape):
+                packed[name] = head_blocks
         elif is_linear(name):
             packed[name] = pack(weight, _AUTO.get(stored.get(name, ""), "bf16") if mode == "auto" else mode)
     if tied and isinstance(packed["lm_head"], torch.Tensor):

@@ -77,3 +77,43 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone() -> None:
     """Built without -ffast-math, whose start-up code would set flush-to-zero for the whole process."""
     tiny = torch.tensor([1e-40], dtype=torch.float32)
     assert tiny.item() != 0.0 and (tiny * 0.5).item() != 0.0
+
+
+@pytest.mark.parametrize("window", [None, 700])
+def test_long_contexts_split_into_spans_match_the_reference(window: int | None) -> None:
+    """Contexts of several 512-position spans (merged in order) and a window that starts mid-span."""
+    torch.manual_seed(7)
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    lens = [511, 512, 513, 1500, 4100]
+    width = -(-max(lens) // block_size)
+    key_cache = torch.randn(width * len(lens), block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    value_cache = torch.randn_like(key_cache)
+    tables = torch.stack([torch.randperm(width * len(lens))[:width] for _ in lens])
+    query = torch.randn(len(lens), heads, head_dim, dtype=torch.bfloat16)
+    seq_lens = torch.tensor(lens)
+    expected = reference.decode_attention(query, key_cache, value_cache, tables, seq_lens, 0.125, window)
+    got = cpu.decode_attention(query, key_cache, value_cache, tables.int(), seq_lens.int(), 0.125, window)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_a_long_row_gets_the_same_bits_alone_and_beside_others() -> None:
+    """A row's spans come from its own length: its result is the same whatever the batch, which
+    also changes how the tasks fall to the threads."""
+    torch.manual_seed(3)
+    block_size, kv_heads = 16, 3
+    key_cache = torch.randn(1200, block_size, kv_heads, 64, dtype=torch.bfloat16)
+    value_cache = torch.randn_like(key_cache)
+    own_len = 3000
+    own = torch.randperm(1200)[: -(-own_len // block_size)].int()
+    query = torch.randn(1, 9, 64, dtype=torch.bfloat16)
+    alone = cpu.decode_attention(query, key_cache, value_cache, own[None], torch.tensor([own_len], dtype=torch.int32),
+                                 0.125)[0]
+    for others in ([5], [700, 40, 1], [64] * 31, [2000, 1, 9000 // 2, 513]):
+        lens = others + [own_len]
+        width = max(-(-n // block_size) for n in lens)
+        tables = torch.stack([torch.randint(0, 1200, (width,), dtype=torch.int32) for _ in others]
+                             + [torch.nn.functional.pad(own, (0, width - own.numel()))])
+        queries = torch.cat([torch.randn(len(others), 9, 64, dtype=torch.bfloat16), query])
+        out = cpu.decode_attention(queries, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32),
+                                   0.125)
+        assert torch.equal(out[-1], alone), others

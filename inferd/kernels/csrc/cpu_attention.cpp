@@ -2,13 +2,19 @@
 // positions of its block table (the last `window` of them on a sliding layer), read straight from
 // the cache (no gather), in float32; scores optionally soft-capped (tanh(s / cap) * cap). A decode
 // step passes one row per sequence; a short prompt's prefill one row per token, each with its
-// context up to itself (inferd/engine/runner.py).
+// context up to itself (inferd/engine/worker/runner.py).
 //
-// Each (row, KV head) pair is one task, run whole by one thread, and every sum in it has a fixed
-// order (compiled once, over a 64-byte aligned scratch buffer): a row's result does not depend
-// on what else is in the batch or how the tasks are shared among threads, so it is
-// batch-invariant by construction. Its specification is `inferd.kernels.reference` (equal to
-// within rounding; tests/kernels/test_cpu_attention.py).
+// Work is cut into tasks of (row, KV head, span of at most kSpan positions), each run whole by
+// one thread: a task's `group` query heads share every K/V row it reads, converted to float32
+// once. A row's spans are cut from its own length (never from the batch) and, when it has more
+// than one, merged in span order: every sum has an order fixed by the row alone, so a row's
+// result does not depend on what else is in the batch or how tasks are shared among threads. It
+// is batch-invariant by construction. Long contexts still spread over every thread (a single
+// sequence at 4k positions is 8 spans per KV head). Its specification is
+// `inferd.kernels.reference` (equal to within rounding; tests/kernels/test_cpu_attention.py).
+//
+// With AVX-512 (-march=native on such a CPU) the dot products, the softmax and the weighted sum
+// run on 16-lane registers written out below; elsewhere the same loops in plain C++.
 //
 // Built once per machine by inferd/kernels/cpu.py (g++ -O3 -march=native) and registered as
 // torch.ops.inferd_cpu.decode_attention, so it runs on torch's own thread pool.
@@ -23,22 +29,21 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define INFERD_AVX512 1
+#endif
+
 namespace {
 
 constexpr int64_t kLanes = 16;
-
-// q · k. The compiler vectorizes it with its own fixed order of additions (-fassociative-math
-// lets it reassociate); the order depends on the head size only, never on the batch.
-inline float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.0f;
-  for (int64_t d = 0; d < n; ++d) sum += a[d] * b[d];
-  return sum;
-}
+constexpr int64_t kSpan = 512;     // positions per task: a short context is one task per KV head
+constexpr int64_t kMaxGroup = 8;   // query heads per KV head held in registers; more go in passes
+constexpr int64_t kMaxDim = 256;
 
 // exp(x) for x <= 0 (scores less their maximum), Cephes' expf polynomial: x = n ln2 + r,
-// |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n put in the exponent bits. Written as plain
-// arithmetic so that the compiler vectorizes the loop around it (libm's expf stays scalar); the
-// relative error is ~1e-7, the same for every batch.
+// |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n put in the exponent bits; relative error
+// ~1e-7, the same for every batch.
 inline float exp_nonpositive(float x) {
   x = std::max(x, -87.0f);
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
@@ -54,11 +59,6 @@ inline float exp_nonpositive(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
-template <typename T>
-inline void load_row(const T* src, float* dst, int64_t n) {
-  for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
-}
-
 struct Shapes {
   int64_t num_heads, num_kv_heads, head_dim, block_size, table_width, query_row_stride;
   float scale;
@@ -66,53 +66,205 @@ struct Shapes {
   float softcap;   // 0: none
 };
 
-// One sequence's one KV head: its `group` query heads against keys [first, end) of the sequence.
-template <typename T>
-void attend(const T* query, const T* key_cache, const T* value_cache, const int32_t* table, int64_t end,
-            int64_t kv_head, const Shapes& s, T* out, std::vector<float>& scratch) {
-  const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_dim;
-  const int64_t first = s.window > 0 ? std::max<int64_t>(0, end - s.window) : 0, len = end - first;
-  // NOTE: 64-byte aligned. The vectorized sums peel iterations until a pointer is aligned, so
-  // an address that moved with the batch (the heap) would move the order of additions too.
-  scratch.resize(group * dim * 2 + dim + group * len + kLanes);
-  const auto address = reinterpret_cast<uintptr_t>(scratch.data());
-  float* q = reinterpret_cast<float*>((address + 63) & ~uintptr_t{63});  // [group, dim]
-  float* acc = q + group * dim;         // [group, dim]
-  float* row = acc + group * dim;       // [dim]: one key or value row in float32
-  float* weights = row + dim;           // [group, len]: scores, then exp(score - max)
-  for (int64_t g = 0; g < group; ++g) load_row(query + (kv_head * group + g) * dim, q + g * dim, dim);
+// One span's partial result for one (row, KV head): per query head of the group, the scores'
+// maximum, the sum of exp(score - max) and the unnormalized weighted sum of values.
+struct Partial {
+  float* top;    // [group]
+  float* total;  // [group]
+  float* acc;    // [group, dim]
+};
 
-  auto cache_row = [&](const T* cache, int64_t position) {
-    const int64_t slot = static_cast<int64_t>(table[position / s.block_size]) * s.block_size + position % s.block_size;
-    return cache + (slot * s.num_kv_heads + kv_head) * dim;
-  };
+#ifdef INFERD_AVX512
+template <typename T> inline __m512 load16(const T* p);
+template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
+template <> inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+template <> inline __m512 load16<double>(const double* p) {
+  const __m256 lo = _mm512_cvtpd_ps(_mm512_loadu_pd(p)), hi = _mm512_cvtpd_ps(_mm512_loadu_pd(p + 8));
+  return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+}
+
+inline __m512 exp_nonpositive16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+// Scores, softmax and weighted values of `group` (<= kMaxGroup) query heads over positions
+// [first, end): K and V rows read once each, converted in registers.
+template <typename T, int kChunks>  // kChunks = head_dim / 16
+void attend_span(const float* q, int64_t group, const T* const* keys, const T* const* values, int64_t len,
+                 const Shapes& s, float* scores, Partial part) {
+  __m512 qv[kMaxGroup][kChunks];
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < kChunks; ++c) qv[g][c] = _mm512_loadu_ps(q + g * kChunks * 16 + c * 16);
   for (int64_t l = 0; l < len; ++l) {
-    load_row(cache_row(key_cache, first + l), row, dim);
-    for (int64_t g = 0; g < group; ++g) weights[g * len + l] = dot(q + g * dim, row, dim) * s.scale;
-  }
-  if (s.softcap > 0.0f)
-    for (int64_t i = 0; i < group * len; ++i) weights[i] = std::tanh(weights[i] / s.softcap) * s.softcap;
-  std::vector<float> total(group, 0.0f);
-  for (int64_t g = 0; g < group; ++g) {
-    float* w = weights + g * len;
-    float top = -std::numeric_limits<float>::infinity();
-    for (int64_t l = 0; l < len; ++l) top = std::max(top, w[l]);
-    for (int64_t l = 0; l < len; ++l) w[l] = exp_nonpositive(w[l] - top);
-    for (int64_t l = 0; l < len; ++l) total[g] += w[l];
-  }
-  std::fill(acc, acc + group * dim, 0.0f);
-  for (int64_t l = 0; l < len; ++l) {
-    load_row(cache_row(value_cache, first + l), row, dim);
+    __m512 k[kChunks];
+    for (int c = 0; c < kChunks; ++c) k[c] = load16<T>(keys[l] + c * 16);
     for (int64_t g = 0; g < group; ++g) {
-      const float w = weights[g * len + l];
-      float* a = acc + g * dim;
-      for (int64_t d = 0; d < dim; ++d) a[d] += w * row[d];
+      __m512 sum = _mm512_mul_ps(qv[g][0], k[0]);
+      for (int c = 1; c < kChunks; ++c) sum = _mm512_fmadd_ps(qv[g][c], k[c], sum);
+      scores[g * len + l] = _mm512_reduce_add_ps(sum) * s.scale;
     }
   }
   for (int64_t g = 0; g < group; ++g) {
-    const float inverse = 1.0f / total[g];
-    T* o = out + (kv_head * group + g) * dim;
-    for (int64_t d = 0; d < dim; ++d) o[d] = static_cast<T>(acc[g * dim + d] * inverse);
+    float* w = scores + g * len;
+    if (s.softcap > 0.0f)
+      for (int64_t l = 0; l < len; ++l) w[l] = std::tanh(w[l] / s.softcap) * s.softcap;
+    __m512 top16 = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t l = 0;
+    for (; l + 16 <= len; l += 16) top16 = _mm512_max_ps(top16, _mm512_loadu_ps(w + l));
+    float top = _mm512_reduce_max_ps(top16);
+    for (; l < len; ++l) top = std::max(top, w[l]);
+    const __m512 top_v = _mm512_set1_ps(top);
+    __m512 total16 = _mm512_setzero_ps();
+    for (l = 0; l + 16 <= len; l += 16) {
+      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(w + l), top_v));
+      _mm512_storeu_ps(w + l, e);
+      total16 = _mm512_add_ps(total16, e);
+    }
+    float total = _mm512_reduce_add_ps(total16);
+    for (; l < len; ++l) total += (w[l] = exp_nonpositive(w[l] - top));
+    part.top[g] = top;
+    part.total[g] = total;
+  }
+  __m512 acc[kMaxGroup][kChunks];
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t l = 0; l < len; ++l) {
+    __m512 v[kChunks];
+    for (int c = 0; c < kChunks; ++c) v[c] = load16<T>(values[l] + c * 16);
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 w = _mm512_set1_ps(scores[g * len + l]);
+      for (int c = 0; c < kChunks; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < kChunks; ++c) _mm512_storeu_ps(part.acc + g * kChunks * 16 + c * 16, acc[g][c]);
+}
+#endif
+
+// The same arithmetic in plain C++ (any head size that is a multiple of 16; any CPU).
+template <typename T>
+void attend_span_plain(const float* q, int64_t group, const T* const* keys, const T* const* values, int64_t len,
+                       int64_t dim, const Shapes& s, float* scores, Partial part) {
+  float row[kMaxDim];
+  for (int64_t l = 0; l < len; ++l) {
+    for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(keys[l][d]);
+    for (int64_t g = 0; g < group; ++g) {
+      float sum = 0.0f;
+      for (int64_t d = 0; d < dim; ++d) sum += q[g * dim + d] * row[d];
+      scores[g * len + l] = sum * s.scale;
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* w = scores + g * len;
+    if (s.softcap > 0.0f)
+      for (int64_t l = 0; l < len; ++l) w[l] = std::tanh(w[l] / s.softcap) * s.softcap;
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t l = 0; l < len; ++l) top = std::max(top, w[l]);
+    float total = 0.0f;
+    for (int64_t l = 0; l < len; ++l) total += (w[l] = exp_nonpositive(w[l] - top));
+    part.top[g] = top;
+    part.total[g] = total;
+  }
+  std::fill(part.acc, part.acc + group * dim, 0.0f);
+  for (int64_t l = 0; l < len; ++l) {
+    for (int64_t d = 0; d < dim; ++d) row[d] = static_cast<float>(values[l][d]);
+    for (int64_t g = 0; g < group; ++g) {
+      const float w = scores[g * len + l];
+      for (int64_t d = 0; d < dim; ++d) part.acc[g * dim + d] += w * row[d];
+    }
+  }
+}
+
+template <typename T>
+void attend_span_any(const float* q, int64_t group, const T* const* keys, const T* const* values, int64_t len,
+                     const Shapes& s, float* scores, Partial part) {
+#ifdef INFERD_AVX512
+  switch (s.head_dim) {
+    case 64: return attend_span<T, 4>(q, group, keys, values, len, s, scores, part);
+    case 128: return attend_span<T, 8>(q, group, keys, values, len, s, scores, part);
+    case 32: return attend_span<T, 2>(q, group, keys, values, len, s, scores, part);
+    case 16: return attend_span<T, 1>(q, group, keys, values, len, s, scores, part);
+    case 256: return attend_span<T, 16>(q, group, keys, values, len, s, scores, part);
+    default: break;
+  }
+#endif
+  attend_span_plain<T>(q, group, keys, values, len, s.head_dim, s, scores, part);
+}
+
+// Where a row's attended positions start and how many spans cover them.
+struct RowSpans {
+  int64_t first, end, count;
+};
+
+inline RowSpans row_spans(int64_t end, const Shapes& s) {
+  const int64_t first = s.window > 0 ? std::max<int64_t>(0, end - s.window) : 0;
+  return {first, end, std::max<int64_t>(1, (end - first + kSpan - 1) / kSpan)};
+}
+
+// One task: row `seq`, KV head `kv_head`, span `span` of the row; its partial into `part`.
+template <typename T>
+void run_task(const T* query, const T* key_cache, const T* value_cache, const int32_t* table, const RowSpans& rs,
+              int64_t kv_head, int64_t span, const Shapes& s, Partial part) {
+  const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_dim;
+  const int64_t begin = rs.first + span * kSpan, len = std::min(kSpan, rs.end - begin);
+  // per thread, reused across calls: scores and the span's K/V row addresses
+  thread_local std::vector<float> scratch;
+  thread_local std::vector<const T*> rows;
+  scratch.resize(kMaxGroup * dim + kMaxGroup * kSpan);
+  rows.resize(2 * kSpan);
+  float* q = scratch.data();
+  float* scores = q + kMaxGroup * dim;
+  const T** keys = rows.data();
+  const T** values = keys + kSpan;
+  for (int64_t l = 0; l < len; ++l) {
+    const int64_t position = begin + l;
+    const int64_t slot = static_cast<int64_t>(table[position / s.block_size]) * s.block_size + position % s.block_size;
+    keys[l] = key_cache + (slot * s.num_kv_heads + kv_head) * dim;
+    values[l] = value_cache + (slot * s.num_kv_heads + kv_head) * dim;
+  }
+  // heads of the group in passes of at most kMaxGroup (the registers a pass holds)
+  for (int64_t g0 = 0; g0 < group; g0 += kMaxGroup) {
+    const int64_t n = std::min(kMaxGroup, group - g0);
+    for (int64_t g = 0; g < n; ++g)
+      for (int64_t d = 0; d < dim; ++d)
+        q[g * dim + d] = static_cast<float>(query[(kv_head * group + g0 + g) * dim + d]);
+    attend_span_any<T>(q, n, keys, values, len, s, scores,
+                       Partial{part.top + g0, part.total + g0, part.acc + g0 * dim});
+  }
+}
+
+// A row's spans merged in span order (the usual rescaling by exp(top_i - top)) and normalized.
+template <typename T>
+void merge(const float* tops, const float* totals, const float* accs, int64_t count, int64_t group, int64_t dim,
+           int64_t stride, T* out) {
+  // partial i of head g: tops[i * stride + g], accs[(i * stride + g) * dim ...]
+  for (int64_t g = 0; g < group; ++g) {
+    float top = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < count; ++i) top = std::max(top, tops[i * stride + g]);
+    float total = 0.0f, acc[kMaxDim] = {};
+    for (int64_t i = 0; i < count; ++i) {
+      const float factor = exp_nonpositive(tops[i * stride + g] - top);
+      total += factor * totals[i * stride + g];
+      const float* a = accs + (i * stride + g) * dim;
+      for (int64_t d = 0; d < dim; ++d) acc[d] += factor * a[d];
+    }
+    const float inverse = 1.0f / total;
+    for (int64_t d = 0; d < dim; ++d) out[g * dim + d] = static_cast<T>(acc[d] * inverse);
   }
 }
 
@@ -133,23 +285,52 @@ at::Tensor decode_attention(const at::Tensor& query,        // [N, heads, dim], 
   const int64_t n = query.size(0);
   const Shapes s{query.size(1), key_cache.size(2), query.size(2), key_cache.size(1), tables.size(1),
                  query.stride(0), static_cast<float>(scale), window, static_cast<float>(softcap)};
-  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && s.head_dim % kLanes == 0,
-              "decode_attention: heads a multiple of KV heads, head size a multiple of 16");
+  TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && s.head_dim % kLanes == 0 && s.head_dim <= kMaxDim,
+              "decode_attention: heads a multiple of KV heads, head size a multiple of 16 (at most 256)");
+  const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_dim;
   auto out = at::empty({n, s.num_heads, s.head_dim}, query.options());
+  if (n == 0) return out;
+  const int32_t* l = lens.data_ptr<int32_t>();
+  // tasks: per row, its spans x KV heads; task_start[i] is row i's first
+  std::vector<RowSpans> spans(n);
+  std::vector<int64_t> task_start(n + 1, 0);
+  for (int64_t i = 0; i < n; ++i) {
+    spans[i] = row_spans(l[i], s);
+    task_start[i + 1] = task_start[i] + spans[i].count * s.num_kv_heads;
+  }
+  const int64_t num_tasks = task_start[n];
+  // partials of every task: [task, group] tops and totals, [task, group, dim] sums
+  std::vector<float> tops(num_tasks * group), totals(num_tasks * group), accs(num_tasks * group * dim);
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, query.scalar_type(), "inferd_cpu_decode_attention", [&] {
     const scalar_t* q = query.data_ptr<scalar_t>();
     const scalar_t* k = key_cache.data_ptr<scalar_t>();
     const scalar_t* v = value_cache.data_ptr<scalar_t>();
     const int32_t* t = tables.data_ptr<int32_t>();
-    const int32_t* l = lens.data_ptr<int32_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
-    // grain 1: even three tasks (one sequence, three KV heads) are shared by the threads
-    at::parallel_for(0, n * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scratch;
+    // task order: row, then span, then KV head
+    at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+      int64_t seq = std::upper_bound(task_start.begin(), task_start.end(), begin) - task_start.begin() - 1;
       for (int64_t task = begin; task < end; ++task) {
-        const int64_t seq = task / s.num_kv_heads, kv_head = task % s.num_kv_heads;
-        attend<scalar_t>(q + seq * s.query_row_stride, k, v, t + seq * s.table_width, l[seq], kv_head, s,
-                         o + seq * s.num_heads * s.head_dim, scratch);
+        while (task >= task_start[seq + 1]) ++seq;
+        const int64_t local = task - task_start[seq];
+        const int64_t span = local / s.num_kv_heads, kv_head = local % s.num_kv_heads;
+        const Partial part{tops.data() + task * group, totals.data() + task * group, accs.data() + task * group * dim};
+        run_task<scalar_t>(q + seq * s.query_row_stride, k, v, t + seq * s.table_width, spans[seq], kv_head, span, s,
+                           part);
+        if (spans[seq].count == 1)  // the merge of one span, done at once
+          merge<scalar_t>(part.top, part.total, part.acc, 1, group, dim, group,
+                          o + seq * s.num_heads * dim + kv_head * group * dim);
+      }
+    });
+    if (num_tasks == n * s.num_kv_heads) return;  // every row was one span
+    at::parallel_for(0, n * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t seq = item / s.num_kv_heads, kv_head = item % s.num_kv_heads;
+        if (spans[seq].count == 1) continue;
+        const int64_t first = task_start[seq] + kv_head;  // the row's span 0 of this KV head
+        merge<scalar_t>(tops.data() + first * group, totals.data() + first * group, accs.data() + first * group * dim,
+                        spans[seq].count, group, dim, s.num_kv_heads * group,
+                        o + seq * s.num_heads * dim + kv_head * group * dim);
       }
     });
   });
