@@ -224,7 +224,25 @@ bench_app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 
 
-@bench_app.command("run")
+BENCH_HELP = """Load-test an OpenAI-compatible server; report vLLM `bench serve`'s metrics per run and class.
+
+    \b
+    Definitions (per run, and per priority class when requests name one):
+    - request throughput, input and output tokens/s (completed requests only);
+    - TTFT: request sent -> first chunk carrying a token;
+    - TPOT: (e2e - TTFT) / (output tokens - 1) per request, the first token excluded;
+    - ITL: gaps between consecutive token-bearing chunks, pooled over requests;
+    - e2e: request sent -> last token-bearing chunk (so TTFT + sum of ITLs = e2e);
+    - mean, p50, p90, p95, p99 of each (linear interpolation, as numpy);
+    - goodput: requests/s that met every --slo; errors by type and HTTP status;
+    - token counts from the server's usage where sent, else counted chunks (token_source);
+    - for inferd servers, preemptions, rejections, timeouts and prefix-cache hits (/metrics deltas);
+    - with --retries, attempts per request, retries by cause; a retried request's TTFT and e2e count from its first send, backoff included;
+    - with --workload conversation (chat, closed loop: --concurrency conversations at once, each turn sent when the last one's answer has streamed, --turns turns a conversation under one shared system prompt, each later turn adding the answer and a tool result), TTFT of first turns and of later turns apart, and later turns' mean prompt tokens.
+    """
+
+
+@bench_app.command("run", help=BENCH_HELP)
 def bench_run(
     url: Annotated[str, typer.Argument(help="the server: a base URL, .../v1, or host:port")],
     endpoint: Annotated[str, typer.Option(help="completions or chat (always streamed, with usage)")] = "completions",
@@ -252,23 +270,14 @@ def bench_run(
     timeout: Annotated[float, typer.Option(help="seconds a request may go without a byte")] = 600.0,
     retries: Annotated[int, typer.Option(help="resend after a connection refused or reset, HTTP 429/503, or a stream cut mid-way (from the start; the cut part is not counted), up to N times")] = 0,
     retry_base: Annotated[float, typer.Option(help="seconds: retry k waits uniform(0, min(30, base*2^k)) (full jitter), plus Retry-After (up to 30 s) when sent")] = 1.0,
+    workload: Annotated[str, typer.Option(help="requests (independent prompts) or conversation (multi-turn chats under one shared system prompt, the context growing each turn)")] = "requests",
+    turns: Annotated[int, typer.Option(help="conversation: requests a conversation, each after the last one's answer")] = 7,
+    system_tokens: Annotated[int, typer.Option(help="conversation: the shared system prompt's tokens")] = 1250,
+    tool_tokens: Annotated[str, typer.Option(help="conversation: each later turn's tool result, MIN-MAX tokens (uniform)")] = "300-800",
+    answer_tokens: Annotated[str, typer.Option(help="conversation: each turn's max_tokens, MIN-MAX (uniform)")] = "64-200",
 ) -> None:
-    """Load-test an OpenAI-compatible server; report vLLM `bench serve`'s metrics per run and class.
-
-    \b
-    Definitions (per run, and per priority class when requests name one):
-    - request throughput, input and output tokens/s (completed requests only);
-    - TTFT: request sent -> first chunk carrying a token;
-    - TPOT: (e2e - TTFT) / (output tokens - 1) per request, the first token excluded;
-    - ITL: gaps between consecutive token-bearing chunks, pooled over requests;
-    - e2e: request sent -> last token-bearing chunk (so TTFT + sum of ITLs = e2e);
-    - mean, p50, p90, p95, p99 of each (linear interpolation, as numpy);
-    - goodput: requests/s that met every --slo; errors by type and HTTP status;
-    - token counts from the server's usage where sent, else counted chunks (token_source);
-    - for inferd servers, preemptions, rejections, timeouts and prefix-cache hits (/metrics deltas);
-    - with --retries, attempts per request, retries by cause; a retried request's TTFT and e2e count from its first send, backoff included.
-    """
     from inferd.client.bench import BenchConfig, BenchError, parse_list, run
+    from inferd.client.bench_conversation import parse_range
 
     try:
         config = BenchConfig(
@@ -278,7 +287,9 @@ def bench_run(
             output_len=output_len, output_dist=output_dist, spread=spread,
             dataset=str(dataset) if dataset else None, ignore_eos=ignore_eos, priority_mix=priority_mix, seed=seed,
             slo=slo, json_path=str(json_file) if json_file else None, plot_path=str(plot) if plot else None,
-            timeout=timeout, retries=retries, retry_base=retry_base,
+            timeout=timeout, retries=retries, retry_base=retry_base, workload=workload, turns=turns,
+            system_tokens=system_tokens, tool_tokens=parse_range(tool_tokens, "--tool-tokens"),
+            answer_tokens=parse_range(answer_tokens, "--answer-tokens"),
         )
         run(config)
     except (BenchError, ValueError) as e:

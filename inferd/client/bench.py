@@ -7,6 +7,9 @@
                            summarize(records) per point                (bench_metrics, pure)
                            render / --json / --plot                    (bench_report, pure)
 
+`--workload conversation` runs multi-turn chats instead (bench_conversation): C conversations at
+once, each turn waiting for the last one's answer, reported with first-turn and later-turn TTFT.
+
 The modules: bench_workload (prompts, lengths, classes, arrivals), bench_http (the streamed
 request, /v1/models, inferd's /metrics counters), bench_retry (--retries: what is retried, the
 backoff), bench_metrics (records and vLLM's metric definitions), bench_report (tables, compare,
@@ -25,7 +28,7 @@ import json
 import random
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,18 +36,24 @@ import aiohttp
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from inferd.client.bench_conversation import (
+    DEFAULT_ANSWER_TOKENS, DEFAULT_SYSTEM_TOKENS, DEFAULT_TOOL_TOKENS, DEFAULT_TURNS, ConversationShape,
+    ConversationWorkload, conversation_loop, summarize_turns,
+)
 from inferd.client.bench_http import (
     BenchError, counter_deltas, describe, is_fatal, list_models, read_counters, request_body, root_url,
 )
 from inferd.client.bench_metrics import RequestRecord, parse_slo, summarize
 from inferd.client.bench_report import load_result, render_compare, render_run, render_sweep, write_plot
 from inferd.client.bench_retry import RETRY_BASE, RetryPolicy, send_retrying
-from inferd.client.bench_workload import Workload, load_dataset, parse_mix
+from inferd.client.bench_workload import RequestSpec, Workload, load_dataset, parse_mix
 from inferd.client.bench_workload import arrival_times as _arrival_times
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 DEFAULT_NUM_REQUESTS = 100
 JSON_VERSION = 1
+WORKLOADS = ("requests", "conversation")
+CONVERSATION_KEYS = ("workload", "turns", "system_tokens", "tool_tokens", "answer_tokens")
 
 __all__ = ["BenchConfig", "BenchError", "Point", "compare", "parse_list", "run"]
 
@@ -87,6 +96,18 @@ class BenchConfig:
     timeout: float = 600.0
     retries: int = 0
     retry_base: float = RETRY_BASE
+    workload: str = "requests"
+    turns: int = DEFAULT_TURNS
+    system_tokens: int = DEFAULT_SYSTEM_TOKENS
+    tool_tokens: tuple[int, int] = DEFAULT_TOOL_TOKENS
+    answer_tokens: tuple[int, int] = DEFAULT_ANSWER_TOKENS
+
+    @property
+    def conversation(self) -> ConversationShape | None:
+        """The conversation workload's shape; None for `requests`."""
+        if self.workload != "conversation":
+            return None
+        return ConversationShape(self.turns, self.system_tokens, self.tool_tokens, self.answer_tokens)
 
     @property
     def retry(self) -> RetryPolicy:
@@ -123,11 +144,30 @@ class BenchConfig:
         if self.spread < 0 or (self.spread >= 1 and "uniform" in (self.input_dist, self.output_dist)):
             raise ValueError("--spread must be ≥ 0 (and < 1 with a uniform distribution)")
         self.retry.check()
+        self._check_workload()
+
+    def _check_workload(self) -> None:
+        if self.workload not in WORKLOADS:
+            raise ValueError(f"--workload is one of {', '.join(WORKLOADS)}, got {self.workload!r}")
+        shape = self.conversation
+        if shape is None:
+            return
+        if self.rates:
+            raise ValueError("--workload conversation is a closed loop: give --concurrency or --sweep, not --rate")
+        for option, value in (("--dataset", self.dataset), ("--priority-mix", self.priority_mix)):
+            if value:
+                raise ValueError(f"--workload conversation writes its own requests: drop {option}")
+        shape.check()
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("api_key")  # a secret: never written
         d["rates"], d["sweep"] = list(self.rates), list(self.sweep)
+        if self.conversation is None:
+            for key in CONVERSATION_KEYS:  # the requests workload's JSON as it always was
+                d.pop(key)
+        else:
+            d["tool_tokens"], d["answer_tokens"] = list(self.tool_tokens), list(self.answer_tokens)
         return d
 
 
@@ -152,11 +192,14 @@ class _Context:
     model: str
     workload: Workload
     progress: Progress | None
+    conversations: ConversationWorkload | None = None  # --workload conversation
     t0: float = 0.0  # the current run's start (perf_counter)
 
     async def request(self, i: int, stream: str) -> RequestRecord:
+        return await self.send(i, self.workload.spec(i, stream), stream)
+
+    async def send(self, i: int, spec: RequestSpec, stream: str) -> RequestRecord:
         config = self.config
-        spec = self.workload.spec(i, stream)
         record = RequestRecord(index=i, priority=spec.priority)
         body = request_body(spec, self.model, chat=config.endpoint == "chat", ignore_eos=config.ignore_eos)
         rng = random.Random(f"inferd-bench-retry:{config.seed}:{stream}:{i}")  # this request's jitter
@@ -226,9 +269,8 @@ async def _run_point(ctx: _Context, point: Point, stream: str) -> tuple[list[Req
 
     failed = 0
 
-    async def one(i: int) -> bool:
+    def keep(record: RequestRecord) -> bool:
         nonlocal failed
-        record = await ctx.request(i, stream)
         records.append(record)
         failed += not record.ok
         if ctx.progress is not None and task is not None:
@@ -237,9 +279,19 @@ async def _run_point(ctx: _Context, point: Point, stream: str) -> tuple[list[Req
                                 description=f"{point.label}  {len(records)} done" + (f", {failed} failed" if failed else ""))
         return not (is_fatal(record) and failed == len(records))  # nobody there: stop sending
 
+    async def one(i: int) -> bool:
+        return keep(await ctx.request(i, stream))
+
+    async def turn(i: int, spec: RequestSpec, number: int, conversation: int) -> tuple[RequestRecord, bool]:
+        record = await ctx.send(i, spec, stream)
+        record.turn, record.conversation = number, conversation
+        return record, keep(record)
+
     ctx.t0 = time.perf_counter()
     deadline = ctx.t0 + config.duration if config.duration is not None else None
-    if point.rate is None:
+    if ctx.conversations is not None:
+        await conversation_loop(point.concurrency or 1, ctx.conversations, stream, turn, num, deadline)
+    elif point.rate is None:
         await _closed_loop(point.concurrency or 1, one, num, deadline)
     else:
         times = _arrival_times(point.rate, config.burstiness, seed=config.seed, n=num, duration=config.duration)
@@ -250,7 +302,24 @@ async def _run_point(ctx: _Context, point: Point, stream: str) -> tuple[list[Req
     return sorted(records, key=lambda r: r.index), duration
 
 
-async def _bench(config: BenchConfig, workload: Workload, out: Console, err: Console) -> dict[str, Any]:
+async def _warmup(ctx: _Context, point: Point) -> None:
+    """--warmup requests, sent first and not recorded (whole conversations, as far as they go)."""
+    n, progress, ctx.progress = ctx.config.warmup, ctx.progress, None
+    if ctx.conversations is None:
+        await _closed_loop(min(n, point.concurrency or n), lambda i: _ok(ctx.request(i, "warmup")), n, None)
+    else:
+
+        async def turn(i: int, spec: RequestSpec, number: int, conversation: int) -> tuple[RequestRecord, bool]:
+            record = await ctx.send(i, spec, "warmup")
+            return record, not is_fatal(record)
+
+        await conversation_loop(min(n, point.concurrency or 1), ctx.conversations, "warmup", turn, n, None)
+    ctx.progress = progress
+
+
+async def _bench(
+    config: BenchConfig, workload: Workload, out: Console, err: Console, conversations: ConversationWorkload | None,
+) -> dict[str, Any]:
     root = root_url(config.url)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=config.timeout)
     # NOTE: a fresh connection per request: llama-server failed requests sent on a kept-alive
@@ -267,7 +336,7 @@ async def _bench(config: BenchConfig, workload: Workload, out: Console, err: Con
                 model = "-"  # every request fails the same way: they count it and say why
         progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                             console=err, transient=True)
-        ctx = _Context(config, session, root, model, workload, progress)
+        ctx = _Context(config, session, root, model, workload, progress, conversations)
         result: dict[str, Any] = {
             "tool": "inferd bench", "version": JSON_VERSION,
             "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -277,25 +346,26 @@ async def _bench(config: BenchConfig, workload: Workload, out: Console, err: Con
         with progress:
             points = config.points()
             if config.warmup:
-                ctx.progress = None
-                n = min(config.warmup, points[0].concurrency or config.warmup)
-                await _closed_loop(n, lambda i: _ok(ctx.request(i, "warmup")), config.warmup, None)
-                ctx.progress = progress
+                await _warmup(ctx, points[0])
             for k, point in enumerate(points):
                 before = await read_counters(session, root, config.api_key)
                 result["server"]["inferd"] = before is not None
                 records, duration = await _run_point(ctx, point, f"point{k}")
                 after = await read_counters(session, root, config.api_key)
+                summary = summarize(records, slo, duration)
+                if conversations is not None:
+                    summary |= summarize_turns(records, config.turns)
                 run = {
                     "label": point.label, "concurrency": point.concurrency, "rate": point.rate,
                     "burstiness": config.burstiness if point.rate is not None else None,
-                    "summary": summarize(records, slo, duration),
+                    "summary": summary,
                     "server_counters": counter_deltas(before, after),
                     "requests": [r.to_json() for r in records],
                 }
                 result["runs"].append(run)
                 progress.stop()
-                out.print(render_run(run, f"{point.label}  ({config.endpoint}, {model} at {root})"))
+                kind = config.endpoint if conversations is None else f"conversations of {config.turns} turns, chat"
+                out.print(render_run(run, f"{point.label}  ({kind}, {model} at {root})"))
                 progress.start()
                 fatal = next((r for r in records if is_fatal(r)), None)
                 if fatal is not None and not any(r.ok for r in records):
@@ -325,13 +395,17 @@ def run(config: BenchConfig, out: Console | None = None, err: Console | None = N
             input_dist=config.input_dist, output_len=config.output_len, output_dist=config.output_dist,
             spread=config.spread, priority_mix=parse_mix(config.priority_mix), dataset=dataset,
         )
+        shape = config.conversation
+        conversations = None if shape is None else ConversationWorkload(shape, config.seed)
+        if conversations is not None:
+            config = replace(config, endpoint="chat")  # a conversation is a chat
         parse_slo(config.slo)
         config.points()
         if config.num_requests is None and config.duration is None:
             config = BenchConfig(**{**asdict(config), "num_requests": DEFAULT_NUM_REQUESTS})
     except ValueError as e:
         raise BenchError(str(e)) from None
-    result = asyncio.run(_bench(config, workload, out, err))
+    result = asyncio.run(_bench(config, workload, out, err, conversations))
     if config.json_path:
         Path(config.json_path).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     if config.plot_path:

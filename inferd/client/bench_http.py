@@ -117,6 +117,13 @@ def request_body(spec: RequestSpec, model: str, *, chat: bool, ignore_eos: bool)
     return body
 
 
+def _answer_text(choice: dict[str, Any]) -> str:
+    """The answer's own text in a choice: chat's `delta.content` (never the reasoning), or `text`."""
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
 def _token_text(choice: dict[str, Any]) -> str | None:
     """The text of a choice that carries a token, None for one that does not.
 
@@ -149,6 +156,7 @@ class _Stream:
         self.events = 0  # `data:` lines read: none yet means nothing was generated
         self.done = False
         self.usage: dict[str, Any] | None = None
+        self.text: list[str] = []  # the answer's pieces, in order
 
     def line(self, raw: bytes, now: float) -> None:
         line = raw.strip()
@@ -182,9 +190,11 @@ class _Stream:
                 record.itl.append(now - self.last)
             self.last = now
             record.chunks += 1
+            self.text.append(_answer_text(choices[0]))
 
     def finish(self) -> None:
         record = self.record
+        record.text = "".join(self.text)
         if self.last is not None:
             record.e2e = self.last - self.start
         usage = self.usage or {}

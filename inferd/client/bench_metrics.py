@@ -58,6 +58,9 @@ class RequestRecord:
     retry_causes: list[str] = field(default_factory=list)  # each retried attempt's cause (RETRY_CAUSES)
     retry_wait: float = 0.0  # seconds slept between attempts (inside ttft, e2e and elapsed)
     retry_after: str | None = None  # the last answer's Retry-After header, as sent
+    turn: int | None = None  # --workload conversation: the turn (1: the first) of its conversation
+    conversation: int | None = None  # --workload conversation: the conversation's index
+    text: str = field(default="", repr=False)  # the answer's text as streamed (not written to JSON)
 
     @property
     def ok(self) -> bool:
@@ -85,7 +88,7 @@ class RequestRecord:
             "token_source": self.token_source, "chunks": self.chunks, "status": self.status,
             "error_type": self.error_type, "error": self.error,
             "attempts": self.attempts, "retry_causes": list(self.retry_causes), "retry_wait": r(self.retry_wait),
-        }
+        } | ({} if self.turn is None else {"turn": self.turn, "conversation": self.conversation})
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RequestRecord:

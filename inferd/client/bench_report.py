@@ -1,7 +1,7 @@
 """`inferd bench`'s reports, pure functions of a result dict (the JSON a run writes):
 
     render_run(run)           one run's summary: throughputs, latency percentiles, classes, errors, retries
-    render_sweep(result)      one row per sweep point
+    render_sweep(result)      one row per sweep point (--workload conversation: TTFT of first and later turns)
     render_compare(a, b)      two results side by side with B/A ratios
     make_figure(result)       latency CDFs (TTFT, TPOT, e2e), and throughput vs latency for a sweep
 """
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 LATENCIES = (("ttft", "TTFT"), ("tpot", "TPOT"), ("itl", "ITL"), ("e2e", "E2E"))
+TURN_LATENCIES = (("ttft_first_turn", "TTFT turn 1"), ("ttft_later_turns", "TTFT turns 2+"))  # conversations
 STAT_COLUMNS = ("mean", "p50", "p90", "p95", "p99")
 MISSING = "-"
 SINGLE_SIZE = (15.0, 4.5)  # inches, at DPI: one row of three CDF panels
@@ -77,11 +78,13 @@ def render_run(run: dict[str, Any], title: str | None = None) -> RenderableType:
     if s.get("slo"):
         slo = ", ".join(f"{k} ≤ {v:g} s" for k, v in s["slo"].items())
         head.add_row("goodput", f"{num(s['goodput'])} req/s ({s['good_requests']} of {s['requests']} within {slo})")
+    if "conversations" in s:
+        head.add_row("conversations", _conversations(s))
     latency = Table(box=box.SIMPLE_HEAD, pad_edge=False)
     latency.add_column("latency (ms)")
     for col in STAT_COLUMNS:
         latency.add_column(col, justify="right")
-    for key, name in LATENCIES:
+    for key, name in (*LATENCIES, *(TURN_LATENCIES if "conversations" in s else ())):
         latency.add_row(name, *(ms(s[key][c]) for c in STAT_COLUMNS))
     parts: list[RenderableType] = [Text(title or run.get("label", "run"), style="bold"), head]
     if s["completed"]:
@@ -108,6 +111,14 @@ def render_run(run: dict[str, Any], title: str | None = None) -> RenderableType:
             f"prefix-cache hits {hits} / {queries} prompt tokens",
         ))
     return Group(*parts)
+
+
+def _conversations(s: dict[str, Any]) -> str:
+    """`12 started, 9 finished (7 turns each); 12 first turns, 80 later turns of 4,012 prompt tokens on average`"""
+    c = s["conversations"]
+    prompts = s["prompt_tokens_later_turns_mean"]
+    return (f"{c['started']} started, {c['finished']} finished ({c['turns']} turns each); {c['first_turns']} "
+            f"first turns, {c['later_turns']} later turns of {num(prompts, 0)} prompt tokens on average")
 
 
 def _retries(r: dict[str, Any]) -> Text:
@@ -137,6 +148,8 @@ def _classes(s: dict[str, Any]) -> Table:
 
 
 def render_sweep(result: dict[str, Any]) -> Table:
+    if all("conversations" in run["summary"] for run in result["runs"]):
+        return _conversation_sweep(result)
     table = Table(title="sweep (latencies in ms)", box=box.SIMPLE_HEAD, pad_edge=False)
     table.add_column("point", no_wrap=True)
     for col in ("req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99", "E2E p50", "errors"):
@@ -146,6 +159,23 @@ def render_sweep(result: dict[str, Any]) -> Table:
         table.add_row(run["label"], num(s["request_throughput"]), num(s["output_throughput"], 1),
                       ms(s["ttft"]["p50"]), ms(s["ttft"]["p99"]), ms(s["tpot"]["p50"]), ms(s["tpot"]["p99"]),
                       ms(s["e2e"]["p50"]), str(s["errors"]["total"]))
+    return table
+
+
+def _conversation_sweep(result: dict[str, Any]) -> Table:
+    """Per point: output tok/s over all conversations, TTFT p50/p90/p99 of first turns and of later
+    turns, TPOT p50/p99."""
+    table = Table(title="sweep, conversations (latencies in ms)", box=box.SIMPLE_HEAD, pad_edge=False)
+    table.add_column("point", no_wrap=True)
+    columns = ["out tok/s", *(f"{name} {q}" for name in ("TTFT1", "TTFT2+") for q in ("p50", "p90", "p99")),
+               "TPOT p50", "TPOT p99", "errors"]
+    for col in columns:
+        table.add_column(col, justify="right")
+    for run in result["runs"]:
+        s = run["summary"]
+        ttfts = [ms(s[key][q]) for key, _ in TURN_LATENCIES for q in ("p50", "p90", "p99")]
+        table.add_row(run["label"], num(s["output_throughput"], 1), *ttfts, ms(s["tpot"]["p50"]),
+                      ms(s["tpot"]["p99"]), str(s["errors"]["total"]))
     return table
 
 

@@ -90,6 +90,26 @@ def test_chat_with_classes_and_plot(server: Server, tmp_path: Path) -> None:
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_conversation_workload(server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "conversation.json"
+    result = bench(server.url, "--workload", "conversation", "--concurrency", "2", "--num-requests", "6",
+                   "--turns", "3", "--system-tokens", "120", "--tool-tokens", "20-40", "--answer-tokens", "4-8",
+                   "--ignore-eos", "--api-key", KEY, "--json", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "TTFT turn 1" in result.stdout and "TTFT turns 2+" in result.stdout
+    [run] = json.loads(out.read_text())["runs"]
+    requests = run["requests"]
+    assert all(r["error_type"] is None and 4 <= r["output_tokens"] <= 8 for r in requests), requests
+    for k in {r["conversation"] for r in requests}:  # each turn's prompt holds the last one's and more
+        prompts = [r["prompt_tokens"] for r in sorted(requests, key=lambda r: r["turn"]) if r["conversation"] == k]
+        assert prompts == sorted(set(prompts)), prompts
+    summary = run["summary"]
+    assert summary["completed"] == 6 and summary["conversations"]["started"] in (2, 3)
+    assert summary["ttft_first_turn"]["p50"] is not None and summary["ttft_later_turns"]["p50"] is not None
+    assert summary["prompt_tokens_later_turns_mean"] > min(r["prompt_tokens"] for r in requests)
+    assert run["server_counters"]["prefix_cache_hits"] > 0  # the system prompt and earlier turns, shared
+
+
 def test_unreachable_url_is_one_line_and_exit_1(tmp_path: Path) -> None:
     url = f"http://127.0.0.1:{closed_port()}"
     result = bench(url, "--num-requests", "5", "--json", str(tmp_path / "r.json"))
