@@ -1,6 +1,7 @@
 """Our CPU kernels, batch-invariant by construction: paged decode attention
-(csrc/cpu_attention.cpp) and products over block-quantized weights on AVX-512 VNNI
-(csrc/cpu_matmul.cpp; inferd.model.quant packs the weights for them).
+(csrc/cpu_attention.cpp), products over block-quantized weights on AVX-512 VNNI
+(csrc/cpu_matmul.cpp; inferd.model.quant packs the weights for them) and a decoder layer's
+small bfloat16 ops fused (csrc/cpu_layer_ops.cpp: RMSNorm, residual add + RMSNorm, SiLU x up).
 
 They are compiled once per machine with the system's g++ against the installed torch (`make`
 builds it: `python -m inferd.kernels.cpu`), into a cache folder keyed by the source, the torch
@@ -27,7 +28,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_matmul.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_matmul.cpp", "cpu_layer_ops.cpp")]
 # Reassociation (-fassociative-math and what it needs): vectorized sums, in a fixed order all the
 # same (one compiled loop). NOT -ffast-math: linking with it sets flush-to-zero for the whole
 # process (crtfastmath), which changes torch's arithmetic and breaks hypothesis (tests/kernels).
@@ -123,6 +124,19 @@ def block_matmul(x: torch.Tensor,  # [M, K]
                  weight: torch.Tensor,  # uint8 [N / 16, K / 32, bytes]: quant.BlockLinear's packing
                  bits: int) -> torch.Tensor:  # [M, N], x's dtype
     return torch.ops.inferd_cpu.block_matmul(x, weight, bits)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, H] bfloat16
+    return torch.ops.inferd_cpu.rms_norm(x, weight, eps)
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta in place (rounded to bfloat16); returns RMSNorm(x) * weight."""
+    return torch.ops.inferd_cpu.add_rms_norm_(x, delta, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I] bfloat16
+    return torch.ops.inferd_cpu.silu_mul(gate_up)
 
 
 def decode_attention(query: torch.Tensor,  # [N, heads, head_dim]

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inferd.kernels import cpu
 from inferd.model.attention import TorchAttention
 from inferd.model.config import ModelConfig
 from inferd.model.errors import ModelLoadError
@@ -93,6 +94,11 @@ class DecoderLayer:
         self.down = make_linear(w[f"{prefix}.down"], None, dtype, split=True)  # [hidden, intermediate]
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_softcap
+        # Llama's glue on the CPU in bfloat16 (the default serving path): norms, residual + norm
+        # and SiLU x up as one native op each (inferd.kernels.cpu), the same roundings
+        self.native = (dtype == torch.bfloat16 and self.attn_norm.weight.device.type == "cpu" and not cfg.norm_offset
+                       and not cfg.sandwich_norms and cfg.activation == "silu" and cfg.hidden_size % 16 == 0
+                       and cfg.intermediate_size % 16 == 0 and cpu.available())
 
     def __call__(
         self,
@@ -105,7 +111,9 @@ class DecoderLayer:
         t = x.shape[0]
         # attention
         p, d = attn.num_prefill_tokens, attn.dense_rows
-        qkv = self.qkv(self.attn_norm(x), d)  # [T, q + 2 kv]
+        eps = cfg.rms_norm_eps
+        normed = cpu.rms_norm(x, self.attn_norm.weight, eps) if self.native else self.attn_norm(x)
+        qkv = self.qkv(normed, d)  # [T, q + 2 kv]
         qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, : cfg.num_heads]), self.k_norm(qk[:, cfg.num_heads :])], dim=1)
@@ -123,6 +131,9 @@ class DecoderLayer:
             parts.append(self.attention.decode(q[p:], key_cache, value_cache, decode, self.scale, self.softcap))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self.o(out.reshape(t, cfg.q_size), d)
+        if self.native:  # x + out, in place (x is this forward's own), and the MLP's norm of it
+            out = self.down(cpu.silu_mul(self.gate_up(cpu.add_rms_norm_(x, out, self.mlp_norm.weight, eps), d)), d)
+            return x + out
         x = x + (out if self.post_attn_norm is None else self.post_attn_norm(out))
         # mlp
         gate, up = self.gate_up(self.mlp_norm(x), d).chunk(2, dim=-1)
