@@ -47,6 +47,7 @@ child process), the driver's (its rusage as a reaped child) and this script's: w
 is other processes'. A run where they took more than 0.2 cores is run once more, and the less
 disturbed of the two kept (both printed and recorded). With `--peer-url` and no `--peer-pid`
 the peer's own CPU cannot be told apart: "other" then includes it and nothing is repeated.
+Each server's log is kept beside the driver's files (SIDE.log).
 
 Output: a table per peer, ratio = inferd / peer in every column (output tokens/s: higher is
 better; TTFT, TPOT: lower is better), issue 30's targets marked met / missed (TARGETS below:
@@ -219,11 +220,11 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 @contextlib.contextmanager
-def inferd_server(tmp: Path, model: Path, extra: list[str]) -> Iterator[Server]:
+def inferd_server(tmp: Path, logs: Path, model: Path, extra: list[str]) -> Iterator[Server]:
     """`inferd serve` on a free port with its default settings (bfloat16), from a scratch folder."""
     cmd = [sys.executable, "-m", "inferd.cli", "serve", "--port", "0", "--dtype", "bfloat16", "--model", str(model),
            *extra]
-    log = tmp / "inferd.log"
+    log = logs / "inferd.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, cwd=tmp, start_new_session=True)
     try:
@@ -266,12 +267,12 @@ def check_llama(binary: Path) -> None:
 
 
 @contextlib.contextmanager
-def llama_server(tmp: Path, binary: Path, model: Path, args: list[str], timeout: float) -> Iterator[Server]:
+def llama_server(tmp: Path, logs: Path, binary: Path, model: Path, args: list[str], timeout: float) -> Iterator[Server]:
     """llama.cpp's llama-server on a free local port, ready once GET /health answers 200."""
     check_llama(binary)
     port = free_port()
     cmd = [str(binary), "-m", str(model), *args, "--host", "127.0.0.1", "--port", str(port)]
-    log = tmp / "llama-server.log"
+    log = logs / "llama-server.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True)
     try:
@@ -333,13 +334,14 @@ def vllm_env(install: VllmInstall, threads: int) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def vllm_server(tmp: Path, install: VllmInstall, args: list[str], threads: int, timeout: float) -> Iterator[Server]:
+def vllm_server(tmp: Path, logs: Path, install: VllmInstall, args: list[str], threads: int,
+                timeout: float) -> Iterator[Server]:
     """vLLM's CPU build on a free local port, ready once GET /health answers 200 (it compiles at
     every start-up: ~1-2 min)."""
     port = free_port()
     cmd = [install.vllm, "serve", install.model_dir, "--host", "127.0.0.1", "--port", str(port), *args]
     env = vllm_env(install, threads)
-    log = tmp / "vllm.log"
+    log = logs / "vllm.log"
     with open(log, "w") as f:
         f.write(shlex.join(cmd) + "\n")
         f.flush()
@@ -811,21 +813,21 @@ def main() -> None:
           f"driver JSON and logs in {json_dir}", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="inferd-compare-") as tmp:
-        with inferd_server(Path(tmp), args.model, shlex.split(args.inferd_args)) as server:
+        with inferd_server(Path(tmp), json_dir, args.model, shlex.split(args.inferd_args)) as server:
             inferd = Side(None, server, run_side(args, server, json_dir))
         peers = []
         for peer in args.peer:
             if args.peer_url:
                 cm = external_server(args.peer_url, args.peer_pid, "peer")
             elif peer == "llama":
-                cm = llama_server(Path(tmp), args.peer_bin, args.model,
+                cm = llama_server(Path(tmp), json_dir, args.peer_bin, args.model,
                                   llama_args(args.peer_threads, args.workload, max(args.concurrency)),
                                   args.peer_start_timeout)
             else:
                 assert vllm is not None
                 # the name inferd serves, so the driver asks both by the same one
                 served = inferd.server.model or Path(vllm.model_dir).name
-                cm = vllm_server(Path(tmp), vllm, vllm_args(served, max(VLLM_MIN_SEQS, *args.concurrency)),
+                cm = vllm_server(Path(tmp), json_dir, vllm, vllm_args(served, max(VLLM_MIN_SEQS, *args.concurrency)),
                                  args.peer_threads, args.peer_start_timeout)
             with cm as server:
                 peers.append(Side(peer, server, run_side(args, server, json_dir)))
