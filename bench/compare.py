@@ -308,8 +308,7 @@ def find_vllm(model: Path) -> VllmInstall:
     cmd = ["bash", str(PREPARE_VLLM), "--check", "--model", str(model)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if out.returncode != 0:
-        sys.exit(f"vLLM's CPU build is not prepared:\n{out.stderr.strip()}\n"
-                 f"(run: bench/prepare_vllm_cpu.sh --model {shlex.quote(str(model))})")
+        sys.exit(f"vLLM's CPU build is not prepared ({PREPARE_VLLM.name} --check):\n{out.stderr.strip()}")
     with contextlib.suppress(ValueError, TypeError, IndexError):
         return VllmInstall(**json.loads(out.stdout.strip().splitlines()[-1]))
     sys.exit(f"{shlex.join(cmd)}: its last line is not the JSON expected:\n{out.stdout[-1000:]}")
