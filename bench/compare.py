@@ -204,19 +204,22 @@ def group_members(pgid: int, zombies: bool = False) -> list[int]:
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group (it was started in a session of its own: its workers,
-    e.g. vLLM's engine core, go too), SIGKILL to whatever is left after 30 s."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    deadline = time.monotonic() + 30
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=30)
-    while group_members(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if proc.poll() is None or group_members(proc.pid):
+    """SIGTERM to the server, which stops its own workers (vLLM's engine core and worker: killed
+    at once, they leave their OpenMP files in /dev/shm); then whatever is left of its process group
+    (it was started in a session of its own) gets SIGTERM, and SIGKILL 10 s later."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
+    for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        if proc.poll() is not None and not group_members(proc.pid):
+            break
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+            os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + grace
+        while (proc.poll() is None or group_members(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    proc.wait()
 
 
 @contextlib.contextmanager
@@ -318,7 +321,7 @@ def vllm_args(served_name: str, max_seqs: int) -> list[str]:
     return ["--dtype", "bfloat16", "--served-model-name", served_name, "--max-num-seqs", str(max_seqs)]
 
 
-def vllm_env(install: VllmInstall, threads: int) -> dict[str, str]:
+def vllm_env(install: VllmInstall, threads: int, tmp: Path) -> dict[str, str]:
     """The environment `vllm serve` runs in: loopback only, no usage reports, its CPU settings."""
     cores = sorted(os.sched_getaffinity(0))[:threads]
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "LD_PRELOAD")}
@@ -329,6 +332,7 @@ def vllm_env(install: VllmInstall, threads: int) -> dict[str, str]:
         "VLLM_CPU_KVCACHE_SPACE": str(VLLM_KVCACHE_GIB),
         "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)),
         "LD_PRELOAD": install.preload,
+        "TMPDIR": str(tmp),  # (its distributed set-up leaves a file there)
     }
 
 
@@ -339,17 +343,19 @@ def vllm_server(tmp: Path, logs: Path, install: VllmInstall, args: list[str], th
     every start-up: ~1-2 min)."""
     port = free_port()
     cmd = [install.vllm, "serve", install.model_dir, "--host", "127.0.0.1", "--port", str(port), *args]
-    env = vllm_env(install, threads)
+    env = vllm_env(install, threads, tmp)
     log = logs / "vllm.log"
     with open(log, "w") as f:
         f.write(shlex.join(cmd) + "\n")
         f.flush()
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=tmp, env=env, start_new_session=True)
+    pids = {proc.pid}
     try:
         url = f"http://127.0.0.1:{port}"
         t0 = time.monotonic()
         wait_ready(url, "/health", proc, log, timeout)
         print(f"vllm: ready after {time.monotonic() - t0:.0f} s", flush=True)
+        pids.update(group_members(proc.pid))
         shown = " ".join(f"{k}={env[k]}" for k in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"))
         yield Server(PEERS["vllm"], url, served_model(url), proc.pid,
                      f"vLLM's CPU build, vllm-cpu {install.version} (`vllm serve FOLDER {' '.join(args)}`, "
@@ -357,6 +363,10 @@ def vllm_server(tmp: Path, logs: Path, install: VllmInstall, args: list[str], th
                      "from the model file by bench/prepare_vllm_cpu.sh")
     finally:
         stop(proc)
+        # NOTE: its engine core and worker end without libiomp5's clean-up, which leaves a file each
+        for pid in pids:
+            for leftover in Path("/dev/shm").glob(f"__KMP_REGISTERED_LIB_{pid}_*"):
+                leftover.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
