@@ -10,8 +10,8 @@
 On a CPU with AVX-512 VNNI the int4 layers (and, under "auto", the head: 8-bit codes in blocks
 of 32, as GGUF's Q8_0 stores the default model's tied embedding) run on our block products
 (`BlockLinear`, inferd/kernels/csrc/cpu_matmul.cpp): activations quantized to 8 bits per block
-of 32, integer dot products, llama.cpp's arithmetic. They read a quarter of bf16's bytes at one
-row and outrun a bf16 GEMM at 32 (bench/block_matmul.py). Elsewhere the products are torch's
+of 32, integer dot products, llama.cpp's arithmetic; they read a quarter of bf16's bytes (their
+time per step: bench/profile_decode.py --batch N). Elsewhere the products are torch's
 packed CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`): 2-5x faster than
 bf16 at a few rows, slower from ~16. Every one of them gives a row the same result whatever
 else shares the call (tests/engine/test_batch_invariance.py), which the default,
