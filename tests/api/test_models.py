@@ -60,7 +60,7 @@ def loader(llm: LLMEngine, big2_weights: Any) -> Any:
     """big shares the session's weights, big2 has its copy; anything with a path is loaded from
     it, as `inferd serve` does."""
     def load(spec: ModelSpec) -> AsyncEngine:
-        config = EngineConfig(dtype="float32", kv_cache_memory=spec.kv_cache_memory or KV, model=spec.path)
+        config = EngineConfig(kv_cache_memory=spec.kv_cache_memory or KV, model=spec.path)  # as served
         if spec.path is not None:
             return AsyncEngine(LLMEngine.from_config(config))
         model = llm.model if spec.name == "big" else big2_weights
@@ -181,12 +181,11 @@ async def test_a_model_failing_its_probe_sends_to_its_fallback_until_recovered(p
     server = probing_server
     fleet = fleet_of(server)
     slot = fleet.slots["big2"]
-    first = slot.current.probe.expected[0]
-    lm_head = _model_of(fleet, "big2").lm_head.weight  # (big2's own copy of the weights, see loader)
-    saved = lm_head[first].clone()
+    norm = _model_of(fleet, "big2").norm.weight  # (big2's own copy of the weights, see loader)
+    saved = norm.clone()
     try:
         with torch.no_grad():
-            lm_head[first] = -saved  # the probe's first token loses: the probe fails
+            norm.neg_()  # every logit flips sign: the probe's first token loses, the probe fails
         await _until(lambda: slot.degradation.use_fallback, 15)
         status, body, header = await complete(server, "big2")
         assert (status, body["model"], header) == (200, "tiny", "tiny@1")
@@ -197,7 +196,7 @@ async def test_a_model_failing_its_probe_sends_to_its_fallback_until_recovered(p
         assert row["degraded"] and row["degraded_reason"] == "unhealthy" and row["fallbacks"] >= 2
     finally:
         with torch.no_grad():
-            lm_head[first] = saved
+            norm.copy_(saved)
     await _until(lambda: not slot.degradation.use_fallback, 20)  # probe passes, then 2 s clear
     assert (await complete(server, "big2"))[2] == "big2@b"
     assert slot.degradation.switches == 2  # on once, off once: no flapping while it recovered

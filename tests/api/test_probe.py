@@ -32,18 +32,17 @@ async def test_a_corrupted_weight_makes_the_server_not_ready(llm: LLMEngine) -> 
     async with serve(llm, settings) as server:
         assert await server.get("/ready") == (200, {"status": "ready"})
         probe = server.test_server.app[REGISTRY].primary.current.probe
-        first = probe.expected[0]
-        weights = llm.model.lm_head.weight  # [vocab, hidden]
-        saved = weights[first].clone()
+        norm = llm.model.norm.weight  # read by every product path, packed or dense
+        saved = norm.clone()
         try:
             with torch.no_grad():
-                weights[first] = -saved  # one flipped row: the probe's first token loses
+                norm.neg_()  # every logit flips sign: the probe's first token loses
             body = await wait_for(server, 503)
             assert body["status"] == "not_ready" and "inference probe produced" in body["reason"]
             _, status = await server.get("/v1/status")
             assert status["state"] == "not_ready"
         finally:
             with torch.no_grad():
-                weights[first] = saved
+                norm.copy_(saved)
         assert await wait_for(server, 200) == {"status": "ready"}  # repaired: it passes again
         assert probe.runs >= 2
