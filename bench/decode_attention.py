@@ -41,7 +41,7 @@ def build_baseline(commit: str) -> bool:
     path = folder / "before.cpp"
     path.write_text(source.stdout.replace("TORCH_LIBRARY(inferd_cpu,", "TORCH_LIBRARY(inferd_cpu_before,"))
     lib = folder / "before.so"
-    command = ["g++", *cpu.FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    command = ["g++", *cpu.FLAGS, "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *[f"-I{p}" for p in cpp_extension.include_paths()], str(path),
                *[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu", "-o", str(lib)]
     subprocess.run(command, check=True)

@@ -1,12 +1,13 @@
 """Our CPU kernels, batch-invariant by construction: paged decode attention
 (csrc/cpu_attention.cpp), products over block-quantized weights on AVX-512 VNNI
 (csrc/cpu_matmul.cpp; inferd.model.quant packs the weights for them) and a decoder layer's
-small bfloat16 ops fused (csrc/cpu_layer_ops.cpp: RMSNorm, residual add + RMSNorm, SiLU x up).
+small bfloat16 ops fused (csrc/cpu_layer_ops.cpp: RMSNorm, residual add + RMSNorm, SiLU x up,
+RoPE + the KV cache write).
 
 They are compiled once per machine with the system's g++ against the installed torch (`make`
 builds it: `python -m inferd.kernels.cpu`), into a cache folder keyed by the source, the torch
 version and the CPU's instruction sets (-march=native: the library fits only this kind of CPU).
-A server that finds no library builds it at start-up (~30 s); without g++ the model falls back
+A server that finds no library builds it at start-up (~25 s on 2 cores); without g++ the model falls back
 to the torch reference and torch's packed products, with a warning.
 
     INFERD_KERNEL_DIR   where the libraries are kept (default ~/.cache/inferd/kernels)
@@ -28,14 +29,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_matmul.cpp", "cpu_layer_ops.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_matmul.cpp", "cpu_layer_ops.cpp")]
+HEADERS = [_CSRC / "cpu_simd.h"]
 # Reassociation (-fassociative-math and what it needs): vectorized sums, in a fixed order all the
 # same (one compiled loop). NOT -ffast-math: linking with it sets flush-to-zero for the whole
 # process (crtfastmath), which changes torch's arithmetic and breaks hypothesis (tests/kernels).
 # -fopenmp: ATen's parallel_for is inlined OpenMP; it binds to the libgomp.so.1 that torch ships
 # and has loaded already (same soname), so the kernel runs on torch's threads.
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fno-signed-zeros", "-fassociative-math",
-         "-fopenmp", "-std=c++17", "-shared", "-fPIC"]
+         "-fopenmp", "-std=c++17", "-fPIC"]
 HEAD_SIZE_MULTIPLE = 16  # the kernel's dot product runs 16 lanes
 _loaded: bool | None = None  # None: not tried yet
 
@@ -47,7 +50,7 @@ class KernelBuildError(RuntimeError):
 def library_path() -> Path:
     """Where this machine's build of the current source lives."""
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
     key.update(" ".join(FLAGS).encode())
     key.update(torch.__version__.encode())
@@ -82,16 +85,24 @@ def build(force: bool = False) -> Path:
     rpaths = [f"-Wl,-rpath,{p}" for p in cpp_extension.library_paths()]
     abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
     target.parent.mkdir(parents=True, exist_ok=True)
-    # built beside the target and renamed into place: a concurrent start never loads half a file
-    with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".so", delete=False) as tmp:
-        partial = Path(tmp.name)
-    command = [compiler, *FLAGS, abi, *includes, *map(str, SOURCES),
-               *libraries, *rpaths, "-lc10", "-ltorch_cpu", "-o", str(partial)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise KernelBuildError(f"building {', '.join(s.name for s in SOURCES)} failed:\n{result.stderr[-4000:]}")
-    partial.replace(target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        objects = [Path(scratch) / f"{source.stem}.o" for source in SOURCES]
+        # one compiler per source, side by side (the build is most of a fresh set-up's wait)
+        compiles = [subprocess.Popen([compiler, *FLAGS, abi, *includes, "-c", str(source), "-o", str(obj)],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                    for source, obj in zip(SOURCES, objects)]
+        errors = [process.communicate()[1] for process in compiles]
+        failures = [f"{source.name}:\n{error[-4000:]}"
+                    for source, process, error in zip(SOURCES, compiles, errors) if process.returncode != 0]
+        if failures:
+            raise KernelBuildError("building the CPU kernels failed: " + "\n".join(failures))
+        # linked beside the target and renamed into place: a concurrent start never loads half a file
+        partial = Path(scratch) / target.name
+        result = subprocess.run([compiler, "-shared", "-fopenmp", *map(str, objects), *libraries, *rpaths,
+                                 "-lc10", "-ltorch_cpu", "-o", str(partial)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise KernelBuildError(f"linking the CPU kernels failed:\n{result.stderr[-4000:]}")
+        partial.replace(target)
     return target
 
 
@@ -137,6 +148,17 @@ def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, ep
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I] bfloat16
     return torch.ops.inferd_cpu.silu_mul(gate_up)
+
+
+def rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 KV) x D] bfloat16
+                  cos: torch.Tensor, signed_sin: torch.Tensor,  # [T, D] bfloat16 each
+                  key_cache: torch.Tensor, value_cache: torch.Tensor,  # [blocks, block_size, KV, D] bfloat16
+                  slot_mapping: torch.Tensor,  # [T] int64, negative: padding
+                  num_heads: int, num_kv_heads: int) -> torch.Tensor:  # q: [T, H, D]
+    """q and k rotated (inferd.model.rope.rotate's arithmetic), k and v written to their slots
+    (inferd.kernels.reference.write_kv's), in one pass."""
+    return torch.ops.inferd_cpu.rope_write_kv(qkv, cos, signed_sin, key_cache, value_cache, slot_mapping,
+                                              num_heads, num_kv_heads)
 
 
 def decode_attention(query: torch.Tensor,  # [N, heads, head_dim]

@@ -29,10 +29,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define INFERD_AVX512 1
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
@@ -75,32 +72,8 @@ struct Partial {
 };
 
 #ifdef INFERD_AVX512
-template <typename T> inline __m512 load16(const T* p);
-template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <> inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-template <> inline __m512 load16<double>(const double* p) {
-  const __m256 lo = _mm512_cvtpd_ps(_mm512_loadu_pd(p)), hi = _mm512_cvtpd_ps(_mm512_loadu_pd(p + 8));
-  return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
-}
-
-inline __m512 exp_nonpositive16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
+using inferd_simd::exp16;
+using inferd_simd::load16;
 
 // Scores, softmax and weighted values of `group` (<= kMaxGroup) query heads over positions
 // [first, end): K and V rows read once each, converted in registers.
@@ -131,7 +104,7 @@ void attend_span(const float* q, int64_t group, const T* const* keys, const T* c
     const __m512 top_v = _mm512_set1_ps(top);
     __m512 total16 = _mm512_setzero_ps();
     for (l = 0; l + 16 <= len; l += 16) {
-      const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(w + l), top_v));
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(w + l), top_v));
       _mm512_storeu_ps(w + l, e);
       total16 = _mm512_add_ps(total16, e);
     }

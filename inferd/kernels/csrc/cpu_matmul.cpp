@@ -28,8 +28,8 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
+#include "cpu_simd.h"
+#if defined(INFERD_AVX512) && defined(__AVX512VNNI__)
 #define INFERD_VNNI 1
 #endif
 
@@ -57,16 +57,8 @@ struct QuantizedRows {
 };
 
 #ifdef INFERD_VNNI
-template <typename T> inline __m512 load16(const T* p) {
-  alignas(64) float lanes[16];
-  for (int i = 0; i < 16; ++i) lanes[i] = static_cast<float>(p[i]);
-  return _mm512_load_ps(lanes);
-}
-template <> inline __m512 load16<float>(const float* p) { return _mm512_loadu_ps(p); }
-template <> inline __m512 load16<c10::BFloat16>(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+using inferd_simd::load16;
+using inferd_simd::store16;
 
 // codes = round-half-even(x * (127 / max |x|)), one float32 product each, as
 // inferd.kernels.reference.quantize_rows_q8 computes them
@@ -92,20 +84,6 @@ void quantize_row(const T* x, int64_t k, bool offset, int8_t* codes, float* scal
 #endif
 
 #ifdef INFERD_VNNI
-template <typename T> inline void store16(T* dst, __m512 v) {
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, v);
-  for (int i = 0; i < 16; ++i) dst[i] = static_cast<T>(lanes[i]);
-}
-template <> inline void store16<float>(float* dst, __m512 v) { _mm512_storeu_ps(dst, v); }
-template <> inline void store16<c10::BFloat16>(c10::BFloat16* dst, __m512 v) {
-  // round to nearest even, as c10::BFloat16(float) does (finite values)
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(rounded));
-}
-
 // One tile of 16 outputs for up to kRows rows: out[r][n] for n in the tile.
 template <bool kQ4, typename T>
 inline void tile_rows(const uint8_t* tile, int64_t blocks, const int8_t* codes, const float* scale, const float* sum,
