@@ -99,6 +99,9 @@ class DecoderLayer:
         self.native = (dtype == torch.bfloat16 and self.attn_norm.weight.device.type == "cpu" and not cfg.norm_offset
                        and not cfg.sandwich_norms and cfg.activation == "silu" and cfg.hidden_size % 16 == 0
                        and cfg.intermediate_size % 16 == 0 and cpu.available())
+        # and RoPE over whole heads with the cache write as one op (q/k norms go between: not then)
+        self.native_rope = (self.native and cfg.partial_rotary_factor == 1.0 and cfg.head_dim % 32 == 0
+                            and not cfg.qk_norm)
 
     def __call__(
         self,
@@ -114,15 +117,18 @@ class DecoderLayer:
         eps = cfg.rms_norm_eps
         normed = cpu.rms_norm(x, self.attn_norm.weight, eps) if self.native else self.attn_norm(x)
         qkv = self.qkv(normed, d)  # [T, q + 2 kv]
-        qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, : cfg.num_heads]), self.k_norm(qk[:, cfg.num_heads :])], dim=1)
-        qk = rotate(qk, *rope)  # q and k heads rotated in one go
-        q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-        v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
         key_cache, value_cache = kv_cache
         plans = attn.layers[self.index]
-        self.attention.write_kv(k, v, key_cache, value_cache, plans.slot_mapping)
+        if self.native_rope and key_cache.dtype == torch.bfloat16:
+            q = cpu.rope_write_kv(qkv, *rope, key_cache, value_cache, plans.slot_mapping, cfg.num_heads, cfg.num_kv_heads)
+        else:
+            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            if self.q_norm is not None:
+                qk = torch.cat([self.q_norm(qk[:, : cfg.num_heads]), self.k_norm(qk[:, cfg.num_heads :])], dim=1)
+            qk = rotate(qk, *rope)  # q and k heads rotated in one go
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
+            v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+            self.attention.write_kv(k, v, key_cache, value_cache, plans.slot_mapping)
         prefill, decode = plans.prefill, plans.decode
         parts = []
         if prefill is not None:
@@ -204,7 +210,8 @@ class DecoderModel:
         local = rope if self.local_rope is None else (self.local_rope[0][positions], self.local_rope[1][positions])
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, local if layer.sliding else rope, kv_cache, attn)
-        x = self.norm(x[logits_indices])  # [S, hidden]: the final norm and head only where sampled
+        x = x[logits_indices]  # [S, hidden]: the final norm and head only where sampled
+        x = cpu.rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps) if self.layers[0].native else self.norm(x)
         logits = self.lm_head(x).float()
         if self.cfg.final_softcap is not None:
             cap = self.cfg.final_softcap

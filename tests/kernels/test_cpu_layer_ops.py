@@ -68,3 +68,31 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(op: str) -> None:
         rows = torch.randn(batch, 1536, dtype=torch.bfloat16)
         rows[batch // 3] = row[0]
         assert torch.equal(run(rows)[batch // 3], alone), batch
+
+
+@pytest.mark.parametrize("tokens,heads,kv_heads,dim", [(1, 9, 3, 64), (7, 9, 3, 64), (300, 8, 2, 128)])
+def test_rope_write_kv_is_rotate_then_write_kv(tokens: int, heads: int, kv_heads: int, dim: int) -> None:
+    """Bit for bit the torch code it replaces; a padding row (slot -1) writes nothing."""
+    from inferd.kernels.reference import write_kv
+    from inferd.model.rope import Rope, rotate
+
+    torch.manual_seed(4)
+    qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 3).to(torch.bfloat16)
+    cos_table, sin_table = Rope(10000.0, dim).tables(4096, torch.bfloat16)
+    positions = torch.randint(0, 4096, (tokens,))
+    cos, sin = cos_table[positions], sin_table[positions]
+    caches = torch.randn(2, 40, 16, kv_heads, dim).to(torch.bfloat16)  # key and value: [blocks, 16, KV, D] each
+    slots = torch.randperm(40 * 16)[:tokens]
+    slots[tokens // 2] = -1  # padding
+    expected_caches = caches.clone().unbind(0)
+    qk = rotate(qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim), cos, sin)
+    v = qkv[:, (heads + kv_heads) * dim:].view(tokens, kv_heads, dim)
+    kept = slots >= 0
+    write_kv(qk[kept, heads:], v[kept], *expected_caches, slots[kept])
+
+    key_cache, value_cache = caches.unbind(0)
+    q = cpu.rope_write_kv(qkv, cos, sin, key_cache, value_cache, slots, heads, kv_heads)
+    assert torch.equal(q, qk[:, :heads])
+    assert torch.equal(key_cache, expected_caches[0]) and torch.equal(value_cache, expected_caches[1])
+    with pytest.raises(RuntimeError, match="past the cache"):
+        cpu.rope_write_kv(qkv, cos, sin, key_cache, value_cache, torch.full_like(slots, 40 * 16), heads, kv_heads)

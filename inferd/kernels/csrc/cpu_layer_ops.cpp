@@ -4,6 +4,10 @@
 //   rms_norm(x, w, eps)            w * bf16(x * rsqrt(mean(x^2) + eps))       (Llama's RMSNorm)
 //   add_rms_norm_(x, delta, w, eps) x = bf16(x + delta) in place, then rms_norm(x, w, eps)
 //   silu_mul(gate_up)              bf16(silu(gate)) * up, gate and up the two halves of each row
+//   rope_write_kv(qkv, cos, sin, key_cache, value_cache, slots, H, KV)
+//                                  q and k rotated (rotate-half RoPE over the whole head:
+//                                  bf16(bf16(x * cos) + bf16(roll(x, D / 2) * signed_sin))), k and v
+//                                  written to their cache slots (negative: padding, skipped), q returned
 //
 // Each rounds to bfloat16 where the torch code it replaces does (inferd/model/decoder.py). The
 // one sum (a row's squares) runs on 16-lane registers in a fixed order that depends on the row's
@@ -14,49 +18,21 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-#include <immintrin.h>
-#define INFERD_LAYER_AVX512 1
-#endif
+#include "cpu_simd.h"
 
 namespace {
 
 using bf16 = c10::BFloat16;
 
-#ifdef INFERD_LAYER_AVX512
-inline __m512 load_bf16(const bf16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 round_bf16(__m512 v) {  // to the nearest bfloat16, ties to even (finite values), as float
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
-}
-inline void store_bf16(bf16* p, __m512 v) {  // v already a bfloat16 value
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
-                      _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
-}
-// e^x, Cephes' polynomial (as cpu_attention.cpp's), x clamped to [-87, 88]
-inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-}
+#ifdef INFERD_AVX512
+using inferd_simd::exp16;
+using inferd_simd::round_bf16;
+inline __m512 load_bf16(const bf16* p) { return inferd_simd::load16<bf16>(p); }
+inline void store_bf16(bf16* p, __m512 v) { inferd_simd::store16<bf16>(p, v); }  // rounded to bfloat16
 #endif
 
 void check_rows(const at::Tensor& x, const char* op) {
@@ -68,7 +44,7 @@ void check_rows(const at::Tensor& x, const char* op) {
 // Rows at once per thread: a handful of rows runs on the calling thread (no wake-up)
 int64_t grain(int64_t row_length) { return std::max<int64_t>(1, 65536 / row_length); }
 
-#ifdef INFERD_LAYER_AVX512
+#ifdef INFERD_AVX512
 void norm_row(const bf16* x, const bf16* weight, int64_t h, float eps, bf16* out) {
   __m512 squares = _mm512_setzero_ps();
   for (int64_t i = 0; i < h; i += 16) {
@@ -126,7 +102,7 @@ at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tenso
     for (int64_t r = begin; r < end; ++r) {
       bf16* row = px + r * h;
       const bf16* d = pd + r * delta.stride(0);
-#ifdef INFERD_LAYER_AVX512
+#ifdef INFERD_AVX512
       for (int64_t i = 0; i < h; i += 16)
         store_bf16(row + i, round_bf16(_mm512_add_ps(load_bf16(row + i), load_bf16(d + i))));
 #else
@@ -150,7 +126,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
       const bf16* g = pg + r * gate_up.stride(0);
       const bf16* u = g + n;
       bf16* o = po + r * n;
-#ifdef INFERD_LAYER_AVX512
+#ifdef INFERD_AVX512
       for (int64_t i = 0; i < n; i += 16) {
         const __m512 gate = load_bf16(g + i);
         const __m512 silu = round_bf16(_mm512_div_ps(gate, _mm512_add_ps(_mm512_set1_ps(1.0f),
@@ -168,6 +144,64 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
+                         at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                         int64_t num_heads, int64_t num_kv_heads) {
+  check_rows(qkv, "rope_write_kv");
+  const int64_t t = qkv.size(0), heads = num_heads + 2 * num_kv_heads, d = qkv.size(1) / heads;
+  TORCH_CHECK(qkv.size(1) == heads * d && d % 32 == 0, "rope_write_kv: qkv is [T, (H + 2 KV) x D], D a multiple of 32");
+  for (const at::Tensor* table : {&cos, &signed_sin})
+    TORCH_CHECK(table->scalar_type() == at::kBFloat16 && table->is_contiguous() && table->size(0) == t &&
+                table->size(1) == d, "rope_write_kv: cos and signed_sin are [T, D] bfloat16");
+  for (const at::Tensor* cache : {&key_cache, &value_cache})
+    TORCH_CHECK(cache->scalar_type() == at::kBFloat16 && cache->is_contiguous() && cache->dim() == 4 &&
+                cache->size(2) == num_kv_heads && cache->size(3) == d,
+                "rope_write_kv: the caches are [blocks, block_size, KV, D] bfloat16");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == t, "rope_write_kv: slots are [T] int64");
+  const int64_t slots = key_cache.size(0) * key_cache.size(1), half = d / 2;
+  auto q = at::empty({t, num_heads, d}, qkv.options());
+  const bf16* px = qkv.data_ptr<bf16>();
+  const bf16* pc = cos.data_ptr<bf16>();
+  const bf16* ps = signed_sin.data_ptr<bf16>();
+  const int64_t* pslot = slot_mapping.data_ptr<int64_t>();
+  bf16* pq = q.data_ptr<bf16>();
+  bf16* pk = key_cache.data_ptr<bf16>();
+  bf16* pv = value_cache.data_ptr<bf16>();
+  for (int64_t r = 0; r < t; ++r)
+    TORCH_CHECK(pslot[r] < slots, "rope_write_kv: slot ", pslot[r], " is past the cache's ", slots);
+  at::parallel_for(0, t, grain(heads * d), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const bf16* row = px + r * qkv.stride(0);
+      const bf16* c = pc + r * d;
+      const bf16* s = ps + r * d;
+      const int64_t slot = pslot[r];
+      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) {
+        const bf16* x = row + h * d;
+        bf16* out = h < num_heads ? pq + (r * num_heads + h) * d
+                    : slot >= 0   ? pk + (slot * num_kv_heads + h - num_heads) * d : nullptr;
+        if (out == nullptr) continue;
+        for (int64_t i = 0; i < d; i += 16) {
+          const int64_t j = (i + half) % d;  // roll(x, D / 2): out[i] takes x[i - D / 2]
+#ifdef INFERD_AVX512
+          const __m512 a = round_bf16(_mm512_mul_ps(load_bf16(x + i), load_bf16(c + i)));
+          const __m512 b = round_bf16(_mm512_mul_ps(load_bf16(x + j), load_bf16(s + i)));
+          store_bf16(out + i, _mm512_add_ps(a, b));
+#else
+          for (int64_t l = 0; l < 16; ++l) {
+            const float a = static_cast<float>(bf16(static_cast<float>(x[i + l]) * static_cast<float>(c[i + l])));
+            const float b = static_cast<float>(bf16(static_cast<float>(x[j + l]) * static_cast<float>(s[i + l])));
+            out[i + l] = bf16(a + b);
+          }
+#endif
+        }
+      }
+      if (slot >= 0)
+        std::copy_n(row + (num_heads + num_kv_heads) * d, num_kv_heads * d, pv + slot * num_kv_heads * d);
+    }
+  });
+  return q;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferd_cpu, m) {
@@ -177,4 +211,7 @@ TORCH_LIBRARY_FRAGMENT(inferd_cpu, m) {
   m.impl("add_rms_norm_", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm_));
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.def("rope_write_kv(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
+        "Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
+  m.impl("rope_write_kv", c10::DispatchKey::CPU, TORCH_FN(rope_write_kv));
 }
