@@ -133,7 +133,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
     config = replace(_gguf_rope(config, gguf.metadata, gguf.tensors, load), tie_word_embeddings="lm_head" not in tensors)
     stored = {part: gguf.tensors[name].ggml_type.name for name, (parts, _) in wanted.items() for part in parts}
     head_blocks = None
-    if weights == "auto":  # the head's codes as stored, for the block products (quant.pack_weights)
+    head_shape = tuple((tensors["lm_head"] if "lm_head" in tensors else tensors["embed"]).shape)
+    if weights == "auto" and quant.BlockLinear.fits(head_shape):
+        # the head's codes as stored, for the block products (quant.pack_weights)
         source = {part: name for name, (parts, _) in wanted.items() for part in parts}
         head = source["lm_head" if "lm_head" in tensors else "embed"]
         head_blocks = quant.q8_from_gguf(gguf.raw(head), gguf.tensors[head].ggml_type.name)
