@@ -10,12 +10,10 @@ import inspect
 import io
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 from aiohttp import web
 from rich.console import Console
 from typer.testing import CliRunner
@@ -203,22 +201,6 @@ def chat_server() -> web.Application:
     application.router.add_post("/v1/chat/completions", chat)
     application.router.add_get("/v1/models", models)
     return application
-
-
-@pytest_asyncio.fixture
-async def serve() -> AsyncIterator[Callable[[web.Application], Awaitable[str]]]:
-    runners: list[web.AppRunner] = []
-
-    async def start(application: web.Application) -> str:
-        runner = web.AppRunner(application)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        return f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
 
 
 @pytest.mark.asyncio

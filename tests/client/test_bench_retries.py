@@ -15,13 +15,12 @@ import re
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import pytest_asyncio
 from aiohttp import web
 from rich.console import Console
 
@@ -175,22 +174,6 @@ def scripted(*script: str) -> web.Application:
     application.router.add_post("/v1/completions", completions)
     application.router.add_get("/v1/models", models)
     return application
-
-
-@pytest_asyncio.fixture
-async def serve() -> AsyncIterator[Callable[[web.Application], Awaitable[str]]]:
-    runners: list[web.AppRunner] = []
-
-    async def start(application: web.Application) -> str:
-        runner = web.AppRunner(application)
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", 0).start()
-        runners.append(runner)
-        return f"http://127.0.0.1:{runner.addresses[0][1]}"
-
-    yield start
-    for runner in runners:
-        await runner.cleanup()
 
 
 async def post(root: str, retries: int, base: float = BASE) -> RequestRecord:
