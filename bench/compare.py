@@ -461,9 +461,10 @@ def check_driver(driver: list[str], workload: str) -> None:
     """Exit early when the driver lacks the workload asked for (before any server starts)."""
     if workload == "requests":
         return
-    out = subprocess.run([*driver, "--help"], capture_output=True, text=True, timeout=120, cwd=REPO,
-                         env=os.environ | {"COLUMNS": "200", "NO_COLOR": "1"})
-    if "--workload" not in out.stdout:
+    # `inferd bench` is a command group whose default command (`run`) carries the options
+    helps = [subprocess.run([*driver, *sub, "--help"], capture_output=True, text=True, timeout=120, cwd=REPO,
+                            env=os.environ | {"COLUMNS": "200", "NO_COLOR": "1"}).stdout for sub in (["run"], [])]
+    if not any("--workload" in text for text in helps):
         sys.exit(f"the driver ({shlex.join(driver)}) has no --workload option: the {workload} workload needs an "
                  "`inferd bench` that has it")
 

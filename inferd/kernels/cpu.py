@@ -7,7 +7,7 @@ RoPE + the KV cache write).
 They are compiled once per machine with the system's g++ against the installed torch (`make`
 builds it: `python -m inferd.kernels.cpu`), into a cache folder keyed by the source, the torch
 version and the CPU's instruction sets (-march=native: the library fits only this kind of CPU).
-A server that finds no library builds it at start-up (~25 s on 2 cores); without g++ the model falls back
+A server that finds no library builds it at start-up (~40 s on 2 cores); without g++ the model falls back
 to the torch reference and torch's packed products, with a warning.
 
     INFERD_KERNEL_DIR   where the libraries are kept (default ~/.cache/inferd/kernels)
