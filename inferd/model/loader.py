@@ -133,11 +133,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
     config = replace(_gguf_rope(config, gguf.metadata, gguf.tensors, load), tie_word_embeddings="lm_head" not in tensors)
     stored = {part: gguf.tensors[name].ggml_type.name for name, (parts, _) in wanted.items() for part in parts}
     head_blocks = None
-    head_shape = tuple((tensors["lm_head"] if "lm_head" in tensors else tensors["embed"]).shape)
-    if weights == "auto" and quant.BlockLinear.fits(head_shape):
+    head_part = "lm_head" if "lm_head" in tensors else "embed"  # (a tied head is the embedding)
+    if weights == "auto" and quant.BlockLinear.fits(tuple(tensors[head_part].shape)):
         # the head's codes as stored, for the block products (quant.pack_weights)
-        source = {part: name for name, (parts, _) in wanted.items() for part in parts}
-        head = source["lm_head" if "lm_head" in tensors else "embed"]
+        head = next(name for name, (parts, _) in wanted.items() if head_part in parts)
         head_blocks = quant.q8_from_gguf(gguf.raw(head), gguf.tensors[head].ggml_type.name)
     return Checkpoint(config, tensors, path, gguf_metadata=gguf.metadata, stored_types=stored,
                       head_blocks=head_blocks)
