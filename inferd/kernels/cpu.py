@@ -133,8 +133,9 @@ def block_matmul_available() -> bool:
 
 def block_matmul(x: torch.Tensor,  # [M, K]
                  weight: torch.Tensor,  # uint8 [N / 16, K / 32, bytes]: quant.BlockLinear's packing
-                 bits: int) -> torch.Tensor:  # [M, N], x's dtype
-    return torch.ops.inferd_cpu.block_matmul(x, weight, bits)
+                 bits: int,  # the weights' codes: 4 or 8
+                 activation_bits: int = 8) -> torch.Tensor:  # [M, N], x's dtype; 16 for 4-bit weights only
+    return torch.ops.inferd_cpu.block_matmul(x, weight, bits, activation_bits)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, H] bfloat16

@@ -169,30 +169,32 @@ def prefill_attention(
     return attention_planned(query, key_cache, value_cache, plan, scale, softcap)
 
 
-def quantize_rows_q8(x: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, bits: int = 8, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations as the block products take them: per row and block of `block` inputs, codes
-    round(x * 127 / max |x|) and the scale max |x| / 127. Returns codes [M, K] (float64) and
-    scales [M, K / block] (float64)."""
+    round(x * L / max |x|) and the scale max |x| / L, L = 127 (8 bits) or 32639 (16). Returns
+    codes [M, K] (float64) and scales [M, K / block] (float64)."""
+    levels = 127.0 if bits == 8 else 32639.0  # 16 bits: 127 x 256 + 127, so a code splits into two signed bytes
     m, k = x.shape
     blocks = x.float().view(m, k // block, block)
     top = blocks.abs().amax(-1)  # float32, as the kernel computes it
-    # NOTE: a tensor over a tensor: `127.0 / top` is top.reciprocal() * 127 in torch, an ulp off
+    # NOTE: a tensor over a tensor: `L / top` is top.reciprocal() * L in torch, an ulp off
     # the kernel's correctly rounded quotient a quarter of the time (and then codes at a half step flip)
-    inverse = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
+    inverse = torch.where(top > 0, torch.full_like(top, levels) / top, torch.zeros_like(top))
     codes = torch.round(blocks * inverse[..., None])  # round half to even, as nearbyint
-    return codes.view(m, k).double(), (top / 127.0).double()
+    return codes.view(m, k).double(), (top / levels).double()
 
 
 def block_matmul(x: torch.Tensor,  # [M, K]
                  codes: torch.Tensor,  # [N, K] integer codes
                  scale: torch.Tensor,  # [N, K / 32]
-                 minimum: torch.Tensor | None) -> torch.Tensor:  # [N, K / 32] (int4) or None (int8)
+                 minimum: torch.Tensor | None,  # [N, K / 32] (int4) or None (int8)
+                 activation_bits: int = 8) -> torch.Tensor:
     """The specification of inferd_cpu::block_matmul (csrc/cpu_matmul.cpp), in float64: each
-    block of 32 inputs an exact integer dot product of weight codes and the row's 8-bit codes,
-    times both scales, plus (int4) the block's minimum times the sum of its inputs."""
+    block of 32 inputs an exact integer dot product of weight codes and the row's 8- (or 16-)
+    bit codes, times both scales, plus (int4) the block's minimum times the sum of its inputs."""
     m, k = x.shape
     n, blocks = codes.shape[0], k // 32
-    qx, dx = quantize_rows_q8(x)
+    qx, dx = quantize_rows(x, activation_bits)
     dots = torch.einsum("mbi,nbi->mnb", qx.view(m, blocks, 32), codes.double().view(n, blocks, 32))  # [M, N, B]
     out = (dots * scale.double()[None] * dx[:, None]).sum(-1)
     if minimum is not None:

@@ -87,11 +87,14 @@ class DecoderLayer:
         )  # [q+2kv] or None
         dtype = w[f"{prefix}.attn_norm"].dtype
         parts = [w[f"{prefix}.{name}"] for name in ("q", "k", "v")]
-        # packed weights: long prompts' prefill rows on a dense copy, the rest packed (quant.SplitLinear)
-        self.qkv = make_linear(fuse(parts), bias, dtype, split=True)  # [q+2kv, hidden]
+        # packed weights: long prompts' prefill rows on a dense copy, the rest packed (quant.SplitLinear).
+        # qkv's and down's inputs (the normed residual, SiLU(gate) x up) have outliers inside their
+        # blocks of 32: on 8-bit codes each costs the default model ~0.5% of perplexity on the book,
+        # so they take 16-bit ones (+0.42% in all, against +1.39%; bench/RESULTS.md, issue 30)
+        self.qkv = make_linear(fuse(parts), bias, dtype, split=True, wide_inputs=True)  # [q+2kv, hidden]
         self.o = make_linear(w[f"{prefix}.o"], None, dtype, split=True)  # [hidden, q]
         self.gate_up = make_linear(fuse([w[f"{prefix}.gate"], w[f"{prefix}.up"]]), None, dtype, split=True)  # [2 * intermediate, hidden]
-        self.down = make_linear(w[f"{prefix}.down"], None, dtype, split=True)  # [hidden, intermediate]
+        self.down = make_linear(w[f"{prefix}.down"], None, dtype, split=True, wide_inputs=True)  # [hidden, intermediate]
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_softcap
         # Llama's glue on the CPU in bfloat16 (the default serving path): norms, residual + norm

@@ -10,7 +10,8 @@
 On a CPU with AVX-512 VNNI the int4 layers (and, under "auto", the head: 8-bit codes in blocks
 of 32, as GGUF's Q8_0 stores the default model's tied embedding) run on our block products
 (`BlockLinear`, inferd/kernels/csrc/cpu_matmul.cpp): activations quantized to 8 bits per block
-of 32, integer dot products, llama.cpp's arithmetic; they read a quarter of bf16's bytes (their
+of 32 (16 for the layers whose inputs have outliers: the decoder's qkv and down), integer dot
+products, llama.cpp's arithmetic; they read a quarter of bf16's bytes (their
 time per step: bench/profile_decode.py --batch N). Elsewhere the products are torch's
 packed CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`): 2-5x faster than
 bf16 at a few rows, slower from ~16. Every one of them gives a row the same result whatever
@@ -211,12 +212,16 @@ class Int8Linear:
 class BlockLinear:
     """A product on our block kernels (inferd.kernels.cpu.block_matmul): `bits` 4 (Int4Codes:
     code * scale + minimum) or 8 (code * scale, codes -127..127), per block of 32 inputs, the
-    scales (and minimums) held in float16 as GGUF stores them."""
+    scales (and minimums) held in float16 as GGUF stores them. `activation_bits`: the inputs
+    quantized to 8 bits per block, or to 16 (4-bit weights only: twice the integer work, for a
+    layer whose inputs have outliers inside a block)."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, minimum: torch.Tensor | None,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, activation_bits: int = 8) -> None:
         n, k = codes.shape
         self.out_features, self.bits = n, 4 if minimum is not None else 8
+        assert activation_bits == 8 or (activation_bits == 16 and self.bits == 4), (activation_bits, self.bits)
+        self.activation_bits = activation_bits
         self.bias = bias
         tiles, blocks = n // 16, k // GROUP
         half = [t.to(torch.float16).view(tiles, 16, blocks).transpose(1, 2).contiguous()
@@ -235,9 +240,8 @@ class BlockLinear:
             offset = (-128 * c.sum(-1, dtype=torch.int32)).transpose(1, 2).contiguous()  # [tiles, blocks, 16]
             tail = [half[0].view(torch.uint8), offset.view(torch.uint8)]
         self.weight = torch.cat([body, *tail], dim=-1).contiguous()  # uint8 [tiles, blocks, 320 | 608]
-        self.scale = half[0].transpose(1, 2).reshape(n, blocks).float()  # as the kernel holds them
-        self.minimum = half[1].transpose(1, 2).reshape(n, blocks).float() if self.bits == 4 else None
-        self.codes = codes
+        self.in_features = k
+        # nothing else is kept: the codes and scales are read back from the blob on demand (unpack)
 
     @staticmethod
     def fits(shape: tuple[int, ...]) -> bool:
@@ -245,16 +249,37 @@ class BlockLinear:
         return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % GROUP == 0 and cpu.block_matmul_available()
 
     def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
-        y = cpu.block_matmul(x, self.weight, self.bits)
+        y = cpu.block_matmul(x, self.weight, self.bits, self.activation_bits)
         return y if self.bias is None else y + self.bias
+
+    def unpack(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Rows [start, end) of the packed weights (multiples of 16) as the kernel holds them: codes
+        [rows, K] (uint8 0..15, or int8), scales float32 [rows, K / 32] and (4 bits) minimums, or None."""
+        end = self.out_features if end is None else min(end, self.out_features)
+        assert start % 16 == 0 and end % 16 == 0, (start, end)
+        blob = self.weight[start // 16:end // 16]  # [tiles, blocks, bytes]
+        tiles, blocks = blob.shape[:2]
+        if self.bits == 4:
+            nibbles = blob[..., :256].reshape(tiles, blocks, 4, 16, 4).permute(0, 3, 1, 2, 4)  # [tiles, 16, blocks, 4, 4]
+            codes = torch.stack([nibbles & 0x0F, nibbles >> 4], dim=3)  # inputs 0..15, then 16..31
+            tail = 256
+        else:
+            codes = blob[..., :512].reshape(tiles, blocks, 8, 16, 4).permute(0, 3, 1, 2, 4).view(torch.int8)
+            tail = 512
+        codes = codes.reshape(end - start, blocks * GROUP)
+
+        def halves(at: int) -> torch.Tensor:  # 16 float16 per tile and block -> [rows, blocks] float32
+            return blob[..., at:at + 32].contiguous().view(torch.float16).transpose(1, 2).reshape(end - start, blocks).float()
+
+        return codes, halves(tail), halves(tail + 32) if self.bits == 4 else None
 
     def dequantize(self, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows [start, end) of the weights this layer multiplies by, [rows, K] float32."""
-        codes = self.codes[start:end]
+        codes, scale, minimum = self.unpack(start, end)
         n, k = codes.shape
-        w = codes.float().view(n, k // GROUP, GROUP) * self.scale[start:end, :, None]
-        if self.minimum is not None:
-            w = w + self.minimum[start:end, :, None]
+        w = codes.float().view(n, k // GROUP, GROUP) * scale[:, :, None]
+        if minimum is not None:
+            w = w + minimum[:, :, None]
         return w.view(n, k)
 
 
@@ -289,13 +314,16 @@ class SplitLinear:
 Linear = DenseLinear | Int4Linear | Int8Linear | BlockLinear | SplitLinear
 
 
-def make_linear(weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, split: bool = False) -> Linear:
-    """The product for `weight`; `split`: a packed one keeps a dense copy for prefill rows."""
+def make_linear(weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, split: bool = False,
+                wide_inputs: bool = False) -> Linear:
+    """The product for `weight`; `split`: a packed one keeps a dense copy for prefill rows;
+    `wide_inputs`: the block products take this layer's inputs at 16 bits where its weights are 4."""
     if isinstance(weight, torch.Tensor):
         return DenseLinear(weight, bias)
     packed: Int4Linear | Int8Linear | BlockLinear
     if isinstance(weight, Int4Codes | Q8Blocks) and BlockLinear.fits(weight.shape):
-        packed = BlockLinear(weight.codes, weight.scale, getattr(weight, "minimum", None), bias)
+        activation_bits = 16 if wide_inputs and isinstance(weight, Int4Codes) else 8
+        packed = BlockLinear(weight.codes, weight.scale, getattr(weight, "minimum", None), bias, activation_bits)
     elif isinstance(weight, Q8Blocks):
         return DenseLinear(weight.dequantize().to(dtype), bias)
     elif isinstance(weight, Int4Codes):
@@ -318,7 +346,7 @@ def dense_copy(weight: Int4Codes | Int8Codes, packed: Int4Linear | Int8Linear | 
     without its identity product (most of a bf16 load's time), computed in float32 a slice of rows
     at a time (the slice stays in cache: ~3x faster than whole-tensor passes, the same bits)."""
     if isinstance(packed, BlockLinear):
-        dense = torch.empty(packed.codes.shape, dtype=dtype)
+        dense = torch.empty(packed.out_features, packed.in_features, dtype=dtype)
         for start in range(0, packed.out_features, _DENSE_COPY_ROWS):
             dense[start:start + _DENSE_COPY_ROWS] = packed.dequantize(start, start + _DENSE_COPY_ROWS)
         return dense

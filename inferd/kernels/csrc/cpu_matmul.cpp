@@ -6,6 +6,11 @@
 //   q4: w = code * d + m, codes 0..15       block = d * dx * sum(code * qx) + m * sum(x)
 //   q8: w = code * d, codes -127..127       block = d * dx * sum(code * qx)
 //
+// q4 weights also meet activations quantized to 16 bits (max |x| / 32639 per block, each code
+// split into two bytes: twice the 8-bit work): a layer whose inputs have outliers inside a block
+// (a decoder's qkv and down products) keeps bf16's precision there. The block's integer
+// sum stays exact (15 x 32639 x 32 < 2^24, so its float32 is exact too).
+//
 // A row's output adds its blocks in input order, one float32 sum per output; nothing in it
 // depends on the other rows of the call, on how many there are or on which thread ran it: the
 // products are batch-invariant by construction, so every row may take this path whatever the
@@ -26,6 +31,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_simd.h"
@@ -39,6 +45,7 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kTile = 16;
 constexpr int64_t kRows = 8;  // rows sharing one pass over the weights
 constexpr int64_t kQ4Bytes = 320, kQ8Bytes = 608;
+constexpr float kWideLevels = 32639.0f;  // 16-bit activations' largest code: 127 x 256 + 127
 
 bool vnni_available() {
 #ifdef INFERD_VNNI
@@ -48,10 +55,10 @@ bool vnni_available() {
 #endif
 }
 
-// A row's activations, 8 bits per input: codes (unsigned: +128 for q8's product), per block the
+// A row's activations, 8 bits per input (unsigned: +128 for q8's product) or 16, per block the
 // scale dx and (q4) the float sum of the block's inputs.
 struct QuantizedRows {
-  std::vector<int8_t> codes;  // [M, K]
+  std::vector<int8_t> codes;  // [M, K x bytes per code]
   std::vector<float> scale;   // [M, K / 32]
   std::vector<float> sum;     // [M, K / 32]
 };
@@ -60,36 +67,51 @@ struct QuantizedRows {
 using inferd_simd::load16;
 using inferd_simd::store16;
 
-// codes = round-half-even(x * (127 / max |x|)), one float32 product each, as
-// inferd.kernels.reference.quantize_rows_q8 computes them
+// How a row's codes are kept: signed bytes (q4's product), unsigned ones (q + 128: q8's), or
+// 16-bit codes split into two signed bytes (q4's wide product, below).
+enum class Codes { kSigned, kUnsigned, kSplit };
+
+// codes = round-half-even(x * (L / max |x|)), one float32 product each, as
+// inferd.kernels.reference.quantize_rows computes them; L = 127, or kWideLevels when split:
+// q = 256 h + l (h = (q + 128) >> 8 in -127..127, l in -128..127), so a block's dot product is
+// 256 x (weights . h) + (weights . l), two 8-bit VNNI sums, exact. Split codes keep per block the
+// 32 high bytes, then the 32 low.
 template <typename T>
-void quantize_row(const T* x, int64_t k, bool offset, int8_t* codes, float* scale, float* sum) {
+void quantize_row(const T* x, int64_t k, Codes kind, int8_t* codes, float* scale, float* sum) {
+  const float levels = kind == Codes::kSplit ? kWideLevels : 127.0f;
+  const int64_t stride = kind == Codes::kSplit ? 2 * kBlock : kBlock;
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   for (int64_t b = 0; b < k / kBlock; ++b) {
     const __m512 lo = load16<T>(x + b * kBlock), hi = load16<T>(x + b * kBlock + 16);
     const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const __m512 inverse = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    __m512i qlo = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(lo, inverse), kNearest));
-    __m512i qhi = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(hi, inverse), kNearest));
-    if (offset) {  // q8's product takes the activations unsigned: q + 128
-      qlo = _mm512_add_epi32(qlo, _mm512_set1_epi32(128));
-      qhi = _mm512_add_epi32(qhi, _mm512_set1_epi32(128));
+    const __m512 inverse = _mm512_set1_ps(top > 0.0f ? levels / top : 0.0f);
+    int8_t* out = codes + b * stride;
+    for (int half = 0; half < 2; ++half) {
+      __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(half ? hi : lo, inverse), kNearest));
+      if (kind == Codes::kSplit) {
+        const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + kBlock + half * 16),
+                         _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(h, 8))));
+        q = h;
+      } else if (kind == Codes::kUnsigned) {
+        q = _mm512_add_epi32(q, _mm512_set1_epi32(128));
+      }
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + half * 16), _mm512_cvtepi32_epi8(q));
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + b * kBlock), _mm512_cvtepi32_epi8(qlo));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + b * kBlock + 16), _mm512_cvtepi32_epi8(qhi));
-    scale[b] = top / 127.0f;
+    scale[b] = top / levels;
     sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
   }
 }
 #endif
 
 #ifdef INFERD_VNNI
-// One tile of 16 outputs for up to kRows rows: out[r][n] for n in the tile.
-template <bool kQ4, typename T>
+// One tile of 16 outputs for up to kRows rows: out[r][n] for n in the tile. kWide (q4 only):
+// the activations are split codes (quantize_row), two dot products a row.
+template <bool kQ4, bool kWide, typename T, int rows>
 inline void tile_rows(const uint8_t* tile, int64_t blocks, const int8_t* codes, const float* scale, const float* sum,
-                      int64_t k, int64_t rows, T* out, int64_t out_stride) {
-  __m512 acc[kRows];
-  for (int64_t r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
+                      int64_t k, T* out, int64_t out_stride) {
+  __m512 acc[rows];
+  for (int r = 0; r < rows; ++r) acc[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* p = tile + b * (kQ4 ? kQ4Bytes : kQ8Bytes);
@@ -109,10 +131,18 @@ inline void tile_rows(const uint8_t* tile, int64_t blocks, const int8_t* codes, 
       d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 512)));
       init = _mm512_loadu_si512(p + 544);
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const int32_t* x = reinterpret_cast<const int32_t*>(codes + r * k + b * kBlock);  // 8 groups of 4 codes
+    for (int r = 0; r < rows; ++r) {
+      // 8 groups of 4 codes (wide: 8 of the high bytes, then 8 of the low)
+      const int32_t* x = reinterpret_cast<const int32_t*>(codes + (r * k + b * kBlock) * (kWide ? 2 : 1));
       __m512i dot = kQ4 ? _mm512_setzero_si512() : init;
-      if constexpr (kQ4) {  // unsigned weight codes x signed activations
+      if constexpr (kWide) {
+        __m512i low_bytes = _mm512_setzero_si512();
+        for (int j = 0; j < 8; ++j) {
+          dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(x[j]));
+          low_bytes = _mm512_dpbusd_epi32(low_bytes, w[j], _mm512_set1_epi32(x[8 + j]));
+        }
+        dot = _mm512_add_epi32(_mm512_slli_epi32(dot, 8), low_bytes);
+      } else if constexpr (kQ4) {  // unsigned weight codes x signed activations
         // quads 0..3 are inputs 0..15 (low nibbles), 4..7 inputs 16..31 (high)
         for (int j = 0; j < 8; ++j) dot = _mm512_dpbusd_epi32(dot, w[j], _mm512_set1_epi32(x[j]));
       } else {  // unsigned activations (+128) x signed weight codes
@@ -123,15 +153,33 @@ inline void tile_rows(const uint8_t* tile, int64_t blocks, const int8_t* codes, 
       if constexpr (kQ4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[r * (k / kBlock) + b]), acc[r]);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) store16<T>(out + r * out_stride, acc[r]);
+  for (int r = 0; r < rows; ++r) store16<T>(out + r * out_stride, acc[r]);
 }
 #endif
 
+// f(std::integral_constant<int, rows>) for rows in 1 .. kRows
+template <typename F>
+void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
 at::Tensor block_matmul(const at::Tensor& x,       // [M, K] float32 or bfloat16
                         const at::Tensor& weight,  // uint8 [N / 16, K / 32, 320 or 608] (see above)
-                        int64_t format) {          // 4: q4, 8: q8
+                        int64_t format,            // 4: q4, 8: q8
+                        int64_t activation_bits) { // 8, or 16 (q4 only)
   TORCH_CHECK(vnni_available(), "block_matmul: this build has no AVX-512 VNNI");
   TORCH_CHECK(format == 4 || format == 8, "block_matmul: format is 4 or 8");
+  TORCH_CHECK(activation_bits == 8 || (activation_bits == 16 && format == 4),
+              "block_matmul: activations of 8 bits, or 16 for q4 weights");
   TORCH_CHECK(x.dim() == 2 && weight.dim() == 3 && weight.scalar_type() == at::kByte && weight.is_contiguous(),
               "block_matmul: x [M, K], weight uint8 [N / 16, K / 32, bytes]");
   const int64_t m = x.size(0), k = x.size(1), tiles = weight.size(0), blocks = weight.size(1);
@@ -141,12 +189,15 @@ at::Tensor block_matmul(const at::Tensor& x,       // [M, K] float32 or bfloat16
   auto out = at::empty({m, n}, x.options());
   if (m == 0) return out;
 #ifdef INFERD_VNNI
-  QuantizedRows q{std::vector<int8_t>(m * k), std::vector<float>(m * blocks), std::vector<float>(m * blocks)};
+  const bool wide = activation_bits == 16;
+  const Codes kind = wide ? Codes::kSplit : format == 8 ? Codes::kUnsigned : Codes::kSigned;
+  QuantizedRows q{std::vector<int8_t>(m * k * (wide ? 2 : 1)), std::vector<float>(m * blocks),
+                  std::vector<float>(m * blocks)};
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "inferd_block_matmul", [&] {
     const scalar_t* px = input.data_ptr<scalar_t>();
     at::parallel_for(0, m, 1, [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r)
-        quantize_row(px + r * k, k, format == 8, q.codes.data() + r * k, q.scale.data() + r * blocks,
+        quantize_row(px + r * k, k, kind, q.codes.data() + r * k * (wide ? 2 : 1), q.scale.data() + r * blocks,
                      q.sum.data() + r * blocks);
     });
     const uint8_t* w = weight.data_ptr<uint8_t>();
@@ -157,12 +208,18 @@ at::Tensor block_matmul(const at::Tensor& x,       // [M, K] float32 or bfloat16
         for (int64_t r0 = 0; r0 < m; r0 += kRows) {
           const int64_t rows = std::min(kRows, m - r0);
           scalar_t* o = po + r0 * n + t * kTile;
-          if (format == 4)
-            tile_rows<true, scalar_t>(w + t * blocks * unit, blocks, q.codes.data() + r0 * k, q.scale.data() + r0 * blocks,
-                            q.sum.data() + r0 * blocks, k, rows, o, n);
-          else
-            tile_rows<false, scalar_t>(w + t * blocks * unit, blocks, q.codes.data() + r0 * k, q.scale.data() + r0 * blocks,
-                             q.sum.data() + r0 * blocks, k, rows, o, n);
+          const uint8_t* tile = w + t * blocks * unit;
+          const float *scales = q.scale.data() + r0 * blocks, *sums = q.sum.data() + r0 * blocks;
+          // the row count a compile-time constant: the rows' chains unrolled side by side
+          with_rows(rows, [&](auto count) {
+            constexpr int kCount = decltype(count)::value;
+            if (wide)
+              tile_rows<true, true, scalar_t, kCount>(tile, blocks, q.codes.data() + r0 * k * 2, scales, sums, k, o, n);
+            else if (format == 4)
+              tile_rows<true, false, scalar_t, kCount>(tile, blocks, q.codes.data() + r0 * k, scales, sums, k, o, n);
+            else
+              tile_rows<false, false, scalar_t, kCount>(tile, blocks, q.codes.data() + r0 * k, scales, sums, k, o, n);
+          });
         }
     });
   });
@@ -173,7 +230,7 @@ at::Tensor block_matmul(const at::Tensor& x,       // [M, K] float32 or bfloat16
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(inferd_cpu, m) {
-  m.def("block_matmul(Tensor x, Tensor weight, int format) -> Tensor");
+  m.def("block_matmul(Tensor x, Tensor weight, int format, int activation_bits=8) -> Tensor");
   m.impl("block_matmul", c10::DispatchKey::CPU, TORCH_FN(block_matmul));
   m.def("block_matmul_available() -> bool", [] { return vnni_available(); });
 }
