@@ -25,7 +25,7 @@ pytestmark = pytest.mark.asyncio
 # words the tokenizer splits ("Mona": " Mon" + "a")
 COMPLETION = ("/v1/completions", {"prompt": "The Mona Lisa was painted by"}, 32)
 CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Who painted the Mona Lisa? Answer in two sentences."}]}, 32)
-CHAT_SENTENCES = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Describe the sun in three short sentences."}]}, 32)
+CHAT_SENTENCES = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell me about cats in three sentences."}]}, 32)
 COMPLETION_LINES = ("/v1/completions", {"prompt": "My favourite animals:\n1."}, 16)
 CHAT_LINES = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "List three fruits, one per line."}]}, 16)
 Case = tuple[str, dict[str, Any], int]

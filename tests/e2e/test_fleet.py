@@ -52,7 +52,7 @@ SERVE_ARGS = ("--host", "127.0.0.1", "--served-model-name", MODEL, "--dtype", "b
 # NOTE: r1, the one killed, runs 2 sequences at a time, so that it holds streams of both kinds
 # when it dies: running ones (with tokens: cut) and queued ones (no event yet: resent).
 MAX_NUM_SEQS = {"r1": 2, "r2": 8, "r3": 8}
-OUTPUT_TOKENS = 16
+OUTPUT_TOKENS = 32  # long enough that a replica holds 3 streams at once on a fast CPU
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Load:
 LOADS = [pytest.param(Load(200, 5, 60, 100), marks=pytest.mark.soak, id="200-requests"),
          pytest.param(Load(60, 6, 18, 30), id="60-requests")]
 INTER, FALL = 1.0, 2  # deploy/haproxy.cfg's check timing
-PINNED_TOKENS = 64  # a long stream, pinned to r2, that it finishes while draining (seconds)
+PINNED_TOKENS = 192  # a long stream, pinned to r2, that it finishes while draining (seconds, on a fast CPU too)
 PIN_HEADER = "X-Fleet-Test-Pin"  # the test's copy of the config sends a request naming a replica there
 HTTPLOG = re.compile(  # option httplog: ... backend/server Tq/Tw/Tc/Tr/Ta status bytes - - TERM ac/fc/bc/sc/retries
     r'^\S+ \[[^\]]+\] \S+ (?P<backend>[^/\s]+)/(?P<server>\S+) \S+ (?P<status>-?\d+) \d+ \S+ \S+ '
