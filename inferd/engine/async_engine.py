@@ -5,7 +5,8 @@
     submit(EngineRequest) --> inbox ---------> drain inbox: add_request / abort
     stream.abort()        --> inbox (Abort)    step(): schedule, forward, sample, detokenize
     RequestStream        <-- call_soon_threadsafe <-- StepOutputs, one callback per step
-    snapshot             <-- published every STATS_INTERVAL_SECONDS (an immutable EngineSnapshot)
+    snapshot             <-- published every STATS_INTERVAL_SECONDS and before a finish is delivered
+                             (an immutable EngineSnapshot)
 
 The forward runs on the engine thread, so HTTP stays responsive while a step runs. Requests and
 aborts cross over through a deque (appends are atomic) and a wake-up event. An abort takes
@@ -304,7 +305,9 @@ class AsyncEngine:
         if engine.last_step_tokens:
             self._step_seconds.observe(end - start)
             self._batch_tokens.observe(engine.last_step_tokens)
-        if end - self.snapshot_time >= STATS_INTERVAL_SECONDS:  # O(requests): not every step
+        # O(requests): not every step; but before a finish is delivered, so that a client holding
+        # its answer finds it counted in /v1/status and /metrics
+        if end - self.snapshot_time >= STATS_INTERVAL_SECONDS or any(o.finished for o in step.outputs):
             self.snapshot = self._publish(end - start)
         if step.outputs or step.started or step.prefill_tokens:
             self._loop.call_soon_threadsafe(self._deliver, step)  # type: ignore[union-attr]
