@@ -1,16 +1,16 @@
 """The block products (inferd/kernels/csrc/cpu_matmul.cpp) on 4-bit weights, their activations
 quantized to 8 bits per block against 16 (split into two bytes: two VNNI sums), in the same
 process: one call of each of the default model's layer shapes, at a few row counts; each the
-best of --repeats timings of 50 calls.
+median call over ~0.3 s (decode_attention.timed).
 
-    .venv/bin/python bench/block_products.py [--rows 1 8 32] [--repeats 7]
+    .venv/bin/python bench/block_products.py [--rows 1 8 32]
 """
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+from decode_attention import timed  # (bench/ is this script's folder)
 
 from inferd.kernels import cpu
 from inferd.model import quant
@@ -18,22 +18,9 @@ from inferd.model import quant
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # [N, K]
 
 
-def best_call_us(layer: quant.BlockLinear, x: torch.Tensor, repeats: int) -> float:
-    for _ in range(20):
-        layer(x)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(50):
-            layer(x)
-        times.append((time.perf_counter() - start) / 50 * 1e6)
-    return min(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     assert cpu.block_matmul_available(), "the block products need AVX-512 VNNI and the kernels built"
     torch.manual_seed(0)
@@ -44,7 +31,7 @@ def main() -> None:
         layers = {bits: quant.BlockLinear(weight.codes, weight.scale, weight.minimum, None, bits) for bits in (8, 16)}
         for rows in args.rows:
             x = torch.randn(rows, k, dtype=torch.bfloat16)
-            us = {bits: best_call_us(layer, x, args.repeats) for bits, layer in layers.items()}
+            us = {bits: timed(lambda: layer(x)) * 1e6 for bits, layer in layers.items()}
             print(f"| {name} [{n} x {k}] | {rows} | {us[8]:.1f} | {us[16]:.1f} | {us[16] / us[8]:.2f}x |")
 
 
