@@ -13,7 +13,7 @@ import torch
 from decode_attention import timed  # (bench/ is this script's folder)
 
 from inferd.kernels import cpu
-from inferd.model import quant
+from inferd.model.layers import quant
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # [N, K]
 

@@ -763,7 +763,7 @@ def parse_concurrency(text: str) -> list[int]:
 
 
 def default_model() -> Path:
-    from inferd.model.loader import default_model_path
+    from inferd.model.loading.loader import default_model_path
 
     return Path(default_model_path())
 

@@ -21,7 +21,7 @@ import torch
 
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly vexing brains".split()
 

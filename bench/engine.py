@@ -19,8 +19,8 @@ import torch
 
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
-from inferd.model.loader import default_model_path
-from inferd.model.sampling_params import SamplingParams
+from inferd.model.loading.loader import default_model_path
+from inferd.text.sampling_params import SamplingParams
 
 TEXT = (
     "The history of computing is a story of ideas that moved from laboratories into everyday life. "

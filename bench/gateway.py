@@ -27,7 +27,7 @@ from inferd.engine.kv.block_manager import BlockManager
 from inferd.settings.policy import SchedulingPolicy
 from inferd.engine.sched.request import Request
 from inferd.engine.sched.scheduler import Scheduler
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 
 def tenants_settings(n: int) -> tuple[Settings, list[str]]:

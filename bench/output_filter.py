@@ -38,11 +38,11 @@ from inferd.engine.output.blocklist import Blocklist, OutputFilter
 from inferd.engine.output.processor import OutputHook, OutputProcessor
 from inferd.engine.sched.request import Request
 from inferd.engine.output.segmenter import SentenceHook
-from inferd.model.loader import default_model_path
+from inferd.model.loading.loader import default_model_path
 from inferd.model.sampler import SamplerOutput
-from inferd.model.sampling_params import SamplingParams
-from inferd.model.tokenizer import Tokenizer
-from inferd.model.tokenizer_loader import load_tokenizer
+from inferd.text.sampling_params import SamplingParams
+from inferd.text.tokenizer import Tokenizer
+from inferd.text.tokenizer_loader import load_tokenizer
 
 TERMS = 10_000
 REGEXES = (r"\+?\d{3}[ -]\d{3}[ -]\d{4}", r"\d{4}[ -]?\d{4}[ -]?\d{4}[ -]?\d{4}", r"\bharbour\b")

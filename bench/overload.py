@@ -173,8 +173,8 @@ class Record:
 
 def prompt_texts() -> dict[str, list[str]]:
     """Per class, every window of TEXT of its prompt length, decoded: ~N tokens of real English."""
-    from inferd.model.loader import default_model_path
-    from inferd.model.tokenizer_loader import load_tokenizer
+    from inferd.model.loading.loader import default_model_path
+    from inferd.text.tokenizer_loader import load_tokenizer
 
     tokenizer = load_tokenizer(default_model_path())
     ids = tokenizer.encode(TEXT, add_special_tokens=False)

@@ -1,4 +1,4 @@
-"""Packed weights (`[model] weights`, inferd/model/quant.py) against dense bf16 ones, measured in
+"""Packed weights (`[model] weights`, inferd/model/layers/quant.py) against dense bf16 ones, measured in
 the same run (issue 16).
 
     .venv/bin/python bench/packed.py [--batches 1 4 16 32] [--max-tokens 64] [--rounds 2]

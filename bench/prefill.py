@@ -15,7 +15,7 @@ import time
 
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards".split()
 

@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--batch", type=int, default=1)

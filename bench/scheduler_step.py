@@ -19,7 +19,7 @@ import time
 from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.sched.request import Request
 from inferd.engine.sched.scheduler import Scheduler
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 

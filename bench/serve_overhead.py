@@ -46,11 +46,11 @@ import torch
 from inferd.engine.builder import in_passing_thread
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
-from inferd.model.config import ModelConfig
-from inferd.model.loader import default_model_path
-from inferd.model.sampling_params import SamplingParams
-from inferd.model.tokenizer import Tokenizer
-from inferd.model.tokenizer_loader import load_tokenizer
+from inferd.model.families.config import ModelConfig
+from inferd.model.loading.loader import default_model_path
+from inferd.text.sampling_params import SamplingParams
+from inferd.text.tokenizer import Tokenizer
+from inferd.text.tokenizer_loader import load_tokenizer
 
 MODEL_NAME = "synthetic-zero-cost"
 # ordinary one-token words of the SmolLM2 vocabulary: row r of every step samples WORDS[r % 8]

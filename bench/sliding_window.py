@@ -24,10 +24,10 @@ import torch
 from inferd.engine.config import EngineConfig
 from inferd.engine.kv.groups import KVLayout
 from inferd.engine.llm_engine import LLMEngine
-from inferd.model.config import ModelConfig
+from inferd.model.families.config import ModelConfig
 from inferd.model.decoder import DecoderModel
-from inferd.model.sampling_params import SamplingParams
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.sampling_params import SamplingParams
+from inferd.text.tokenizer import Tokenizer
 
 BLOCK_SIZE, WINDOW, LAYERS, VOCAB = 16, 1024, 12, 512
 

@@ -22,11 +22,11 @@ SNIPPETS = {
         "LLMEngine.from_config(EngineConfig(dtype='bfloat16'))\n"
     ),
     "GGUFReader (metadata only)": (
-        "import gguf\nfrom inferd.model.loader import default_model_path\n"
+        "import gguf\nfrom inferd.model.loading.loader import default_model_path\n"
         "gguf.GGUFReader(default_model_path())\n"
     ),
     "transformers": (
-        "import torch, transformers\nfrom inferd.model.loader import default_model_path\n"
+        "import torch, transformers\nfrom inferd.model.loading.loader import default_model_path\n"
         "p = default_model_path()\n"
         "transformers.AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.bfloat16)\n"
         "transformers.AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)\n"

@@ -52,7 +52,7 @@ from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.structured.masks import MaskFiller, fill_masks
 from inferd.settings.policy import SchedulingPolicy, ShedConfig
 from inferd.engine.protocol import EngineRequest
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 from compare import machine_busy_seconds  # (bench/ is this script's folder)
 

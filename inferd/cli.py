@@ -83,8 +83,8 @@ def generate(
     from inferd.settings.values import SettingsError
     from inferd.engine.config import EngineConfig
     from inferd.engine.llm_engine import LLMEngine
-    from inferd.model.errors import ModelLoadError
-    from inferd.model.sampling_params import SamplingParams
+    from inferd.text.errors import ModelLoadError
+    from inferd.text.sampling_params import SamplingParams
 
     try:
         settings = load_settings(_settings_file(config), {"model": {"path": model, "dtype": dtype}})
@@ -148,7 +148,7 @@ def serve(
     """Serve the OpenAI-compatible API (completions, chat completions, models) over HTTP."""
     from inferd.api.routing.registry import load_models, model_specs
     from inferd.api.server import run_server
-    from inferd.model.errors import ModelLoadError
+    from inferd.text.errors import ModelLoadError
     from inferd.settings.config import load_settings
 
     overrides = {

@@ -27,7 +27,7 @@ class EngineConfig:
     kv_cache_memory: float | None = _DEFAULTS.cache.kv_cache_memory  # bytes, a fraction (0, 1] of free memory, or None: auto
     cuda_graphs: bool = _DEFAULTS.model.cuda_graphs  # on CUDA, replay decode steps from captured graphs
     deterministic: bool = _DEFAULTS.model.deterministic  # batch-invariant results on the CPU (builder.py)
-    weights: str = _DEFAULTS.model.weights  # CPU: packed weights (inferd.model.quant)
+    weights: str = _DEFAULTS.model.weights  # CPU: packed weights (inferd.model.layers.quant)
     max_num_seqs: int = _DEFAULTS.scheduler.max_num_seqs
     max_num_batched_tokens: int = _DEFAULTS.scheduler.max_num_batched_tokens
     max_model_len: int | None = _DEFAULTS.model.max_model_len  # None: the model's context length

@@ -41,9 +41,9 @@ from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
 from inferd.engine.worker.executor import StepExecutor, StepFailed
 from inferd.engine.worker.faults import FaultInjector
 from inferd.model.decoder import DecoderModel
-from inferd.model.loader import default_model_path
-from inferd.model.sampling_params import SamplingParams
-from inferd.model.tokenizer import Tokenizer
+from inferd.model.loading.loader import default_model_path
+from inferd.text.sampling_params import SamplingParams
+from inferd.text.tokenizer import Tokenizer
 from inferd.settings.policy import Timeouts
 
 log = logging.getLogger(__name__)

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from inferd.settings.policy import PriorityClass, SchedulingPolicy, Timeouts
-from inferd.model.sampling_params import SamplingParams
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.sampling_params import SamplingParams
+from inferd.text.tokenizer import Tokenizer
 
 
 # ------------------------------------------------------------------- the snapshot's parts

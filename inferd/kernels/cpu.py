@@ -1,6 +1,6 @@
 """Our CPU kernels, batch-invariant by construction: paged decode attention
 (csrc/cpu_attention.cpp), products over block-quantized weights on AVX-512 VNNI
-(csrc/cpu_matmul.cpp; inferd.model.quant packs the weights for them) and a decoder layer's
+(csrc/cpu_matmul.cpp; inferd.model.layers.quant packs the weights for them) and a decoder layer's
 small bfloat16 ops fused (csrc/cpu_layer_ops.cpp: RMSNorm, residual add + RMSNorm, SiLU x up,
 RoPE + the KV cache write).
 
@@ -156,7 +156,7 @@ def rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 KV) x D] bfloat16
                   key_cache: torch.Tensor, value_cache: torch.Tensor,  # [blocks, block_size, KV, D] bfloat16
                   slot_mapping: torch.Tensor,  # [T] int64, negative: padding
                   num_heads: int, num_kv_heads: int) -> torch.Tensor:  # q: [T, H, D]
-    """q and k rotated (inferd.model.rope.rotate's arithmetic), k and v written to their slots
+    """q and k rotated (inferd.model.layers.rope.rotate's arithmetic), k and v written to their slots
     (inferd.kernels.reference.write_kv's), in one pass."""
     return torch.ops.inferd_cpu.rope_write_kv(qkv, cos, signed_sin, key_cache, value_cache, slot_mapping,
                                               num_heads, num_kv_heads)

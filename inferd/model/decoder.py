@@ -1,4 +1,4 @@
-"""The decoder every family runs (inferd.model.families): Llama's, with the switches the other
+"""The decoder every family runs (inferd.model.families.registry): Llama's, with the switches the other
 families set, over a paged KV cache.
 
 One forward runs a whole step: the flattened tokens of every sequence (prefill chunks first,
@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from inferd.kernels import cpu
-from inferd.model.attention import TorchAttention
-from inferd.model.config import ModelConfig
-from inferd.model.errors import ModelLoadError
-from inferd.model.quant import DenseLinear, Linear, fuse, make_linear
-from inferd.model.rope import rotate
+from inferd.model.layers.attention import TorchAttention
+from inferd.model.families.config import ModelConfig
+from inferd.text.errors import ModelLoadError
+from inferd.model.layers.quant import DenseLinear, Linear, fuse, make_linear
+from inferd.model.layers.rope import rotate
 
 
 @dataclass
@@ -32,7 +32,7 @@ class LayerAttention:
     tables (a KV group, inferd.engine.kv.groups) share one of these."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (negative: padding, skipped)
-    prefill: object | None  # the attention backend's plans (see inferd.model.attention), the
+    prefill: object | None  # the attention backend's plans (see inferd.model.layers.attention), the
     decode: object | None  # layer's window in them
 
 

@@ -1,4 +1,4 @@
-"""Perplexity of a model on a text: how packed weights (inferd.model.quant) compare with dense ones.
+"""Perplexity of a model on a text: how packed weights (inferd.model.layers.quant) compare with dense ones.
 
 Non-overlapping windows, each prefilled from position 0 into the first blocks of a paged cache
 (`kv_layers`, per layer (keys, values) as inferd.engine.worker.kv_cache.KVCache holds them); the
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from inferd.model.decoder import DecoderModel, LayerAttention, StepAttention
-from inferd.model.quant import DENSE_PREFILL_MIN_TOKENS
+from inferd.model.layers.quant import DENSE_PREFILL_MIN_TOKENS
 from inferd.model.tensors import device_tensor
 
 

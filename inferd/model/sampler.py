@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 from inferd.model.tensors import device_tensor, to_device
 
 

@@ -29,7 +29,7 @@ class ModelSettings(_Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(default=None, ge=16)
     cuda_graphs: bool = True  # CUDA only: replay decode steps from graphs captured at start-up
-    # CPU: the linear layers' weights packed (inferd/model/quant.py); auto: as the GGUF stores them
+    # CPU: the linear layers' weights packed (inferd/model/layers/quant.py); auto: as the GGUF stores them
     weights: Literal["auto", "bf16", "int8", "int4"] = "auto"
     # CPU: every request's tokens the same whatever runs beside it (batch-invariant kernels)
     deterministic: bool = True  # (bfloat16; float32 runs its plain path)

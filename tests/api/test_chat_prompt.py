@@ -10,9 +10,9 @@ import pytest
 
 from inferd.api.openai.chat import chat_prompt
 from inferd.api.openai.chat_wire import ChatMessage, Tool
-from inferd.model.loader import default_model_path
-from inferd.model.tokenizer import Tokenizer
-from inferd.model.tokenizer_loader import load_tokenizer
+from inferd.model.loading.loader import default_model_path
+from inferd.text.tokenizer import Tokenizer
+from inferd.text.tokenizer_loader import load_tokenizer
 
 # a template that takes tools, reads calls' arguments as a mapping, and knows the tool role
 NATIVE = ("{% if tools %}<tools>{% for t in tools %}{{ t.function.name }};{% endfor %}</tools>{% endif %}"

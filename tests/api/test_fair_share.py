@@ -25,7 +25,7 @@ from inferd.settings.config import Settings
 from inferd.engine.protocol import percentile
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 from inferd.settings.policy import SchedulingPolicy, ShedConfig
 
 SEATS = 16

@@ -17,7 +17,7 @@ from inferd.api.openai.chat_wire import ChatMessage
 from inferd.settings.config import Settings
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.asyncio
 

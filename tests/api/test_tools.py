@@ -133,9 +133,9 @@ class LLGuidanceTokenizer:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from inferd.model.errors import ModelLoadError
-    from inferd.model.loader import default_model_path
-    from inferd.model.tokenizer_loader import load_tokenizer
+    from inferd.text.errors import ModelLoadError
+    from inferd.model.loading.loader import default_model_path
+    from inferd.text.tokenizer_loader import load_tokenizer
 
     try:
         return load_tokenizer(default_model_path())

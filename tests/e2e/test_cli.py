@@ -7,7 +7,7 @@ import sys
 
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 
 def run_inferd(*args: str, cwd: str) -> subprocess.CompletedProcess[str]:

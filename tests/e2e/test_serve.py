@@ -21,9 +21,9 @@ import openai
 import pytest
 from serveproc import Server, start_server, stop_server
 
-from inferd.model.loader import default_model_path
-from inferd.model.tokenizer import Tokenizer
-from inferd.model.tokenizer_loader import load_tokenizer
+from inferd.model.loading.loader import default_model_path
+from inferd.text.tokenizer import Tokenizer
+from inferd.text.tokenizer_loader import load_tokenizer
 
 MODEL = "smollm2"
 STEP_BUDGET = 48

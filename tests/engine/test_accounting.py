@@ -11,7 +11,7 @@ from inferd.engine.kv.block_manager import BlockManager
 from inferd.settings.policy import PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
 from inferd.engine.sched.request import Request, RequestStatus
 from inferd.engine.sched.scheduler import Scheduler
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 1024
 HI = PriorityClass("interactive", 0, ttft_target=1.0, tpot_target=0.5)

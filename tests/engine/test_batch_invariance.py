@@ -19,9 +19,9 @@ import torch
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
 from inferd.kernels import reference
-from inferd.model.attention import CpuAttention
-from inferd.model.quant import Linear, SplitLinear
-from inferd.model.sampling_params import SamplingParams
+from inferd.model.layers.attention import CpuAttention
+from inferd.model.layers.quant import Linear, SplitLinear
+from inferd.text.sampling_params import SamplingParams
 
 BATCHES = range(1, 65)
 SOME_BATCHES = (1, 2, 3, 8, 17, 31, 64)  # one row, two, odd sizes, across vector widths, the most

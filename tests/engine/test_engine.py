@@ -11,7 +11,7 @@ from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
 from inferd.engine.protocol import EngineRequest
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")

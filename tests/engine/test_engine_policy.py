@@ -12,7 +12,7 @@ from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
 from inferd.settings.policy import SchedulingPolicy, Timeouts
 from inferd.engine.protocol import EngineRequest
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 PROMPTS = ["Dogs are", "The ocean is deep and", "In 1969, the first", "Python is a language that",

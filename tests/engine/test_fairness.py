@@ -18,7 +18,7 @@ from inferd.engine.protocol import EngineRequest, Histogram, TenantSnapshot
 from inferd.engine.sched.fairness import FairShare
 from inferd.engine.sched.request import Request, RequestStatus
 from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 from inferd.settings.policy import PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
 
 MAX_MODEL_LEN = 1024

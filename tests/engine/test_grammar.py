@@ -24,7 +24,7 @@ from inferd.engine.structured.grammar import (
 from inferd.engine.llm_engine import LLMEngine
 from inferd.settings.policy import SchedulingPolicy
 from inferd.engine.protocol import EngineRequest
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 PERSON = {
     "type": "object",

@@ -14,9 +14,9 @@ from inferd.engine.structured.masks import fill_masks
 
 @pytest.fixture(scope="module")
 def compiler() -> GrammarCompiler:
-    from inferd.model.errors import ModelLoadError
-    from inferd.model.loader import default_model_path
-    from inferd.model.tokenizer_loader import load_tokenizer
+    from inferd.text.errors import ModelLoadError
+    from inferd.model.loading.loader import default_model_path
+    from inferd.text.tokenizer_loader import load_tokenizer
 
     try:
         return GrammarCompiler(load_tokenizer(default_model_path()))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from inferd.engine.worker.kv_cache import KVCache, available_memory, bytes_per_block, host_blocks_for, num_blocks_for
-from inferd.model.config import ModelConfig
+from inferd.model.families.config import ModelConfig
 
 CFG = ModelConfig(
     architecture="llama", vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2,

@@ -7,11 +7,11 @@ import pytest
 
 from inferd.engine.output.processor import OutputProcessor
 from inferd.engine.sched.request import Request
-from inferd.model.loader import default_model_path
+from inferd.model.loading.loader import default_model_path
 from inferd.model.sampler import SamplerOutput
-from inferd.model.sampling_params import SamplingParams
-from inferd.model.tokenizer import Tokenizer
-from inferd.model.tokenizer_loader import load_tokenizer
+from inferd.text.sampling_params import SamplingParams
+from inferd.text.tokenizer import Tokenizer
+from inferd.text.tokenizer_loader import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import pytest
 from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.sched.request import Request, RequestStatus
 from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 from inferd.settings.policy import SchedulingPolicy
 
 MAX_MODEL_LEN = 1024

@@ -14,7 +14,7 @@ from inferd.settings.policy import PriorityClass, SchedulingPolicy, ShedConfig, 
 from inferd.engine.sched.request import Request, RequestStatus
 from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
 
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 MAX_MODEL_LEN = 1024
 

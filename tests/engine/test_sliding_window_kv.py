@@ -14,7 +14,7 @@ from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.kv.groups import KVLayout, first_needed_block, usable_hit
 from inferd.engine.sched.request import RequestStatus
 from inferd.engine.sched.scheduler import Scheduler
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 from inferd.engine.sched.request import Request
 from inferd.settings.policy import SchedulingPolicy, ShedConfig
 

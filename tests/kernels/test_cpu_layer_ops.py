@@ -74,7 +74,7 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(op: str) -> None:
 def test_rope_write_kv_is_rotate_then_write_kv(tokens: int, heads: int, kv_heads: int, dim: int) -> None:
     """Bit for bit the torch code it replaces; a padding row (slot -1) writes nothing."""
     from inferd.kernels.reference import write_kv
-    from inferd.model.rope import Rope, rotate
+    from inferd.model.layers.rope import Rope, rotate
 
     torch.manual_seed(4)
     qkv = (torch.randn(tokens, (heads + 2 * kv_heads) * dim) * 3).to(torch.bfloat16)

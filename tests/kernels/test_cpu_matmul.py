@@ -10,9 +10,9 @@ import torch
 from gguf.quants import dequantize
 
 from inferd.kernels import cpu, reference
-from inferd.model import quant
-from inferd.model.gguf_file import GGUFFile
-from inferd.model.loader import default_model_path
+from inferd.model.layers import quant
+from inferd.text.gguf_file import GGUFFile
+from inferd.model.loading.loader import default_model_path
 
 pytestmark = pytest.mark.skipif(not cpu.block_matmul_available(),
                                 reason="the block products need a CPU with AVX-512 VNNI (and the kernels built)")

@@ -85,7 +85,7 @@ def reference(model, prompts: list[list[int]]) -> tuple[list[list[int]], list[to
 
 
 def greedy(engine, prompts: list[list[int]], logprobs: int | None = None):
-    from inferd.model.sampling_params import SamplingParams
+    from inferd.text.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=logprobs)
     return engine.generate(prompts, params)
@@ -137,7 +137,7 @@ class ForcedTokens:
 
 def test_a_constraint_binds_rows_replayed_from_cuda_graphs(tiny) -> None:
     from inferd.engine.protocol import EngineRequest
-    from inferd.model.sampling_params import SamplingParams
+    from inferd.text.sampling_params import SamplingParams
 
     folder, _, tm = tiny
     engine = engine_on_cuda(folder, "float32")
@@ -179,7 +179,7 @@ def test_default_model_float32_matches_transformers_on_cuda() -> None:
     pytest.importorskip("gguf", reason="loading the default GGUF needs the gguf package")
     from inferd.engine.config import EngineConfig
     from inferd.engine.llm_engine import LLMEngine
-    from inferd.model.loader import default_model_path
+    from inferd.model.loading.loader import default_model_path
 
     try:
         path = default_model_path()

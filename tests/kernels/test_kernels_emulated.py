@@ -155,8 +155,8 @@ def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path, fam
 
     from inferd.engine.config import EngineConfig
     from inferd.engine.llm_engine import LLMEngine
-    from inferd.model.attention import CudaAttention
-    from inferd.model.sampling_params import SamplingParams
+    from inferd.model.layers.attention import CudaAttention
+    from inferd.text.sampling_params import SamplingParams
 
     vocab_size = tm.train_sentencepiece(tmp_path)
     # head size 64, 3 query heads per KV head: the decode specialization CASES[0] compiles

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from inferd.model.tokenizer import Tokenizer
-from inferd.model.tokenizer_loader import load_tokenizer
+from inferd.text.tokenizer import Tokenizer
+from inferd.text.tokenizer_loader import load_tokenizer
 from tiny_models import train_sentencepiece
 
 MULTILINGUAL = (

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from inferd.model.chat_template import (
+from inferd.text.chat_template import (
     DEFAULT_CHAT_TEMPLATE,
     ChatTemplateError,
     compile_chat_template,
     render_chat_template,
 )
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 transformers = pytest.importorskip("transformers")
 from transformers.utils.chat_template_utils import render_jinja_template  # noqa: E402

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from inferd.model.detokenizer import IncrementalDetokenizer
-from inferd.model.sampling_params import SamplingParams
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.detokenizer import IncrementalDetokenizer
+from inferd.text.sampling_params import SamplingParams
+from inferd.text.tokenizer import Tokenizer
 
 STREAM_TEXT = (
     "Hello, wörld! 你好，世界。日本語 👨‍👩‍👧‍👦 🏳️‍🌈 🇩🇪🇯🇵 👍🏽 e\u0301 a\u0308\u0301 "

@@ -29,7 +29,7 @@ import tiny_models as tm  # noqa: E402 - after the skips
 
 from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
-from inferd.model.sampling_params import SamplingParams  # noqa: E402
+from inferd.text.sampling_params import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -131,7 +131,7 @@ def spm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_family_gguf_matches_transformers(arch: str, spm: dict[str, Any], tmp_path: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from inferd.model.tokenizer_loader import load_tokenizer
+    from inferd.text.tokenizer_loader import load_tokenizer
 
     torch.manual_seed(0)
     gemma = arch.startswith("gemma")

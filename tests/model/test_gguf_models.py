@@ -35,8 +35,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
 
 from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
-from inferd.model.loader import load_checkpoint  # noqa: E402
-from inferd.model.sampling_params import SamplingParams  # noqa: E402
+from inferd.model.loading.loader import load_checkpoint  # noqa: E402
+from inferd.text.sampling_params import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
@@ -75,7 +75,7 @@ def spm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def spm_prompts(spm: dict[str, Any]) -> list[list[int]]:
-    from inferd.model.tokenizer_loader import load_tokenizer
+    from inferd.text.tokenizer_loader import load_tokenizer
 
     return [load_tokenizer(spm["folder"]).encode(p) for p in tm.PROMPTS]
 
@@ -117,7 +117,7 @@ def test_gguf_spm_tokenizer_matches_transformers(spm: dict[str, Any], tmp_path: 
     tokenizer.model it came from does in transformers."""
     from transformers import AutoTokenizer
 
-    from inferd.model.tokenizer_loader import load_tokenizer
+    from inferd.text.tokenizer_loader import load_tokenizer
 
     path = tmp_path / "tok.gguf"
     tm.write_llama_gguf(path, tm.tiny_llama(len(spm["tokens"])), spm)
@@ -142,7 +142,7 @@ def test_tied_embeddings_gpt2_tokenizer(tmp_path: Path) -> None:
     checkpoint = load_checkpoint(path, torch.float32)
     assert checkpoint.config.tie_word_embeddings and "lm_head" not in checkpoint.tensors
 
-    from inferd.model.tokenizer_loader import load_tokenizer
+    from inferd.text.tokenizer_loader import load_tokenizer
 
     ours, hf = load_tokenizer(path), AutoTokenizer.from_pretrained(tmp_path / "bpe")
     for text in [tm.MULTILINGUAL.replace("e\u0301", "é"), *tm.PROMPTS]:  # GGUF BPE has no NFC step

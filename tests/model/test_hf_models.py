@@ -26,7 +26,7 @@ import tiny_models as tm  # noqa: E402 - after the skips
 
 from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
-from inferd.model.sampling_params import SamplingParams  # noqa: E402
+from inferd.text.sampling_params import SamplingParams  # noqa: E402
 
 NEW_TOKENS = 20
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)

@@ -28,9 +28,9 @@ import tiny_models as tm  # noqa: E402 - after the skips
 
 from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
-from inferd.model.errors import ModelLoadError  # noqa: E402
-from inferd.model.gguf_file import GGUFFile  # noqa: E402
-from inferd.model.loader import default_model_path  # noqa: E402
+from inferd.text.errors import ModelLoadError  # noqa: E402
+from inferd.text.gguf_file import GGUFFile  # noqa: E402
+from inferd.model.loading.loader import default_model_path  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -1,4 +1,4 @@
-"""Packed weights (inferd/model/quant.py) on the default model, the Q4_1 GGUF: exact codes, a
+"""Packed weights (inferd/model/layers/quant.py) on the default model, the Q4_1 GGUF: exact codes, a
 float32 golden reference over the same packed weights, and perplexity on a public-domain book.
 
 The book is Jane Austen's *Pride and Prejudice* (1813, public domain), read from the
@@ -20,12 +20,12 @@ from inferd.engine.config import EngineConfig
 from inferd.engine.worker.kv_cache import KVCache
 from inferd.engine.llm_engine import LLMEngine
 from inferd.kernels import cpu, reference
-from inferd.model import quant
+from inferd.model.layers import quant
 from inferd.model.evaluate import perplexity
-from inferd.model.gguf_file import GGUFFile
+from inferd.text.gguf_file import GGUFFile
 from inferd.model.decoder import DecoderModel
-from inferd.model.loader import default_model_path
-from inferd.model.sampling_params import SamplingParams
+from inferd.model.loading.loader import default_model_path
+from inferd.text.sampling_params import SamplingParams
 
 BOOK = "data/texts/Austen, Jane - Pride and Prejudice.txt"
 PERPLEXITY_TOKENS = 20_480  # the soak tier's; the default tier's twin reads 512 (+0.13% measured)

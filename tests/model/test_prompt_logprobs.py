@@ -17,7 +17,7 @@ import tiny_models as tm  # noqa: E402 - after the skips
 
 from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
-from inferd.model.sampling_params import SamplingParams  # noqa: E402
+from inferd.text.sampling_params import SamplingParams  # noqa: E402
 
 TOP = 3
 

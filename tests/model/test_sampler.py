@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inferd.model.sampler import Sampler, apply_token_mask
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0)
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from inferd.model.errors import ModelLoadError
-from inferd.model.tokenizer import Tokenizer
-from inferd.model.tokenizer_loader import load_tokenizer
+from inferd.text.errors import ModelLoadError
+from inferd.text.tokenizer import Tokenizer
+from inferd.text.tokenizer_loader import load_tokenizer
 from tiny_models import CHATML_SPECIALS, QWEN2_SPLIT, sentencepiece_vocab
 
 transformers = pytest.importorskip("transformers")
@@ -235,7 +235,7 @@ def test_missing_tokenizer_files(tmp_path: Path) -> None:
 
 
 def test_unknown_pre_tokenizer_falls_back_to_gpt2(smollm_tokenizer, default_model_path, caplog) -> None:
-    from inferd.model.gguf_file import GGUFFile
+    from inferd.text.gguf_file import GGUFFile
 
     md = dict(GGUFFile(default_model_path).metadata, **{"tokenizer.ggml.pre": "no-such-pre"})
     with caplog.at_level("WARNING"):

@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from inferd.engine.protocol import LogitsConstraint
-from inferd.model.sampling_params import SamplingParams
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.sampling_params import SamplingParams
+from inferd.text.tokenizer import Tokenizer
 from inferd.settings.policy import PriorityClass, Timeouts
 
 # where a request's grammar came from (/metrics counts them; "invalid": it was refused)

@@ -34,7 +34,7 @@ from inferd.engine.async_engine import AsyncEngine, RequestStream
 from inferd.engine.protocol import EngineLimits, EngineRequest, LogitsConstraint
 from inferd.engine.structured.budget import ReasoningBudget
 from inferd.engine.structured.grammar import GrammarCompiler, GrammarError
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 from inferd.settings.config import LimitSettings
 from inferd.settings.policy import PriorityClass
 

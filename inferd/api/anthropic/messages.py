@@ -45,7 +45,7 @@ from inferd.api.streaming.generation import ChoiceResult
 from inferd.api.streaming.sse import Named, Payload
 from inferd.api.wire import dump
 from inferd.engine.protocol import EngineOutput
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 
 def template_messages(body: Prompted) -> list[dict[str, Any]]:

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 Channel = Literal["reasoning", "content"]
 

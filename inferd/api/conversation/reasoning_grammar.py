@@ -21,7 +21,7 @@ import re
 
 from inferd.api.admission.ask import Grammar, Thinking
 from inferd.api.conversation.reasoning import PromptReasoning
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 # the Responses API's reasoning.effort as thinking budgets (tokens of reasoning; None: unbounded)
 EFFORT_BUDGETS: dict[str, int | None] = {"minimal": 128, "low": 512, "medium": 2048, "high": 8192, "xhigh": None}

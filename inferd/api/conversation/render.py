@@ -8,8 +8,8 @@ from typing import Any
 
 from inferd.api.conversation.tools import history_message, tools_system_prompt
 from inferd.api.errors import bad_request
-from inferd.model.chat_template import ChatTemplateError
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.chat_template import ChatTemplateError
+from inferd.text.tokenizer import Tokenizer
 
 
 def takes_tools(tokenizer: Tokenizer) -> bool:

@@ -26,7 +26,7 @@ from inferd.api.conversation.tools import (
     ToolCallParser,
     parse_call,
 )
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 HERMES, LLAMA3_JSON = "hermes", "llama3_json"
 LLAMA3_MARKER = '{"name": function name, "parameters": '  # the instruction Llama 3.1-3.3 templates carry

@@ -30,7 +30,7 @@ from inferd.api.conversation.render import takes_tools
 from inferd.api.conversation.tool_formats import HERMES, LLAMA3_JSON, tool_format
 from inferd.api.conversation.tools import MAX_PARALLEL_CALLS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
 from inferd.engine.structured.grammar import JSON_LAYOUT
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 
 def tools_grammar(tokenizer: Tokenizer, tools: list[dict], *, forced: bool, name: str | None, parallel: bool,

@@ -20,7 +20,7 @@ from inferd.api.pipeline.shape import Events, Reply
 from inferd.api.streaming.generation import ChoiceResult, Render
 from inferd.api.streaming.sse import dumps
 from inferd.engine.protocol import EngineOutput
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 
 class CompletionShape:

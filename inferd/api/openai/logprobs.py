@@ -6,7 +6,7 @@ import weakref
 from typing import Any
 
 from inferd.engine.protocol import TokenLogprob
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 MIN_LOGPROB = -9999.0  # JSON has no -Infinity; a masked alternative reports this instead
 

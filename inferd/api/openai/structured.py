@@ -31,7 +31,7 @@ from inferd.engine.structured.grammar import (
     lark_grammar,
     regex_grammar,
 )
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 
 def grammar_text(body: SamplingFields, tokenizer: Tokenizer) -> Grammar | None:

@@ -26,7 +26,7 @@ from inferd.api.pipeline.prompts import make_prompts
 from inferd.api.routing.registry import REGISTRY
 from inferd.api.wire import RequestModel, ResponseModel, dump
 from inferd.engine.async_engine import AsyncEngine
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 
 class TokenizeCompletionRequest(RequestModel):

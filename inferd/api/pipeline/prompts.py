@@ -11,7 +11,7 @@ from aiohttp import web
 
 from inferd.api.errors import bad_request
 from inferd.api.offload import OFFLOAD
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 
 class PromptTokenizer:

@@ -12,7 +12,7 @@ from aiohttp import web
 from inferd.api.streaming.generation import ChoiceResult, Render
 from inferd.api.streaming.resume import EventLog
 from inferd.api.streaming.sse import Dialect, Payload
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)

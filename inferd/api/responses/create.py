@@ -52,7 +52,7 @@ from inferd.api.streaming.resume import EventLog, caller_of
 from inferd.api.streaming.sse import Dialect
 from inferd.api.wire import dump
 from inferd.engine.structured.grammar import GrammarError, json_object_grammar, json_schema_grammar
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 
 def input_messages(body: ResponsesRequest) -> list[dict[str, Any]]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from inferd.api.state import ServerState
 from inferd.engine.async_engine import AsyncEngine
 from inferd.engine.protocol import EngineRequest
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from inferd.api.routing.registry import ModelRegistry, ModelSlot
 from inferd.api.routing.served import ModelSpec, Served
 from inferd.api.state import ServerState
 from inferd.engine.protocol import EngineRequest
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 

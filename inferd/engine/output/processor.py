@@ -16,9 +16,9 @@ from inferd.engine.output.blocklist import OutputFilter
 from inferd.engine.protocol import EngineOutput, TokenLogprob
 from inferd.engine.sched.request import Request
 from inferd.engine.output.segmenter import segment_hook
-from inferd.model.detokenizer import IncrementalDetokenizer
+from inferd.text.detokenizer import IncrementalDetokenizer
 from inferd.model.sampler import SamplerOutput
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 
 class OutputHook(Protocol):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 from inferd.engine.protocol import LogitsConstraint, TokenLogprob
-from inferd.model.sampling_params import SamplingParams
+from inferd.text.sampling_params import SamplingParams
 from inferd.settings.policy import PriorityClass, Timeouts
 
 

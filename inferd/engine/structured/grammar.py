@@ -22,7 +22,7 @@ import numpy as np
 
 from inferd.engine.protocol import ConstraintError
 from inferd.engine.structured.repeats import RepeatedSpanStop
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.tokenizer import Tokenizer
 
 # Compact, single-line JSON with the usual separators: no run of whitespace for a sampling model
 # to wander into, and the shape models saw most in training.

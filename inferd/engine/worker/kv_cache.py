@@ -13,7 +13,7 @@ import os
 import torch
 
 from inferd.engine.kv.groups import KVLayout
-from inferd.model.config import ModelConfig
+from inferd.model.families.config import ModelConfig
 from inferd.model.tensors import device_tensor, to_device
 
 

@@ -13,7 +13,7 @@ from inferd.engine.structured.masks import MaskFiller
 from inferd.engine.sched.request import Request
 from inferd.engine.sched.plan import ScheduledChunk, SchedulerOutput
 from inferd.model.decoder import DecoderModel, LayerAttention, StepAttention
-from inferd.model.quant import DENSE_PREFILL_MIN_TOKENS
+from inferd.model.layers.quant import DENSE_PREFILL_MIN_TOKENS
 from inferd.model.sampler import Sampler, SamplerOutput
 from inferd.model.tensors import device_tensor
 

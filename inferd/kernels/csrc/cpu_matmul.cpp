@@ -17,7 +17,7 @@
 // batch (the test: tests/kernels/test_cpu_matmul.py). Weights are streamed once per 8 rows,
 // 16 outputs at a time; threads share the outputs.
 //
-// Weight layout (inferd/model/quant.py packs it): per tile of 16 outputs and block of 32 inputs,
+// Weight layout (inferd/model/layers/quant.py packs it): per tile of 16 outputs and block of 32 inputs,
 //   q4: 4 x 64 bytes of codes (vector j, lane n, byte i: code[n][4j + i] | code[n][16 + 4j + i] << 4),
 //       16 fp16 scales d, 16 fp16 minimums m                                    (320 bytes)
 //   q8: 8 x 64 bytes of codes (vector j, lane n, byte i: code[n][4j + i]), 16 fp16 scales d,

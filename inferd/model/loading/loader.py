@@ -30,11 +30,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from inferd.model import quant
-from inferd.model.config import ModelConfig
-from inferd.model.families import (GGUF_TOP_NAMES, TOP_NAMES, Family, config_from_gguf, config_from_hf,
+from inferd.model.layers import quant
+from inferd.model.families.config import ModelConfig
+from inferd.model.families.registry import (GGUF_TOP_NAMES, TOP_NAMES, Family, config_from_gguf, config_from_hf,
                                      family_of, gguf_family)
-from inferd.model.errors import ModelLoadError
+from inferd.text.errors import ModelLoadError
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -69,7 +69,7 @@ def default_model_path() -> Path:
 
 
 def load_checkpoint(path: str | Path, dtype: torch.dtype, weights: str = "bf16") -> Checkpoint:
-    """`weights` (inferd.model.quant): "bf16" every tensor dense in `dtype`; otherwise the linear
+    """`weights` (inferd.model.layers.quant): "bf16" every tensor dense in `dtype`; otherwise the linear
     layers' weights (and the head) packed as that mode says."""
     path = Path(path)
     if not path.exists():
@@ -95,7 +95,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
     # (a bare GPU box running bench/gpu_check.sh)
     from gguf.quants import dequantize
 
-    from inferd.model.gguf_file import GGUFFile
+    from inferd.text.gguf_file import GGUFFile
 
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf.metadata, str(path))

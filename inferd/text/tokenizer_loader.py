@@ -10,7 +10,7 @@ Sources `load_tokenizer` understands:
     (folders: BOS / EOS / chat template from tokenizer_config.json, special_tokens_map.json,
      generation_config.json, config.json and chat_template.jinja)
 
-Everything here runs once, at load time; the run-time classes live in `inferd.model.tokenizer`.
+Everything here runs once, at load time; the run-time classes live in `inferd.text.tokenizer`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from inferd.model.errors import ModelLoadError
-from inferd.model.tokenizer import (
+from inferd.text.errors import ModelLoadError
+from inferd.text.tokenizer import (
     HFBackend,
     SentencePieceBackend,
     Tokenizer,
@@ -90,7 +90,7 @@ def load_tokenizer(path: str | Path, gguf_metadata: dict | None = None) -> Token
     path = Path(path)
     if gguf_metadata is not None or path.is_file():
         if gguf_metadata is None:
-            from inferd.model.gguf_file import GGUFFile
+            from inferd.text.gguf_file import GGUFFile
 
             gguf = GGUFFile(path)
             gguf_metadata = gguf.metadata

@@ -35,7 +35,7 @@ _AUTO = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # GGUF type -> what "a
 
 
 def is_linear(name: str) -> bool:
-    """A canonical tensor name (inferd.model.loader) that a product reads: packable."""
+    """A canonical tensor name (inferd.model.loading.loader) that a product reads: packable."""
     return name == "lm_head" or name.rsplit(".", 1)[-1] in _LINEAR
 
 

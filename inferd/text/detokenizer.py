@@ -24,8 +24,8 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from inferd.model.sampling_params import SamplingParams
-from inferd.model.tokenizer import Tokenizer
+from inferd.text.sampling_params import SamplingParams
+from inferd.text.tokenizer import Tokenizer
 
 # prompt tokens decoded as context before the first generated one (vLLM uses the same 5)
 _PROMPT_CONTEXT = 5

@@ -1,15 +1,15 @@
 """Hyper-parameters of a decoder model (a Hugging Face config.json or GGUF metadata is read into
-them by the model's family, inferd.model.families)."""
+them by the model's family, inferd.model.families.registry)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from inferd.model.errors import ModelLoadError
-from inferd.model.rope import Rope
+from inferd.text.errors import ModelLoadError
+from inferd.model.layers.rope import Rope
 
-# the families (inferd.model.families): what a GGUF's general.architecture or a config.json's
+# the families (inferd.model.families.registry): what a GGUF's general.architecture or a config.json's
 # model_type may say
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 

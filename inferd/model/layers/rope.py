@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from inferd.model.errors import ModelLoadError
+from inferd.text.errors import ModelLoadError
 
 VARIANTS = ("default", "linear", "llama3", "yarn", "longrope", "factors")
 # keys of a variant that change nothing in the maths (or are read elsewhere)

@@ -6,7 +6,7 @@
       HFBackend            a `tokenizers.Tokenizer` (byte-level BPE, or any tokenizer.json)
       SentencePieceBackend a SentencePiece model, with added / control tokens matched first
 
-Building one from a GGUF file or a Hugging Face folder is `inferd.model.tokenizer_loader`'s job.
+Building one from a GGUF file or a Hugging Face folder is `inferd.text.tokenizer_loader`'s job.
 Backends only turn text into ids and back; BOS / EOS insertion and the hiding of special tokens
 happen in `Tokenizer`, once, so every backend behaves the same way for the engine.
 """
@@ -19,7 +19,7 @@ import functools
 from functools import lru_cache
 from typing import Any, Protocol
 
-from inferd.model.chat_template import render_chat_template
+from inferd.text.chat_template import render_chat_template
 
 LONG_TEXT = 16_384  # characters: past this, HFBackend encodes in its GIL-releasing batch call
 

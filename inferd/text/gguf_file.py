@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 
-from inferd.model.errors import ModelLoadError
+from inferd.text.errors import ModelLoadError
 
 _SCALARS: dict[int, struct.Struct] = {
     GGUFValueType.UINT8: struct.Struct("<B"),
