@@ -83,7 +83,8 @@ async def test_behind_a_heavy_tenants_backlog_a_light_one_is_admitted_next(llm: 
     """One seat: a's request runs, four more of a's wait; then b asks. Under VTC b (served
     nothing) takes the next free seat, before a's backlog; under first come, after it."""
     async with serve(engine(llm, fairness, seats=1), settings()) as server:
-        running = asyncio.ensure_future(first_token_at(server, "a", {**BODY, "max_tokens": 24}))
+        # it holds the seat until a's backlog has queued behind it, however fast the CPU decodes
+        running = asyncio.ensure_future(first_token_at(server, "a", {**BODY, "max_tokens": 200}))
         status = {"headers": {"Authorization": f"Bearer {KEYS['a']}"}}
         while (await server.get("/v1/status", **status))[1]["running"] < 1:
             await asyncio.sleep(0.01)

@@ -171,7 +171,10 @@ async def test_no_key_or_digest_ever_leaves_the_server(llm: LLMEngine, caplog: p
 async def test_a_tenant_sees_only_its_own_requests_and_row(llm: LLMEngine) -> None:
     tenants = {"acme": {"key_sha256": [sha(ACME)], "weight": 2}, "beta": {"key_sha256": [sha(BETA)]}}
     async with serve(llm, tenant_settings(tenants)) as server:
-        body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 40, "ignore_eos": True, "stream": True}
+        # the streams are held open until the views are read, however fast the CPU decodes: the
+        # test ends them itself (a disconnect returns their blocks)
+        body = {"model": "smollm2", "prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True,
+                "stream": True}
         streams = [await server.session.post("/v1/completions", json=body, headers=bearer(key))
                    for key in (ACME, BETA)]
         try:

@@ -101,7 +101,9 @@ async def test_an_interactive_request_takes_a_seat_from_the_batch_backlog(llm: L
     engine = LLMEngine(llm.model, llm.tokenizer, EngineConfig(kv_cache_memory=16 * 2**20,
                                                               max_num_seqs=2, policy=policy))
     async with serve(engine) as server:
-        long = {**LONG, "max_tokens": 24, "priority": "batch"}
+        # long enough that the two running streams are still running when the status loop looks
+        # (a 24-token answer could end between two looks on a fast CPU, and the loop never end)
+        long = {**LONG, "max_tokens": 96, "priority": "batch"}
         batch = [asyncio.ensure_future(first_token_at(server, {**long, "prompt": f"Story {i}:"})) for i in range(4)]
         while (body := (await server.get("/v1/status"))[1])["running"] < 2 or body["waiting"] < 2:
             await asyncio.sleep(0.01)

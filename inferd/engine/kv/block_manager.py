@@ -61,9 +61,9 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 
 from inferd.engine.kv.block_pool import BlockPool
-from inferd.engine.kv.groups import first_needed_block, usable_hit
+from inferd.engine.kv.groups import first_needed_block
 from inferd.engine.kv.host import HostBlocks
-from inferd.engine.kv.prefix_cache import BlockError, PrefixCache
+from inferd.engine.kv.prefix_cache import BlockError, PrefixCache, check_tables, match_groups
 
 
 class BlockManager:
@@ -166,7 +166,9 @@ class BlockManager:
         logits); 0 without token ids (a sequence that reuses nothing). Changes nothing."""
         if not self.enable_prefix_caching or token_ids is None:
             return 0
-        return len(self._match(token_ids, len(token_ids) - 1, root)[1]) * self.block_size
+        _, keys = match_groups(self.prefix_cache, token_ids, len(token_ids) - 1, self.block_size, root,
+                               self.windows, self._tags)
+        return len(keys) * self.block_size
 
     # ---- check ----
 
@@ -344,19 +346,11 @@ class BlockManager:
     def check_invariants(self) -> None:
         """Raise BlockError if a block is lost, misfiled or refcounted wrongly, the cache map and
         the blocks' keys disagree, or a host block is lost or held twice. O(blocks)."""
-        if not (self._keys.keys() == self._roots.keys() == self._starts.keys() == self._tables.keys()):
-            raise BlockError("sequences with keys and with tables differ")
-        refs: Counter[int] = Counter()
-        for seq_id, tables in self._tables.items():
-            n = self._num_tokens[seq_id]
-            for table, start in zip(tables, self._starts[seq_id], strict=True):
-                if len(table) != self.blocks_for(n) or not 0 <= start <= len(table):
-                    raise BlockError(f"seq {seq_id}: {len(table)} blocks from {start} for {n} tokens")
-                refs.update(table[start:])
-            if len(self._keys[seq_id]) > n // self.block_size:
-                raise BlockError(f"seq {seq_id}: {len(self._keys[seq_id])} keys for {n} tokens")
+        check_tables(self._tables, self._starts, self._num_tokens, self._keys, self._roots, self.block_size)
         if not self.enable_prefix_caching and (len(self.prefix_cache) or any(self._keys.values())):
             raise BlockError("prefix caching is off but blocks are cached")
+        refs = Counter(b for tables, starts in zip(self._tables.values(), self._starts.values())
+                       for table, start in zip(tables, starts) for b in table[start:])
         self.pool.check_invariants(refs)  # and the prefix cache's own
         self.host.check_invariants(self._tables.keys(), self.blocks_for, self.block_size)
 
@@ -396,21 +390,6 @@ class BlockManager:
                 table[i] = 0
             starts[g] = max(starts[g], end)
 
-    def _match(self, token_ids: Sequence[int], max_tokens: int,
-               root: bytes) -> tuple[list[list[int | None]], list[bytes]]:
-        """Per group, the cached blocks of the longest usable prefix hit (full groups: all of it;
-        sliding groups: its window's, None before), and the hit's keys."""
-        cache, bs = self.prefix_cache, self.block_size
-        if self.windows[0] is None:  # (full groups come first: they bound the hit, stopping early)
-            blocks, keys = cache.match(token_ids, max_tokens, bs, root)
-            if len(self.windows) == 1:
-                return [blocks], keys  # type: ignore[list-item]
-        else:
-            keys = cache.chain_keys(token_ids, max_tokens, bs, root)
-        found = [[cache.lookup(key + tag) for key in keys] for tag in self._tags]
-        num_hit = usable_hit(found, self.windows, bs)
-        return [blocks[:num_hit] for blocks in found], keys[:num_hit]
-
     def _allocate_plan(self, num_tokens: int, token_ids: Sequence[int] | None,
                        root: bytes = b"") -> tuple[list[list[int | None]], list[bytes], int]:
         """(per group, cached blocks to reuse; their keys; blocks the allocation takes from the
@@ -420,7 +399,8 @@ class BlockManager:
         hits: list[list[int | None]] = [[] for _ in self.windows]
         keys: list[bytes] = []
         if token_ids is not None and self.enable_prefix_caching:
-            hits, keys = self._match(token_ids, min(len(token_ids) - 1, num_tokens), root)
+            hits, keys = match_groups(self.prefix_cache, token_ids, min(len(token_ids) - 1, num_tokens),
+                                      self.block_size, root, self.windows, self._tags)
         refcount, bs = self.pool.refcount, self.block_size
         need = len(self.windows) * (self.blocks_for(num_tokens) - len(keys))
         for blocks, window in zip(hits, self.windows):

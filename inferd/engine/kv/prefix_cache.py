@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from hashlib import blake2b
+
+from inferd.engine.kv.groups import usable_hit
 
 
 class BlockError(RuntimeError):
@@ -169,3 +171,35 @@ class PrefixCache:
         for key, block_id in self._cached.items():
             if not 0 <= block_id < num_blocks or self._keys[block_id] != key:
                 raise BlockError(f"cache maps a key to block {block_id}, which has another key")
+
+
+def match_groups(cache: PrefixCache, token_ids: Sequence[int], max_tokens: int, block_size: int, root: bytes,
+                 windows: Sequence[int | None], tags: Sequence[bytes]) -> tuple[list[list[int | None]], list[bytes]]:
+    """Per KV group, the cached blocks of the longest usable prefix hit (full groups: all of it;
+    sliding groups: its window's, None before), and the hit's keys. A group's blocks are filed
+    under key + its tag (kv/groups.py)."""
+    if windows[0] is None:  # (full groups come first: they bound the hit, stopping early)
+        blocks, keys = cache.match(token_ids, max_tokens, block_size, root)
+        if len(windows) == 1:
+            return [list(blocks)], keys
+    else:
+        keys = cache.chain_keys(token_ids, max_tokens, block_size, root)
+    found = [[cache.lookup(key + tag) for key in keys] for tag in tags]
+    num_hit = usable_hit(found, windows, block_size)
+    return [blocks[:num_hit] for blocks in found], keys[:num_hit]
+
+
+def check_tables(tables: Mapping[int, list[list[int]]], starts: Mapping[int, list[int]], num_tokens: Mapping[int, int],
+                 keys: Mapping[int, list[bytes]], roots: Mapping[int, bytes], block_size: int) -> None:
+    """Raise BlockError where the block manager's per-sequence state disagrees with itself: the
+    sequences with tables, starts, counts, keys and roots differ, a table's length is not its
+    token count's, or a sequence has keys for more full blocks than it has."""
+    if not (keys.keys() == roots.keys() == starts.keys() == tables.keys() == num_tokens.keys()):
+        raise BlockError("sequences with keys and with tables differ")
+    for seq_id, seq_tables in tables.items():
+        n = num_tokens[seq_id]
+        for table, start in zip(seq_tables, starts[seq_id], strict=True):
+            if len(table) != -(-n // block_size) or not 0 <= start <= len(table):
+                raise BlockError(f"seq {seq_id}: {len(table)} blocks from {start} for {n} tokens")
+        if len(keys[seq_id]) > n // block_size:
+            raise BlockError(f"seq {seq_id}: {len(keys[seq_id])} keys for {n} tokens")

@@ -18,9 +18,7 @@ With `fairness = "vtc"` tenants share each rank: the next is the head, in that o
 tenant with the fewest tokens served per weight, this step's admissions counted (fairness.py).
 When blocks or `max_num_seqs` run short, a waiting request may preempt running requests of a
 *lower class*; a running one that needs a block may preempt requests of its own class or lower.
-Victims are the lowest class first, then (vtc) the tenant furthest over its share, then the
-cheapest to resume (fewest computed tokens); a request that was resumed is not chosen again
-before it has made progress, unless nothing else can give way. With vtc, a tenant below half
+Whom to preempt is victims.py's choice. With vtc, a tenant below half
 its share of a rank's seats (or blocks) may take them from one over its share (fairness.py).
 A preempted request either frees its blocks and recomputes later (reusing the prefix cache) or
 has them copied to host memory (swap); it keeps its arrival, so it keeps its place.
@@ -28,12 +26,12 @@ has them copied to host memory (swap); it keeps its arrival, so it keeps its pla
 
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from collections.abc import Callable
 
 from inferd.engine.protocol import ClassSnapshot, RequestSnapshot, TenantSnapshot
+from inferd.engine.sched import victims
 from inferd.engine.sched.accounting import SchedulerAccounting, requests_snapshot
 from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.sched.deadlines import expired, order_key
@@ -270,48 +268,23 @@ class Scheduler:
     # ------------------------------------------------------------------------------ preemption
 
     def _pick_victim(self, needy: Request, strictly_lower: bool) -> Request | None:
-        """Whom to preempt so that `needy` can run: the lowest class, then (vtc) the tenant furthest
-        over its share, then the cheapest to resume. A running `needy` competes (it may give way)."""
-        fair = self.fair
-
-        def worse(r: Request) -> tuple[int, float, int, float, int]:
-            counter = 0.0 if fair is None else fair.counter(r.tenant)
-            return r.rank, counter, -r.num_computed_tokens, r.arrival_time, r.seq_id
-
-        pool = [r for r in self.running if r.rank > needy.rank] if strictly_lower else \
-            [r for r in self.running if r.rank >= needy.rank]
-        if not pool:
-            return None
-        unprotected = [r for r in pool if not self._protected(r)]
-        if unprotected:
-            return max(unprotected, key=worse)
-        # NOTE: everyone left was just resumed. Giving way in order (lowest class, cheapest)
-        # still lets the most important of them progress, so nothing waits forever.
-        victim = max(pool, key=worse)
-        return None if victim is needy else victim
+        return victims.lowest(self.running, needy, strictly_lower, self.fair)
 
     def _rank_view(self, rank: int, by_blocks: bool) -> RankView:
-        """(vtc) The rank's seats, or its blocks, between its tenants now."""
         assert self.fair is not None
-        bm = self.block_manager
-        capacity, held = ((bm.pool.num_blocks, lambda r: bm.num_held_blocks(r.seq_id)) if by_blocks
-                          else (self.max_num_seqs, lambda r: 1))
-        return self.fair.rank_view(rank, itertools.chain(self.waiting, self.running), self.running, capacity, held)
+        return victims.rank_view(self.fair, rank, self.waiting, self.running, self.block_manager,
+                                 self.max_num_seqs, by_blocks)
 
     def _fair_victim(self, needy: Request, by_blocks: bool, need: int) -> Request | None:
         """(vtc) Whom to preempt so that a tenant below its share of the rank's seats (or blocks)
         gets `need` more; None under fcfs, or when none may give (fairness.py)."""
         if self.fair is None or not self.fair.shared:  # (one tenant, the common case: no O(n) view)
             return None
-        given = self.fair.victim(needy, self._rank_view(needy.rank, by_blocks), need, lambda r: not self._protected(r))
+        given = self.fair.victim(needy, self._rank_view(needy.rank, by_blocks), need,
+                                 lambda r: not victims.protected(r))
         if given is not None:
             self.fair.record_preemption(given.tenant)
         return given
-
-    @staticmethod
-    def _protected(req: Request) -> bool:
-        """Resumed after a preemption and has not produced a token since: no thrashing."""
-        return req.num_preemptions > 0 and len(req.output_ids) <= req.progress_mark
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -358,7 +331,7 @@ class Scheduler:
             for cls in self.policy.classes:
                 if not cls.sheddable:
                     continue
-                members = [r for r in self.running if r.priority_class is cls and not self._protected(r)]
+                members = [r for r in self.running if r.priority_class is cls and not victims.protected(r)]
                 members.sort(key=lambda r: r.num_computed_tokens)  # cheapest to resume first
                 for victim in members[: max(0, len(members) - shed.max_running)]:
                     self._preempt(victim, out)
