@@ -23,6 +23,16 @@ from inferd.text.chat_template import render_chat_template
 
 LONG_TEXT = 16_384  # characters: past this, HFBackend encodes in its GIL-releasing batch call
 
+# Token types: GGUF's tokenizer.ggml.token_type uses the same numbers as SentencePiece's
+# ModelProto.SentencePiece.Type
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# Control tokens that end a turn although the file does not name them EOS (llama.cpp's EOG list).
+END_OF_GENERATION_TEXTS = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+    "<EOT>", "_<EOT>", "<|eom_id|>", "<｜end▁of▁sentence｜>", "<|return|>", "<|call|>",
+})
+
 @lru_cache(maxsize=1)
 def byte_to_unicode() -> dict[int, str]:
     """GPT-2's printable spelling of the 256 bytes (the alphabet of byte-level vocabularies)."""
