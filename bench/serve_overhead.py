@@ -224,6 +224,7 @@ def serve(args: argparse.Namespace) -> None:
     from aiohttp import web
 
     from inferd.api.app import create_app
+    from inferd.api.routing.registry import single_model
     from inferd.settings.config import load_settings
     from inferd.engine.async_engine import AsyncEngine
 
@@ -238,7 +239,7 @@ def serve(args: argparse.Namespace) -> None:
         "limits": {"max_tokens_limit": max(4096, args.max_tokens)},
         "model": {"name": MODEL_NAME},
     }, environ={})
-    app = create_app(engine, settings)
+    app = create_app(single_model(engine, settings), settings)
     profiles: dict[str, cProfile.Profile] = {}
 
     async def main() -> None:

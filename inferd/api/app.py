@@ -35,16 +35,15 @@ from inferd.api.conversation.tool_policy import DROPPED_TOOLS
 from inferd.api.pipeline.generate import ANSWERED_BY, FALLBACK_FROM, MAX_TOKENS_CLAMPED
 from inferd.api.responses.store import ResponseStore
 from inferd.api.responses.stored import RESPONSE_STORE, StoreCollector, sweep_forever
-from inferd.api.routing.registry import REGISTRY, ModelRegistry, single_model
+from inferd.api.routing.registry import REGISTRY, ModelRegistry
 from inferd.api.state import SETTINGS, STATE
 from inferd.api.streaming.backpressure import SLOW_CLIENTS, SlowClientCounts
 from inferd.api.streaming.resume import RESUMABLE, StreamRegistry
 from inferd.api.streaming.sse import SSE_RESPONSES
-from inferd.api.telemetry.access_log import request_log_middleware
+from inferd.api.telemetry.access_log import access_log_middleware
 from inferd.api.telemetry.loop_lag import LOOP_LAG, LoopLag
 from inferd.api.telemetry.metrics import COLLECTORS, setup_metrics
-from inferd.api.telemetry.request_file import setup_request_log
-from inferd.engine.async_engine import AsyncEngine
+from inferd.api.telemetry.request_file import setup_request_file
 from inferd.settings.config import Settings
 
 log = logging.getLogger(__name__)
@@ -52,16 +51,15 @@ log = logging.getLogger(__name__)
 STREAMS_END_SECONDS = 5.0  # how long shutdown waits for open streams to write their last event
 
 
-def create_app(engine: AsyncEngine | ModelRegistry, settings: Settings, api_keys: frozenset[str] = frozenset(),
+def create_app(registry: ModelRegistry, settings: Settings, api_keys: frozenset[str] = frozenset(),
                reload_keys: Callable[[], Keyring] | None = None) -> web.Application:
-    """The app over `engine` (one model) or a registry of several (routing/registry.py):
-    tenants and admin keys from `settings`, plain keys as `api_keys` (hex digests);
-    `reload_keys` re-reads them all (SIGHUP, POST /admin/reload)."""
-    registry = engine if isinstance(engine, ModelRegistry) else single_model(engine, settings)
+    """The app over a registry of the served models (routing/registry.py; one engine alone:
+    `single_model`): tenants and admin keys from `settings`, plain keys as `api_keys` (hex
+    digests); `reload_keys` re-reads them all (SIGHUP, POST /admin/reload)."""
     gateway = Gateway(Keyring.build(settings, api_keys), registry.primary.current.engine.limits.policy, reload_keys)
     server = settings.server
-    # outermost first: the request log sees the final status, which the error middleware renders
-    middlewares = [request_log_middleware, error_middleware, edge_middleware(MAX_BODY_BYTES),
+    # outermost first: the access log sees the final status, which the error middleware renders
+    middlewares = [access_log_middleware, error_middleware, edge_middleware(MAX_BODY_BYTES),
                    auth_middleware(lambda: gateway.keyring, server.open_paths, server.status_admin_only)]
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[REGISTRY] = registry
@@ -78,7 +76,7 @@ def create_app(engine: AsyncEngine | ModelRegistry, settings: Settings, api_keys
     stored = settings.responses
     app[RESPONSE_STORE] = ResponseStore(stored.max_per_tenant, stored.max_bytes_per_tenant, stored.ttl_seconds)
     add_routes(app)
-    setup_request_log(app, settings.request_log, app[STATE].model_name)  # before the metrics, which read it
+    setup_request_file(app, settings.request_log, app[STATE].model_name)  # before the metrics, which read it
     setup_metrics(app)
     app[COLLECTORS].register(StoreCollector(app[RESPONSE_STORE]))  # (the Responses API's store: its own module)
     app.on_response_prepare.append(_rate_limit_headers)

@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestServer
 from inferd.api.app import create_app
 from inferd.api.edge import connection_options
 from inferd.api.admission.door import FrontDoor
-from inferd.api.routing.registry import REGISTRY, ModelRegistry
+from inferd.api.routing.registry import REGISTRY, ModelRegistry, single_model
 from inferd.api.state import STATE, ServerState
 from inferd.api.gateway.tenants import Keyring
 from inferd.settings.config import Settings
@@ -70,7 +70,8 @@ async def serve(llm: LLMEngine | ModelRegistry, settings: Settings | None = None
     settings = settings or Settings()
     if settings.model.name is None:
         settings = settings.model_copy(update={"model": settings.model.model_copy(update={"name": MODEL})})
-    app = create_app(llm if isinstance(llm, ModelRegistry) else AsyncEngine(llm), settings, api_keys, reload_keys)
+    registry = llm if isinstance(llm, ModelRegistry) else single_model(AsyncEngine(llm), settings)
+    app = create_app(registry, settings, api_keys, reload_keys)
     primary = app[REGISTRY].primary.current  # (the first model's revision at start-up)
     for served in app[REGISTRY].served():
         recorded = _PROBE_TOKENS.get(_weights(served.engine), {}).get(_deterministic(served.engine))

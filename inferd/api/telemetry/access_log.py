@@ -1,4 +1,5 @@
-"""Logging: one structured line per API request at its end, and the JSON-lines format.
+"""The access log: one structured line per API request at its end (logger `inferd.requests`), and the
+JSON-lines format. (The request file, one JSON record per generation with its texts, is request_file.py.)
 
     inferd.requests INFO request id=cmpl-3f.. path=/v1/completions status=200 class=interactive
         tenant=acme user=alice prompt_tokens=31 completion_tokens=64 queue_time=0.004 ttft=0.081 e2e=2.310
@@ -22,7 +23,7 @@ from aiohttp import web
 from inferd.api.record import RECORD, RequestRecord, RequestTexts
 from inferd.api.telemetry.request_file import REQUEST_JOURNAL
 
-request_log = logging.getLogger("inferd.requests")
+access_log = logging.getLogger("inferd.requests")
 
 QUIET_PATHS = ("/health", "/ready", "/metrics", "/v1/status", "/v1/models", "/openapi.json")
 
@@ -41,7 +42,7 @@ def log_fields(request: web.Request, status: int, e2e: float, record: RequestRec
 
 
 @web.middleware
-async def request_log_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+async def access_log_middleware(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
     """One line per API request when it ends (the error middleware inside it has already
     turned errors into responses, so the status is the client's)."""
     if request.path in QUIET_PATHS:
@@ -57,7 +58,7 @@ async def request_log_middleware(request: web.Request, handler: Callable[[web.Re
     finally:
         e2e = time.monotonic() - start
         values = log_fields(request, status, e2e, request[RECORD])
-        request_log.info("request %s", " ".join(f"{k}={v}" for k, v in values.items()), extra={"fields": values})
+        access_log.info("request %s", " ".join(f"{k}={v}" for k, v in values.items()), extra={"fields": values})
         if journal is not None:  # the request file's line, if it was a generation
             journal.finished(request[RECORD], request.path, status, e2e)
 

@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import time
-from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -30,15 +29,16 @@ from prometheus_client.registry import Collector
 from inferd.api.admission.ask import GRAMMAR_KINDS
 from inferd.api.admission.queues import REASONS
 from inferd.api.edge import EDGE, REFUSALS, EdgeCounts
-from inferd.api.gateway.gate import GATEWAY, GATEWAY_REASONS, Gateway
-from inferd.api.routing.registry import REGISTRY, ModelRegistry, ModelSlot
+from inferd.api.gateway.gate import GATEWAY, Gateway
+from inferd.api.routing.registry import REGISTRY, ModelRegistry
 from inferd.api.state import STATE, ServerState
 from inferd.api.streaming.backpressure import SLOW_CLIENTS, SlowClientCounts
 from inferd.api.streaming.resume import RESUMABLE, StreamRegistry
-from inferd.api.telemetry.drift import SCRIPTS, DriftMonitor
+from inferd.api.telemetry.drift import DriftMonitor
 from inferd.api.telemetry.loop_lag import LOOP_LAG, LoopLag
 from inferd.api.telemetry.request_file import REQUEST_JOURNAL
-from inferd.engine.protocol import FAILURE_KINDS, ClassSnapshot, EngineLimits, EngineSnapshot, Histogram
+from inferd.api.telemetry.served_metrics import buckets, drift_metrics, model_metrics, summed, tenant_metrics
+from inferd.engine.protocol import FAILURE_KINDS, ClassSnapshot, EngineLimits, EngineSnapshot
 from inferd.settings.policy import TIMEOUT_KINDS
 
 COLLECTORS = web.AppKey("metrics_registry", CollectorRegistry)
@@ -50,15 +50,6 @@ LATENCIES = {  # histogram: (class stats field, help)
     "inferd_e2e_seconds": ("e2e", "Time from arrival to the end of a request."),
     "inferd_queue_time_seconds": ("queue_time", "Time from arrival to first being scheduled."),
 }
-
-
-def _buckets(h: Histogram) -> list[tuple[str, float]]:
-    """Cumulative (le, count) pairs, +Inf last, as HistogramMetricFamily wants them."""
-    out, running = [], 0
-    for bound, count in zip((*h.bounds, float("inf")), h.counts):
-        running += count
-        out.append(("+Inf" if bound == float("inf") else repr(float(bound)), running))
-    return out
 
 
 def _per_class(name: str, doc: str, kind: type, values: dict[str, float]) -> Metric:
@@ -118,12 +109,12 @@ def _histograms(stats: EngineSnapshot, model: str) -> Iterator[Metric]:
         family = HistogramMetricFamily(name, doc, labels=["class", "model"])
         for c in stats.classes:
             h = c.histograms[field]
-            family.add_metric([c.name, model], _buckets(h), h.total)
+            family.add_metric([c.name, model], buckets(h), h.total)
         yield family
     for name, h, doc in (("inferd_step_seconds", stats.step_seconds, "Duration of an engine step."),
                          ("inferd_batch_tokens", stats.batch_tokens, "Tokens computed in an engine step.")):
         family = HistogramMetricFamily(name, doc, labels=["model"])
-        family.add_metric([model], _buckets(h), h.total)
+        family.add_metric([model], buckets(h), h.total)
         yield family
 
 
@@ -169,158 +160,9 @@ def _picker_aliases(stats: EngineSnapshot, limits: EngineLimits, model: str, sta
     yield lora
 
 
-def _tenant_metrics(gateway: Gateway, snapshots: list[EngineSnapshot]) -> Iterator[Metric]:
-    """Per tenant, labelled with configured names only (never a key or its digest); its fair
-    share summed over every model's engine."""
-    names = list(gateway.accounts)  # every tenant configured since start: counters never vanish
-    accounts = gateway.accounts
-    fair: dict[str | None, dict[str, float]] = {}
-    for stats in snapshots:
-        for t in stats.tenants:
-            sums = fair.setdefault(t.name, {"virtual_tokens": 0.0, "waiting": 0, "running": 0, "fair_preemptions": 0})
-            for attr in sums:
-                sums[attr] += getattr(t, attr)
-    for name, doc, attr in (("inferd_tenant_requests", "Requests admitted, per tenant.", "requests"),
-                            ("inferd_tenant_prompt_tokens", "Prompt tokens of its finished requests.", "prompt_tokens"),
-                            ("inferd_tenant_completion_tokens", "Tokens generated for it.", "completion_tokens")):
-        family = CounterMetricFamily(name, doc, labels=["tenant"])
-        for tenant in names:
-            family.add_metric([tenant], getattr(accounts[tenant], attr))
-        yield family
-    rejections = CounterMetricFamily("inferd_tenant_rejections", "Its requests refused, by why.",
-                                     labels=["tenant", "reason"])
-    for tenant in names:
-        for reason in (*GATEWAY_REASONS, *REASONS):
-            rejections.add_metric([tenant, reason], accounts[tenant].rejections.get(reason, 0))
-    yield rejections
-    for name, doc, attr in (("inferd_tenant_ttft_seconds", "Time to first token, per tenant.", "ttft"),
-                            ("inferd_tenant_tpot_seconds", "Time per output token, per tenant.", "tpot")):
-        family = HistogramMetricFamily(name, doc, labels=["tenant"])
-        for tenant in names:
-            h = getattr(accounts[tenant], attr).histogram
-            family.add_metric([tenant], _buckets(h), h.total)
-        yield family
-    for name, doc, attr in (
-            ("inferd_tenant_virtual_tokens", "Tokens served / weight (fair share: the least goes first).",
-             "virtual_tokens"),
-            ("inferd_tenant_requests_waiting", "Its requests (choices) waiting.", "waiting"),
-            ("inferd_tenant_requests_running", "Its requests (choices) running.", "running")):
-        family = GaugeMetricFamily(name, doc, labels=["tenant"])
-        for tenant in names:
-            family.add_metric([tenant], fair[tenant][attr] if tenant in fair else 0)
-        yield family
-    taken = CounterMetricFamily("inferd_tenant_fair_preemptions", "Its requests preempted to give a seat or KV "
-                                "blocks to a tenant below its fair share.", labels=["tenant"])
-    for tenant in names:
-        taken.add_metric([tenant], fair[tenant]["fair_preemptions"] if tenant in fair else 0)
-    yield taken
-
-
-def _drift_metrics(drift: DriftMonitor) -> Iterator[Metric]:
-    """The window against the baseline (api/telemetry/drift.py; with [request_log] on). NOTE: PSI only per
-    feature with requests on both sides."""
-    report = drift.report()
-    psi = GaugeMetricFamily("inferd_drift_psi", "Population stability index of a feature: the last "
-                            "request_log.drift_window_seconds against the baseline (> 0.2: shifted).",
-                            labels=["feature"])
-    for feature, value in report.psi.items():
-        psi.add_metric([feature], value)
-    yield psi
-    languages = GaugeMetricFamily("inferd_drift_language_ratio", "The window's prompt letters, share per script.",
-                                  labels=["script"])
-    for script in SCRIPTS:
-        languages.add_metric([script], report.languages.get(script, 0.0))
-    yield languages
-    for name, doc, value in (
-            ("inferd_drift_baseline_requests", "Requests in the drift baseline so far.", report.baseline_requests),
-            ("inferd_drift_window_requests", "Requests in the drift window.", report.window_requests),
-            ("inferd_drift_mean_prompt_tokens", "Mean prompt tokens in the window.", report.mean_prompt_tokens),
-            ("inferd_drift_mean_completion_tokens", "Mean tokens per choice in the window.",
-             report.mean_completion_tokens),
-            ("inferd_drift_refusal_ratio", "Choices with a refusal phrase / choices, in the window.",
-             report.refusal_rate)):
-        if value is not None:
-            yield GaugeMetricFamily(name, doc, value=value)
-
-
-def _model_metrics(registry: ModelRegistry) -> Iterator[Metric]:
-    """Per model (labels: configured names and revisions only), and the routes' shares."""
-    labels = ["model", "revision"]
-    families = {
-        "requests": CounterMetricFamily("inferd_model_requests", "Requests sent to a model (by name, alias, "
-                                        "route or as a fallback).", labels=labels),
-        "fallbacks": CounterMetricFamily("inferd_model_fallbacks", "Requests for a model sent to its fallback "
-                                         "while it was degraded.", labels=labels),
-        "reloads": CounterMetricFamily("inferd_model_reloads", "Revisions that took over.", labels=labels),
-        "reloads_refused": CounterMetricFamily("inferd_model_reloads_refused", "Revisions discarded (load, "
-                                               "probe or evaluation set failed).", labels=labels),
-        "escalations": CounterMetricFamily("inferd_cascade_escalations", "Cascade: this (small) model's "
-                                           "answers found unsure and asked of the large one.", labels=labels),
-        "tokens_saved": CounterMetricFamily("inferd_cascade_tokens_saved", "Cascade: tokens the large model "
-                                            "did not compute, as this model's answer sufficed.", labels=labels),
-    }
-    gauges = {
-        "healthy": GaugeMetricFamily("inferd_model_healthy", "1: probe passes and engine runs.", labels=labels),
-        "degraded": GaugeMetricFamily("inferd_model_degraded", "1: new requests go to the fallback.", labels=labels),
-        "level": GaugeMetricFamily("inferd_model_degradation_level", "Functional degradation level (0 normal, "
-                                   "1 streams whole, 2 max_tokens capped, 3 lowest class refused).", labels=labels),
-        "running": GaugeMetricFamily("inferd_model_requests_running", "Requests running.", labels=labels),
-        "waiting": GaugeMetricFamily("inferd_model_requests_waiting", "Requests waiting.", labels=labels),
-        "kv": GaugeMetricFamily("inferd_model_kv_usage_ratio", "KV blocks in use / total.", labels=labels),
-    }
-    switches = CounterMetricFamily("inferd_model_degradation_switches", "Times a model's new requests started or "
-                                   "stopped going to its fallback.", labels=labels)
-    steps = CounterMetricFamily("inferd_model_degradation_steps", "Functional degradation level changes.",
-                                labels=labels)
-    for slot in registry.slots.values():
-        served, counts = slot.current, slot.counts
-        key, stats = [slot.name, served.spec.revision], served.engine.snapshot
-        for name, family in families.items():
-            family.add_metric(key, getattr(counts, name))
-        switches.add_metric(key, slot.degradation.switches)
-        steps.add_metric(key, slot.ladder.changes)
-        for name, value in (("healthy", served.healthy), ("degraded", slot.degradation.use_fallback),
-                            ("level", slot.ladder.level), ("running", stats.running), ("waiting", stats.waiting),
-                            ("kv", stats.kv_usage_ratio)):
-            gauges[name].add_metric(key, float(value))
-    yield from (*families.values(), switches, steps, *gauges.values())
-    yield from _door_metrics(registry)
-    share = GaugeMetricFamily("inferd_route_share", "A route's configured share per target.", labels=["route", "model"])
-    for name, route in registry.routes.items():
-        for model, value in route.shares().items():
-            share.add_metric([name, model], value)
-    yield share
-
-
-def _door_metrics(registry: ModelRegistry) -> Iterator[Metric]:
-    """Each model's refusals at its door and its structured outputs (its slot's: they outlive
-    its revisions)."""
-    labels = ["model", "revision"]
-    rejections = CounterMetricFamily("inferd_model_rejections", "Requests refused at a model's door, by why.",
-                                     labels=[*labels, "reason"])
-    grammars = CounterMetricFamily("inferd_model_structured_requests", "A model's requests held to a grammar, "
-                                   "by where it came from.", labels=[*labels, "kind"])
-    for slot in registry.slots.values():
-        key, counts = [slot.name, slot.current.spec.revision], slot.counts.door
-        by_reason = counts.rejections_by_reason()
-        for reason in REASONS:
-            rejections.add_metric([*key, reason], by_reason.get(reason, 0))
-        for kind in GRAMMAR_KINDS:
-            grammars.add_metric([*key, kind], counts.grammars.get(kind, 0))
-    yield rejections
-    yield grammars
-
-
-def _summed(registry: ModelRegistry, counts: Callable[[ModelSlot], Mapping[str, int]]) -> dict[str, int]:
-    total: Counter[str] = Counter()
-    for slot in registry.slots.values():
-        total.update(counts(slot))
-    return dict(total)
-
-
 class EngineCollector(Collector):
     """The first model's engine (unlabelled, as a single-model server has always had them), the
-    server's own counters, and every model's (`_model_metrics`)."""
+    server's own counters, and every model's (`model_metrics`)."""
 
     def __init__(self, registry: ModelRegistry, gateway: Gateway, state: ServerState, slow: SlowClientCounts,
                  edge: EdgeCounts, lag: LoopLag, streams: StreamRegistry, drift: DriftMonitor | None = None) -> None:
@@ -347,12 +189,12 @@ class EngineCollector(Collector):
         yield _counter_by("inferd_timeouts", "Requests ended by a timeout, by which.", "kind", TIMEOUT_KINDS,
                           stats.timeouts)
         yield _counter_by("inferd_rejections", "Requests refused at the door, by why (every model's).", "reason",
-                          REASONS, _summed(registry, lambda slot: slot.counts.door.rejections_by_reason()))
+                          REASONS, summed(registry, lambda slot: slot.counts.door.rejections_by_reason()))
         yield _counter_by("inferd_structured_requests", "Requests held to a grammar, by where it came from "
                           "(response_format's type, or forced tool calls); invalid: refused, it did not compile "
                           "(every model's).", "kind", GRAMMAR_KINDS,
-                          _summed(registry, lambda slot: slot.counts.door.grammars))
-        yield from _tenant_metrics(self.gateway, [served.engine.snapshot for served in registry.served()])
+                          summed(registry, lambda slot: slot.counts.door.grammars))
+        yield from tenant_metrics(self.gateway, [served.engine.snapshot for served in registry.served()])
         yield GaugeMetricFamily("inferd_shed_level", "Load shedding level (0 normal .. 3).", value=stats.shed_level)
         yield from _fault_metrics(stats)
         yield CounterMetricFamily("inferd_drain_cut_requests", "Requests still running when a drain ended.",
@@ -366,18 +208,18 @@ class EngineCollector(Collector):
                           "(or while it was late), by why.", "reason", REFUSALS, self.edge.refused)
         lag = HistogramMetricFamily("inferd_event_loop_lag_seconds", "How late the event loop's periodic timer "
                                     "fired: what every stream's next chunk and /health waited too.")
-        lag.add_metric([], _buckets(self.lag.histogram), self.lag.histogram.total)
+        lag.add_metric([], buckets(self.lag.histogram), self.lag.histogram.total)
         yield lag
         yield from self._device(stats)
         if self.drift is not None:
-            yield from _drift_metrics(self.drift)
+            yield from drift_metrics(self.drift)
         yield GaugeMetricFamily("inferd_resumable_streams", "Resumable streams held (attached or not).",
                                 value=self.streams.held)
         yield GaugeMetricFamily("inferd_resumable_streams_detached", "Resumable streams whose client left, "
                                 "running on or finished, within server.resume_grace_seconds.",
                                 value=self.streams.detached)
         yield from _picker_aliases(stats, primary.engine.limits, self.state.model_name, self._started)
-        yield from _model_metrics(registry)
+        yield from model_metrics(registry)
 
     def _device(self, stats: EngineSnapshot) -> Iterator[Metric]:
         memory = stats.device_memory
