@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.served  # it starts a real server
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "agent_clis.sh"
 CANNOT_INSTALL = 3  # the script's exit code when npm is missing or the install fails
 

@@ -12,6 +12,8 @@ import openai
 import pytest
 from serveproc import start_server, stop_server
 
+pytestmark = pytest.mark.served  # it starts a real server
+
 WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hex jolly vexing brains".split()
 MODEL = "smollm2"
 

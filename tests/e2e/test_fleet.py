@@ -43,6 +43,8 @@ import pytest
 
 from serveproc import Server, start_server
 
+pytestmark = pytest.mark.served  # it starts a real server
+
 REPO = Path(__file__).resolve().parents[2]
 FLEET_SH = REPO / "deploy" / "fleet.sh"
 MODEL = "smollm2"

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.served  # it starts a real server
+
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "guidellm_run.sh"
 
 

@@ -14,6 +14,8 @@ import aiohttp
 import pytest
 from serveproc import Server, start_server
 
+pytestmark = pytest.mark.served  # it starts a real server
+
 MODEL = "smollm2"
 BODY = {"model": MODEL, "prompt": "Tell me about the sea.", "max_tokens": 64, "temperature": 0,
         "ignore_eos": True, "stream": True}

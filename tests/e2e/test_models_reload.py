@@ -11,7 +11,10 @@ import urllib.request
 from pathlib import Path
 
 import openai
+import pytest
 from serveproc import start_server, stop_server
+
+pytestmark = pytest.mark.served  # it starts a real server
 
 CONFIG = """
 [model]

@@ -22,6 +22,8 @@ import aiohttp
 import pytest
 from serveproc import Server, start_server, stop_server
 
+pytestmark = pytest.mark.served  # it starts a real server
+
 MODEL = "smollm2"
 SEATS = 8
 BATCH_STREAMS = 24

@@ -25,6 +25,8 @@ from inferd.model.loading.loader import default_model_path
 from inferd.text.tokenizer import Tokenizer
 from inferd.text.tokenizer_loader import load_tokenizer
 
+pytestmark = pytest.mark.served  # it starts a real server
+
 MODEL = "smollm2"
 STEP_BUDGET = 48
 

@@ -50,6 +50,7 @@ def closed_port() -> int:
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.served
 def test_once_prints_one_frame(server: Server) -> None:
     # one finished request, so the counters have something in them
     request = urllib.request.Request(
@@ -76,6 +77,7 @@ def test_unreachable_server_is_one_line_and_exit_1() -> None:
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.served
 def test_missing_key_is_one_line_and_exit_1(server: Server) -> None:
     result = status(server.url, "--once")
     assert result.returncode == 1
@@ -85,12 +87,14 @@ def test_missing_key_is_one_line_and_exit_1(server: Server) -> None:
     assert wrong.returncode == 1 and "rejected the API key" in wrong.stderr and "Traceback" not in wrong.stderr
 
 
+@pytest.mark.served
 def test_key_from_the_environment(server: Server) -> None:
     result = status(server.url, "--once", env={"INFERD_API_KEY": KEY})
     assert result.returncode == 0, result.stderr
     assert MODEL in result.stdout
 
 
+@pytest.mark.served
 def test_live_dashboard_in_tmux(server: Server) -> None:
     if shutil.which("tmux") is None:
         pytest.skip("tmux is not installed: the live dashboard needs a terminal to draw into")

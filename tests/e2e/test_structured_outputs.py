@@ -16,6 +16,8 @@ import pydantic
 import pytest
 from serveproc import Server, start_server, stop_server
 
+pytestmark = pytest.mark.served  # it starts a real server
+
 MODEL = "smollm2"
 SEEDS = [pytest.param(range(20), marks=pytest.mark.soak, id="20-seeds"), pytest.param(range(1), id="1-seed")]
 RECIPE = {

@@ -13,6 +13,8 @@ import openai
 import pytest
 from serveproc import start_server, stop_server
 
+pytestmark = pytest.mark.served  # it starts a real server
+
 
 def sha(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()

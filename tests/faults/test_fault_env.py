@@ -30,6 +30,7 @@ def post(url: str, prompt: str) -> tuple[int, dict]:
         return e.code, json.load(e)
 
 
+@pytest.mark.served
 def test_the_environment_variable_arms_a_real_server_and_it_logs_so(tmp_path: Path) -> None:
     server = start_server(tmp_path, *SERVE_ARGS, env={"INFERD_FAULTS": '{"fail_marker": "XYZZY"}'})
     try:

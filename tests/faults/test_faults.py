@@ -18,7 +18,7 @@ from inferd.engine.config import EngineConfig
 from inferd.engine.worker.faults import FaultInjector, flip_final_norm
 from inferd.engine.llm_engine import LLMEngine
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.served]
 
 PROMPTS = [f"Story {i}: once upon a time" for i in range(32)]
 MAX_TOKENS = 12

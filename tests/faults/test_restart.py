@@ -28,6 +28,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from serveproc import Server, start_server, stop_server  # noqa: E402  (tests/e2e's real-subprocess helpers)
 
+pytestmark = pytest.mark.served  # it starts a real server
+
 MODEL = "smollm2"
 # Light on a 2-core machine; batch-invariant (the default), so a greedy answer is token-exact from
 # one process to the next; no idle probe, so no probe run shares a batch with the test's requests.
