@@ -92,7 +92,7 @@ if [[ -z "$URL" ]]; then
         --log-format json >/dev/null 2>"$OUT/serve.log") &
     SERVER_PID=$!
     for _ in $(seq 1 600); do
-        URL="$(grep -o 'inferd serving .* on http://[0-9.]*:[0-9]*' "$OUT/serve.log" | grep -o 'http://.*' || true)"
+        URL="$(PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m inferd.api.startup "$OUT/serve.log" || true)"
         [[ -n "$URL" ]] && curl -sf "$URL/ready" >/dev/null 2>&1 && break
         kill -0 "$SERVER_PID" 2>/dev/null || { tail -n 20 "$OUT/serve.log" >&2; echo "error: inferd serve exited" >&2; exit 1; }
         URL=""; sleep 0.5

@@ -71,7 +71,6 @@ import contextlib
 import datetime as dt
 import json
 import os
-import re
 import resource
 import shlex
 import signal
@@ -86,6 +85,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from inferd.api.startup import StartupLine
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PEER_BIN = Path(os.environ.get("INFERD_PEER_DIR", Path.home() / ".cache/inferd/llama-server")) / "bin/llama-server"
@@ -149,7 +150,6 @@ def bench_args(args: argparse.Namespace) -> tuple[str, ...]:
     if args.workload == "requests":
         return REQUESTS_ARGS
     return CONVERSATION_ARGS + (("--turns", str(args.turns)) if args.turns else ())
-STARTUP_LINE = re.compile(r"inferd serving (\S+) .* on (http://[\w.\[\]:-]+:\d+)")
 
 
 # ------------------------------------------------------------------------------ servers
@@ -232,12 +232,12 @@ def inferd_server(tmp: Path, logs: Path, model: Path, extra: list[str]) -> Itera
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, cwd=tmp, start_new_session=True)
     try:
         deadline = time.monotonic() + 180
-        while not (match := STARTUP_LINE.search(log.read_text(errors="replace"))):
+        while not (line := StartupLine.parse(log.read_text(errors="replace"))):
             if proc.poll() is not None or time.monotonic() > deadline:
                 sys.exit(f"inferd serve did not start (exit code {proc.poll()}):\n{log.read_text()[-3000:]}")
             time.sleep(0.1)
-        wait_ready(match.group(2), "/ready", proc, log, 120)
-        yield Server("inferd", match.group(2), match.group(1), proc.pid,
+        wait_ready(line.url, "/ready", proc, log, 120)
+        yield Server("inferd", line.url, line.name, proc.pid,
                      f"`inferd serve --dtype bfloat16{''.join(' ' + a for a in extra)}` (default settings)")
     finally:
         stop(proc)

@@ -46,7 +46,6 @@ import json
 import math
 import os
 import platform
-import re
 import sys
 import time
 from collections import Counter
@@ -59,6 +58,7 @@ from typing import Any
 import aiohttp
 
 from inferd.client.bench_http import request_body, send
+from inferd.api.startup import StartupLine
 from inferd.client.bench_metrics import RequestRecord, percentile, summarize
 from inferd.client.bench_workload import Workload
 from overload import cpu_snapshot, cpu_usage, inferd_serve  # (bench/ is this script's folder)
@@ -267,7 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with TemporaryDirectory() as d, inferd_serve(Path(d), "models", server_config(args)) as (proc, _, root):
         asyncio.run(wait_ready(root))
         log = (Path(d) / "models.log").read_text()
-        results["served"] = re.findall(r"inferd serving (\S+) .*? dtype=(\S+)", log)
+        results["served"] = [(line.name, line.dtype) for line in StartupLine.parse_all(log)]
         print(f"serving {', '.join(f'{m} ({dt})' for m, dt in results['served'])} at {root}", flush=True)
         asyncio.run(warm_up(root, args))
         print(f"1. throughput: {args.concurrency} streams per model x {args.max_tokens} tokens, "

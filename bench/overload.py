@@ -36,7 +36,6 @@ import json
 import math
 import os
 import random
-import re
 import statistics
 import subprocess
 import sys
@@ -50,8 +49,9 @@ from typing import Any
 
 import aiohttp
 
+from inferd.api.startup import StartupLine
+
 MAX_NUM_SEQS = 8
-STARTUP_LINE = re.compile(r"inferd serving (\S+) .* on (http://[\d.]+:\d+)")
 # prompts are token windows of this text (original prose, ~220 tokens)
 TEXT = (
     "The harbour town woke slowly in winter. Before dawn the bakers lit their ovens, and the smell of bread drifted "
@@ -114,11 +114,11 @@ def inferd_serve(tmp: Path, name: str, config: str) -> Iterator[tuple[subprocess
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f, cwd=tmp)
     try:
         deadline = time.monotonic() + 180
-        while not (match := STARTUP_LINE.search(log.read_text())):
+        while not (line := StartupLine.parse(log.read_text())):
             if proc.poll() is not None or time.monotonic() > deadline:
                 sys.exit(f"inferd serve did not start (exit code {proc.poll()}):\n{log.read_text()[-3000:]}")
             time.sleep(0.1)
-        yield proc, match.group(1), match.group(2)
+        yield proc, line.name, line.url
     finally:
         proc.terminate()
         try:

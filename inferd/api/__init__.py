@@ -13,7 +13,7 @@ each a package that owns its state:
 
 Around them: app.py (the application and its lifecycle), server.py (`inferd serve`),
 endpoints.py (the route table), openapi.py, admin.py, and what every stage shares: state.py,
-errors.py, body.py, wire.py, record.py, systemd.py.
+errors.py, body.py, wire.py, record.py, systemd.py, startup.py (the start-up line, written and read).
 
 Imports point down this list, read bottom-up: a protocol package imports the pipeline, the
 pipeline imports the stages, a stage imports the stages below it and the shared modules, and

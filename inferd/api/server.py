@@ -25,6 +25,7 @@ from inferd.api.gateway.tenants import Keyring
 from inferd.api.routing.registry import REGISTRY, ModelRegistry
 from inferd.api.routing.reload import reload_changed
 from inferd.api.routing.served import ModelSpec
+from inferd.api.startup import StartupLine
 from inferd.api.state import STATE
 from inferd.api.systemd import Notifier
 from inferd.settings.config import Settings
@@ -59,13 +60,10 @@ async def serve(settings: Settings, api_keys: frozenset[str], load: Callable[[],
     host, port = runner.addresses[0][:2]
     for slot in models.slots.values():
         limits = slot.current.engine.limits
-        log.info(
-            "inferd serving %s (%s, %d layers) dtype=%s device=%s kv_blocks=%d x %d tokens, max_model_len=%d, "
-            "api_keys=%d on http://%s:%d",
-            slot.current.spec.label if len(models.slots) > 1 else slot.name, limits.architecture, limits.num_layers,
-            limits.dtype, limits.device, limits.num_kv_blocks, limits.block_size, limits.max_model_len,
-            len(api_keys), host, port,
-        )
+        line = StartupLine(slot.current.spec.label if len(models.slots) > 1 else slot.name, limits.architecture,
+                           limits.num_layers, limits.dtype, limits.device, limits.num_kv_blocks, limits.block_size,
+                           limits.max_model_len, len(api_keys), f"http://{host}:{port}")
+        log.info("%s", line.format())
     signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

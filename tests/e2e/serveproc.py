@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from inferd.api.startup import StartupLine
 
 
 @dataclass
@@ -35,9 +36,9 @@ def start_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) 
         )
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        match = re.search(r"inferd serving .* on (http://[\d.]+:\d+)", log.read_text())
-        if match and _ready(match.group(1)):
-            return Server(proc, match.group(1), log)
+        line = StartupLine.parse(log.read_text())
+        if line and _ready(line.url):
+            return Server(proc, line.url, log)
         if proc.poll() is not None:
             raise AssertionError(f"inferd serve exited with {proc.returncode}:\n{log.read_text()}")
         time.sleep(0.1)
