@@ -69,7 +69,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from compare import machine_busy_seconds, reaped_children_seconds  # (bench/ is this script's folder)
+from peers.cpu import machine_busy_seconds, reaped_children_seconds  # (bench/ is this script's folder)
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_PYTHON = REPO / ".venv" / "bin" / "python"

@@ -218,6 +218,43 @@ def print_profile(title: str, profile: cProfile.Profile, limit: int = 25) -> Non
 
 # ------------------------------------------------------------------------------ server
 
+class Commands:
+    """The server process's stdin commands: `stats`, `profile`, `report`; anything else ends it.
+    Called on the event loop's thread."""
+
+    def __init__(self, llm: LLMEngine, timer: StepTimer, concurrency: int, done: asyncio.Event) -> None:
+        self.llm, self.timer, self.concurrency, self.done = llm, timer, concurrency, done
+        self.cpu_before = thread_cpu_seconds()
+        self.profiles: dict[str, cProfile.Profile] = {}
+
+    def __call__(self, line: str) -> None:
+        if line == "stats":
+            print("STATS " + json.dumps(self.stats()), flush=True)
+        elif line == "profile":  # profile the next run: the loop thread and the engine thread
+            start_profiles(self.llm, self.profiles)
+            print("OK", flush=True)
+        elif line == "report":
+            for name, p in self.profiles.items():
+                p.disable()
+                print_profile(name, p)
+            self.profiles.clear()
+            print("OK", flush=True)
+        else:
+            self.done.set()
+
+    def stats(self) -> dict[str, Any]:
+        """The step timer's summary, and CPU seconds since the last `stats`: the loop thread, the
+        engine thread, the rest."""
+        now, before = thread_cpu_seconds(), self.cpu_before
+        delta = {tid: t - before.get(tid, 0.0) for tid, t in now.items()}
+        self.cpu_before = now
+        stats = self.timer.summary(self.concurrency)
+        stats["cpu_loop"] = delta.pop(threading.get_native_id(), 0.0)
+        stats["cpu_engine"] = delta.pop(self.timer.engine_tid, 0.0)
+        stats["cpu_other"] = sum(delta.values())
+        return stats
+
+
 def serve(args: argparse.Namespace) -> None:
     """The server process: prints `PORT <n>`, then answers `stats` / `profile` lines on stdin."""
     import uvloop
@@ -240,7 +277,6 @@ def serve(args: argparse.Namespace) -> None:
         "model": {"name": MODEL_NAME},
     }, environ={})
     app = create_app(single_model(engine, settings), settings)
-    profiles: dict[str, cProfile.Profile] = {}
 
     async def main() -> None:
         runner = web.AppRunner(app, access_log=None, handle_signals=False)
@@ -251,31 +287,7 @@ def serve(args: argparse.Namespace) -> None:
         print(f"PORT {runner.addresses[0][1]}", flush=True)
         done = asyncio.Event()
 
-        cpu_before = [thread_cpu_seconds()]
-
-        def command(line: str) -> None:
-            if line == "stats":
-                # CPU seconds since the last `stats`: the loop thread, the engine thread, the rest
-                now, before = thread_cpu_seconds(), cpu_before[0]
-                delta = {tid: t - before.get(tid, 0.0) for tid, t in now.items()}
-                cpu_before[0] = now
-                loop_tid = threading.get_native_id()
-                stats = timer.summary(args.concurrency)
-                stats["cpu_loop"] = delta.pop(loop_tid, 0.0)
-                stats["cpu_engine"] = delta.pop(timer.engine_tid, 0.0)
-                stats["cpu_other"] = sum(delta.values())
-                print("STATS " + json.dumps(stats), flush=True)
-            elif line == "profile":  # profile the next run: the loop thread and the engine thread
-                start_profiles(llm, profiles)
-                print("OK", flush=True)
-            elif line == "report":
-                for name, p in profiles.items():
-                    p.disable()
-                    print_profile(name, p)
-                profiles.clear()
-                print("OK", flush=True)
-            else:
-                done.set()
+        command = Commands(llm, timer, args.concurrency, done)
 
         def read_stdin() -> None:
             for line in sys.stdin:

@@ -54,7 +54,7 @@ from inferd.settings.policy import SchedulingPolicy, ShedConfig
 from inferd.engine.protocol import EngineRequest
 from inferd.text.sampling_params import SamplingParams
 
-from compare import machine_busy_seconds  # (bench/ is this script's folder)
+from peers.cpu import machine_busy_seconds  # (bench/ is this script's folder)
 
 # An array of people that cannot close within any budget here: a constrained row never stops.
 ARRAY_SCHEMA: dict[str, Any] = {
@@ -296,7 +296,10 @@ def make_prompts(engine: LLMEngine, batch: int) -> list[list[int]]:
     return out
 
 
-def main() -> None:
+Kind = tuple[int, bool, bool]  # (batch, constrained, masks before the forward)
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new-tokens", type=int, default=64, help="generated tokens per request")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions per cell")
@@ -308,6 +311,73 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.new_tokens, args.repeats, args.idle_wait = 16, 2, 5.0
+    return args
+
+
+def repetitions(bench: Bench, kinds: list[Kind], args: argparse.Namespace) -> dict[Kind, list[RunResult]]:
+    """Every kind's runs, interleaved, the order swapped every repetition so a drift hits every side
+    alike."""
+    # NOTE: a repetition during which other processes took over MAX_OTHER_CORES is done again
+    # (at most --repeats extra times); the medians are over the undisturbed ones if there are enough
+    clean: dict[Kind, list[RunResult]] = {k: [] for k in kinds}
+    every: dict[Kind, list[RunResult]] = {k: [] for k in kinds}
+    attempts = 0
+    while len(clean[kinds[0]]) < args.repeats and attempts < 2 * args.repeats:
+        before = wait_for_quiet(args.idle_wait)
+        other = OtherCpu()
+        rep: dict[Kind, RunResult] = {}
+        for kind in kinds if attempts % 2 == 0 else kinds[::-1]:
+            rep[kind] = bench.run(*kind)
+        cores = other.cores()
+        attempts += 1
+        for kind, r in rep.items():
+            every[kind].append(r)
+            if cores <= MAX_OTHER_CORES:
+                clean[kind].append(r)
+        shown = ", ".join(f"{b}{'g' if c else 'u'}{'s' if sync else ''} {r.decode_tps:.1f}"
+                          for (b, c, sync), r in rep.items())
+        print(f"repetition {attempts}: decode tok/s {shown}; other processes {cores:.2f} cores "
+              f"({before:.2f} just before){' DISTURBED, not counted' if cores > MAX_OTHER_CORES else ''}")
+        sys.stdout.flush()
+    if len(clean[kinds[0]]) >= min(3, args.repeats):
+        return clean
+    print(f"WARNING: only {len(clean[kinds[0]])} undisturbed repetitions: medians over all {attempts}")
+    return every
+
+
+def step_table(results: dict[Kind, list[RunResult]], kinds: list[Kind], big: int) -> dict[str, float]:
+    """The medians' table; returns grammar / unconstrained decode tok/s per batch (overlapped)."""
+
+    def median(kind: Kind, what: Callable[[RunResult], float]) -> float:
+        return statistics.median(what(r) for r in results[kind])
+
+    print(f"\nmedians of {len(results[kinds[0]])} repetitions; ms per decode-only step:")
+    print("\n| batch | side | decode tok/s | ratio | ms/step | forward | sampler | of which mask apply | "
+          "mask wait | accept | rest | fill |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    labels = {(False, False): "unconstrained", (True, False): "grammar (overlapped)",
+              (True, True): "grammar, masks before forward"}
+    ratios: dict[str, float] = {}
+    for kind in kinds:
+        b, c, sync = kind
+        tps = median(kind, lambda r: r.decode_tps)
+        ratio = tps / median((b, False, False), lambda r: r.decode_tps)
+        if c and not sync:
+            ratios[f"batch {b}"] = ratio
+        step, fwd, smp, apply, accept, wait, fill = (
+            median(kind, lambda r, p=p: r.ms(p)) for p in ("step", "forward", "sampler", "apply", "accept", "mask_wait", "fill"))
+        rest = step - fwd - smp - wait - accept - (fill if sync else 0.0)
+        fill_col = (f"{fill:.2f}" + (" (engine thread)" if sync else " (worker)")) if c else "-"
+        print(f"| {b} | {labels[(c, sync)]} | {tps:.1f} | {ratio:.3f} | {step:.1f} | {fwd:.1f} | {smp:.2f} | "
+              f"{apply:.2f} | {wait:.2f} | {accept:.2f} | {rest:.2f} | {fill_col} |")
+    if (big, True, True) in results:
+        overlap = median((big, True, False), lambda r: r.decode_tps) / median((big, True, True), lambda r: r.decode_tps)
+        print(f"\noverlap: batch {big} grammar decode tok/s, overlapped / masks-before-forward = {overlap:.3f}")
+    return ratios
+
+
+def main() -> None:
+    args = parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     big = max(batches)
     wall = time.perf_counter()
@@ -331,60 +401,10 @@ def main() -> None:
     for b in batches:
         bench.run(b, False), bench.run(b, True)
 
-    # 1 + 3: interleaved, the order swapped every repetition so a drift hits every side alike
-    # NOTE: a repetition during which other processes took over MAX_OTHER_CORES is done again
-    # (at most --repeats extra times); the medians are over the undisturbed ones if there are enough
+    # 1 + 3: interleaved repetitions, then their medians
     kinds = [(b, c, False) for b in batches for c in (False, True)] + [(big, True, True)]
-    clean: dict[tuple[int, bool, bool], list[RunResult]] = {k: [] for k in kinds}
-    every: dict[tuple[int, bool, bool], list[RunResult]] = {k: [] for k in kinds}
-    attempts = 0
-    while len(clean[kinds[0]]) < args.repeats and attempts < 2 * args.repeats:
-        before = wait_for_quiet(args.idle_wait)
-        other = OtherCpu()
-        rep: dict[tuple[int, bool, bool], RunResult] = {}
-        for kind in kinds if attempts % 2 == 0 else kinds[::-1]:
-            rep[kind] = bench.run(*kind)
-        cores = other.cores()
-        attempts += 1
-        for kind, r in rep.items():
-            every[kind].append(r)
-            if cores <= MAX_OTHER_CORES:
-                clean[kind].append(r)
-        shown = ", ".join(f"{b}{'g' if c else 'u'}{'s' if sync else ''} {r.decode_tps:.1f}"
-                          for (b, c, sync), r in rep.items())
-        print(f"repetition {attempts}: decode tok/s {shown}; other processes {cores:.2f} cores "
-              f"({before:.2f} just before){' DISTURBED, not counted' if cores > MAX_OTHER_CORES else ''}")
-        sys.stdout.flush()
-    results = clean if len(clean[kinds[0]]) >= min(3, args.repeats) else every
-    if results is every:
-        print(f"WARNING: only {len(clean[kinds[0]])} undisturbed repetitions: medians over all {attempts}")
-    n_used = len(results[kinds[0]])
-
-    def median(kind: tuple[int, bool, bool], what: Callable[[RunResult], float]) -> float:
-        return statistics.median(what(r) for r in results[kind])
-
-    print(f"\nmedians of {n_used} repetitions; ms per decode-only step:")
-    print("\n| batch | side | decode tok/s | ratio | ms/step | forward | sampler | of which mask apply | "
-          "mask wait | accept | rest | fill |")
-    print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    labels = {(False, False): "unconstrained", (True, False): "grammar (overlapped)",
-              (True, True): "grammar, masks before forward"}
-    ratios: dict[str, float] = {}
-    for kind in kinds:
-        b, c, sync = kind
-        tps = median(kind, lambda r: r.decode_tps)
-        ratio = tps / median((b, False, False), lambda r: r.decode_tps)
-        if c and not sync:
-            ratios[f"batch {b}"] = ratio
-        step, fwd, smp, apply, accept, wait, fill = (
-            median(kind, lambda r, p=p: r.ms(p)) for p in ("step", "forward", "sampler", "apply", "accept", "mask_wait", "fill"))
-        rest = step - fwd - smp - wait - accept - (fill if sync else 0.0)
-        fill_col = (f"{fill:.2f}" + (" (engine thread)" if sync else " (worker)")) if c else "-"
-        print(f"| {b} | {labels[(c, sync)]} | {tps:.1f} | {ratio:.3f} | {step:.1f} | {fwd:.1f} | {smp:.2f} | "
-              f"{apply:.2f} | {wait:.2f} | {accept:.2f} | {rest:.2f} | {fill_col} |")
-    if (big, True, True) in results:
-        overlap = median((big, True, False), lambda r: r.decode_tps) / median((big, True, True), lambda r: r.decode_tps)
-        print(f"\noverlap: batch {big} grammar decode tok/s, overlapped / masks-before-forward = {overlap:.3f}")
+    results = repetitions(bench, kinds, args)
+    ratios = step_table(results, kinds, big)
 
     # 2: replay the tokens of the last batch run through fresh matchers
     last = results[(big, True, False)][-1].tokens
