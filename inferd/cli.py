@@ -350,7 +350,8 @@ def plan(
     json_out: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
 ) -> None:
     """Replicas for --qps within the SLO, from one box's measured sweep, by Little's law (docs/scaling.md)."""
-    from inferd.client.plan import PlanError, plan_files, print_plan
+    from inferd.client.plan import PlanError, plan_files
+    from inferd.client.plan_render import print_plan
 
     try:
         print_plan(plan_files(files, qps, slo, percentile, headroom, spare), json_out)

@@ -17,7 +17,8 @@ from typer.testing import CliRunner
 
 from inferd.cli import app
 from inferd.client.bench_metrics import RequestRecord, summarize
-from inferd.client.plan import PlanError, PlanInput, SweepPoint, load_points, make_plan, plan_files, render, to_json
+from inferd.client.plan import PlanError, PlanInput, SweepPoint, load_points, make_plan, plan_files
+from inferd.client.plan_render import render, to_json
 
 DATA = Path(__file__).parent / "data"
 RECORDED = sorted((DATA / "cpu_sweep").glob("c*.json"))  # inferd bench --json, one file per concurrency
