@@ -38,7 +38,7 @@ from inferd.settings.policy import SchedulingPolicy  # noqa: E402
 from inferd.engine.sched.request import Request, RequestStatus  # noqa: E402
 from inferd.engine.worker.runner import ModelRunner  # noqa: E402
 from inferd.engine.sched.scheduler import ScheduledChunk, Scheduler, SchedulerOutput  # noqa: E402
-from inferd.model.layers.attention import select_attention  # noqa: E402
+from inferd.kernels.ops import select_attention  # noqa: E402
 from inferd.model.families.config import ModelConfig  # noqa: E402
 from inferd.model.decoder import DecoderModel  # noqa: E402
 from inferd.text.sampling_params import SamplingParams  # noqa: E402

@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from inferd.kernels import cuda  # noqa: E402
+from inferd.kernels.cuda import launch as cuda  # noqa: E402
 
 ENTRY = re.compile(r"Compiling entry function '(\S+)' for")
 USAGE = re.compile(r"Used (\d+) registers.*?(\d+) bytes smem")

@@ -28,9 +28,9 @@ PLANTED = {
     "client-http-only": ("inferd/client/status.py", "import inferd.engine.health",
                          "inferd.client.status -> inferd.engine.health (l.1)"),
     "api-no-torch": ("inferd/api/__init__.py", "import torch", "inferd.api -> torch (l.1)"),
-    "config-is-data": ("inferd/settings/values.py", "import inferd.model.tensors",
-                       "inferd.settings.values -> inferd.model.tensors (l.1)"),
-    "core-no-serving-libs": ("inferd/model/tensors.py", "import aiohttp", "inferd.model.tensors -> aiohttp (l.1)"),
+    "config-is-data": ("inferd/settings/values.py", "import inferd.kernels.tensors",
+                       "inferd.settings.values -> inferd.kernels.tensors (l.1)"),
+    "core-no-serving-libs": ("inferd/model/evaluate.py", "import aiohttp", "inferd.model.evaluate -> aiohttp (l.1)"),
     "api-stages": ("inferd/api/gateway/ratelimit.py", "import inferd.api.routing.routes",
                    "inferd.api.gateway.ratelimit -> inferd.api.routing.routes (l.1)"),
     "api-engine-face": ("inferd/api/body.py", "import inferd.engine.health",
@@ -38,13 +38,16 @@ PLANTED = {
     "api-no-model": ("inferd/api/record.py", "import inferd.model.families.config",
                      "inferd.api.record -> inferd.model.families.config (l.1)"),
     "text-leaf": ("inferd/text/detokenizer.py", "import torch", "inferd.text.detokenizer -> torch (l.1)"),
+    "kernel-face": ("inferd/model/sampler.py", "import inferd.kernels.cpu", "inferd.model.sampler -> inferd.kernels.cpu (l.1)"),
+    "device-rooms": ("inferd/kernels/cpu/build.py", "import inferd.kernels.cuda.launch",
+                     "inferd.kernels.cpu.build -> inferd.kernels.cuda.launch (l.1)"),
     "engine-order": ("inferd/engine/kv/prefix_cache.py", "import inferd.engine.structured",
                      "inferd.engine.kv.prefix_cache -> inferd.engine.structured (l.1)"),
     "no-tensors": ("inferd/engine/sched/plan.py", "import torch", "inferd.engine.sched.plan -> torch (l.1)"),
     "pure-policy": ("inferd/api/admission/queues.py", "import asyncio",
                     "inferd.api.admission.queues -> asyncio (l.1)"),
-    # layers/attention.py is imported by decoder.py: planted, model.layers and model.decoder form a circle
-    "no-circles": ("inferd/model/layers/attention.py", "import inferd.model.decoder", "- .layers -> .decoder (1 import)"),
+    # layers/quant.py is imported by decoder.py: planted, model.layers and model.decoder form a circle
+    "no-circles": ("inferd/model/layers/quant.py", "import inferd.model.decoder", "- .layers -> .decoder (1 import)"),
 }
 
 

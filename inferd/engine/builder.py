@@ -17,7 +17,7 @@ from inferd.engine.config import EngineConfig
 from inferd.engine.worker.cuda_graphs import DecodeGraphs
 from inferd.engine.worker.kv_cache import KVCache, auto_kv_cache_memory, host_blocks_for, num_blocks_for
 from inferd.engine.worker.runner import ModelRunner
-from inferd.model.layers.attention import CudaAttention, select_attention
+from inferd.kernels.ops import CudaAttention, select_attention
 from inferd.text.errors import ModelLoadError
 from inferd.model.decoder import DecoderModel
 from inferd.model.loading.loader import default_model_path, load_checkpoint

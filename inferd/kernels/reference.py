@@ -1,4 +1,9 @@
-"""Pure-torch paged attention: the specification of every CUDA kernel and the CPU path.
+"""The specification of every kernel op, in plain torch: the paged attention of the CPU and CUDA
+kernels, the KV cache write, a decoder layer's small ops (RMSNorm, residual add + RMSNorm, the
+gated activation, RoPE + the KV write) and the block products. The face (ops.py) binds these
+where no device kernel covers a model's shapes; tests/kernels checks every kernel against them.
+
+Paged attention:
 
 The KV cache of one layer is two tensors `[num_blocks, block_size, n_kv_heads, head_dim]`.
 A sequence's token at position p lives in slot `block_table[p // block_size] * block_size +
@@ -17,6 +22,7 @@ step; the `*_planned` functions run per layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,6 +40,66 @@ def write_kv(
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
+
+# ------------------------------------------------------------------------------ layer ops
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool = False) -> torch.Tensor:
+    """RMSNorm in float32, as transformers computes each family's: Llama's x̂·w rounds x̂ to x's
+    dtype first; with `offset` (Gemma's x̂·(1 + w), `weight` already 1 + w in float32) the product
+    is taken in float32. The token-exact tests rely on the same arithmetic."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (x * weight).to(dtype)
+    return weight * x.to(dtype)
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                  offset: bool = False) -> torch.Tensor:
+    """x += delta in place (rounded to x's dtype); returns rms_norm(x)."""
+    x.add_(delta)
+    return rms_norm(x, weight, eps, offset)
+
+
+def gated(gate_up: torch.Tensor, activation: str) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """activation(gate) x up, gate and up the two halves of one product: "silu" (Llama) or
+    "gelu_tanh" (Gemma)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
+    return act * up
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (transformers' convention) over the first `rotary_dim` of each head.
+
+    x * cos + cat(-x2, x1) * sin is written as x * cos + cat(x2, x1) * cat(-sin, sin): bit-identical
+    and one op shorter. x: [T, heads, head_dim], cos / signed_sin: [T, rotary_dim]."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos[:, None, :] + x.roll(rotary_dim // 2, dims=-1) * signed_sin[:, None, :]
+    part, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+    rotated = part * cos[:, None, :] + part.roll(rotary_dim // 2, dims=-1) * signed_sin[:, None, :]
+    return torch.cat((rotated, rest), dim=-1)
+
+
+def rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 KV) x D]
+                  cos: torch.Tensor, signed_sin: torch.Tensor,  # [T, rotary_dim] each
+                  key_cache: torch.Tensor, value_cache: torch.Tensor,  # [blocks, block_size, KV, D] each
+                  slot_mapping: torch.Tensor,  # [T] int64
+                  num_heads: int, num_kv_heads: int,
+                  write: Callable[..., None] | None = None) -> torch.Tensor:  # q: [T, H, D]
+    """q and k rotated, k and v written to their slots (by `write`, write_kv's signature: a device's
+    KV write; write_kv itself by default); returns q."""
+    t, d = qkv.shape[0], key_cache.shape[-1]
+    qk = rotate(qkv[:, : (num_heads + num_kv_heads) * d].view(t, num_heads + num_kv_heads, d), cos, signed_sin)
+    v = qkv[:, (num_heads + num_kv_heads) * d:].view(t, num_kv_heads, d)
+    (write or write_kv)(qk[:, num_heads:], v, key_cache, value_cache, slot_mapping)
+    return qk[:, :num_heads]
+
+
+# ------------------------------------------------------------------------------ paged attention
 
 # The key/value block of torch's CPU flash attention (SDPA reduces over blocks of min(512, L)
 # keys, L the group's padded context): with every context padded (masked) to a multiple of it,
@@ -167,6 +233,9 @@ def prefill_attention(
 ) -> torch.Tensor:  # [T, n_heads, head_dim]
     plan = plan_attention(block_tables, seq_lens, query_lens, key_cache.shape[1], window=window)
     return attention_planned(query, key_cache, value_cache, plan, scale, softcap)
+
+
+# ------------------------------------------------------------------------------ block products
 
 
 def quantize_rows(x: torch.Tensor, bits: int = 8, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,14 +16,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from inferd.kernels import cpu
-from inferd.model.layers.attention import TorchAttention
+from inferd.kernels import ops
+from inferd.kernels.ops import Attention, AttentionPlan, LayerOps, LayerShape
 from inferd.model.families.config import ModelConfig
-from inferd.text.errors import ModelLoadError
 from inferd.model.layers.quant import DenseLinear, Linear, fuse, make_linear
-from inferd.model.layers.rope import rotate
+from inferd.text.errors import ModelLoadError
 
 
 @dataclass
@@ -32,8 +30,8 @@ class LayerAttention:
     tables (a KV group, inferd.engine.kv.groups) share one of these."""
 
     slot_mapping: torch.Tensor  # [T] int64: cache slot of each new token (negative: padding, skipped)
-    prefill: object | None  # the attention backend's plans (see inferd.model.layers.attention), the
-    decode: object | None  # layer's window in them
+    prefill: AttentionPlan | None  # the attention backend's plans (inferd.kernels.ops), the layer's
+    decode: AttentionPlan | None  # window in them
 
 
 @dataclass
@@ -47,39 +45,34 @@ class StepAttention:
     dense_rows: int = 0
 
 
-class RMSNorm:
-    def __init__(self, weight: torch.Tensor, eps: float, offset: float = 0.0) -> None:
-        # Gemma's x̂·(1 + w) scales in float32 (as its transformers code does), Llama's x̂·w in
-        # the model's dtype: the token-exact tests rely on the same arithmetic
-        self.weight = weight if not offset else offset + weight.float()  # [dim]
-        self.offset = offset
-        self.eps = eps
+@dataclass
+class Norm:
+    """An RMSNorm's weight as the ops take it: w (Llama's x̂·w), or 1 + w in float32 (Gemma's
+    x̂·(1 + w), offset by the family's norm_offset)."""
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (x * self.weight).to(dtype)
-        return self.weight * x.to(dtype)
+    weight: torch.Tensor  # [dim]
+
+    @classmethod
+    def of(cls, weight: torch.Tensor, offset: float) -> Norm:
+        return cls(weight if not offset else offset + weight.float())
 
 
 class DecoderLayer:
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, attention: TorchAttention,
-                 index: int) -> None:
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, attention: Attention,
+                 ops: LayerOps, index: int) -> None:
         self.cfg = cfg
         self.attention = attention
+        self.ops = ops
         self.index = index
         self.sliding = cfg.is_sliding(index)
 
-        def norm(name: str) -> RMSNorm:
-            return RMSNorm(w[f"{prefix}.{name}"], cfg.rms_norm_eps, cfg.norm_offset)
+        def norm(name: str) -> Norm:
+            return Norm.of(w[f"{prefix}.{name}"], cfg.norm_offset)
 
         self.attn_norm, self.mlp_norm = norm("attn_norm"), norm("mlp_norm")
         self.q_norm, self.k_norm = (norm("q_norm"), norm("k_norm")) if cfg.qk_norm else (None, None)
         self.post_attn_norm, self.post_mlp_norm = ((norm("post_attn_norm"), norm("post_mlp_norm"))
                                                    if cfg.sandwich_norms else (None, None))
-        self.act = F.silu if cfg.activation == "silu" else _gelu_tanh
         bias = (
             torch.cat([w[f"{prefix}.q_bias"], w[f"{prefix}.k_bias"], w[f"{prefix}.v_bias"]])
             if cfg.attention_bias
@@ -97,41 +90,24 @@ class DecoderLayer:
         self.down = make_linear(w[f"{prefix}.down"], None, dtype, split=True, wide_inputs=True)  # [hidden, intermediate]
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_softcap
-        # Llama's glue on the CPU in bfloat16 (the default serving path): norms, residual + norm
-        # and SiLU x up as one native op each (inferd.kernels.cpu), the same roundings
-        self.native = (dtype == torch.bfloat16 and self.attn_norm.weight.device.type == "cpu" and not cfg.norm_offset
-                       and not cfg.sandwich_norms and cfg.activation == "silu" and cfg.hidden_size % 16 == 0
-                       and cfg.intermediate_size % 16 == 0 and cpu.available())
-        # and RoPE over whole heads with the cache write as one op (q/k norms go between: not then)
-        self.native_rope = (self.native and cfg.partial_rotary_factor == 1.0 and cfg.head_dim % 32 == 0
-                            and not cfg.qk_norm)
 
     def __call__(
         self,
-        x: torch.Tensor,  # [T, hidden]
+        x: torch.Tensor,  # [T, hidden]: this forward's own (the residual is added into it in place)
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, signed sin: [T, rotary_dim] each
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, n_kv, head_dim]
         attn: StepAttention,
     ) -> torch.Tensor:
-        cfg = self.cfg
+        cfg, ops = self.cfg, self.ops
         t = x.shape[0]
         # attention
         p, d = attn.num_prefill_tokens, attn.dense_rows
-        eps = cfg.rms_norm_eps
-        normed = cpu.rms_norm(x, self.attn_norm.weight, eps) if self.native else self.attn_norm(x)
-        qkv = self.qkv(normed, d)  # [T, q + 2 kv]
+        qkv = self.qkv(ops.norm(x, self.attn_norm.weight), d)  # [T, q + 2 kv]
+        if self.q_norm is not None:
+            qkv = self._norm_heads(qkv)
         key_cache, value_cache = kv_cache
         plans = attn.layers[self.index]
-        if self.native_rope and key_cache.dtype == torch.bfloat16:
-            q = cpu.rope_write_kv(qkv, *rope, key_cache, value_cache, plans.slot_mapping, cfg.num_heads, cfg.num_kv_heads)
-        else:
-            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            if self.q_norm is not None:
-                qk = torch.cat([self.q_norm(qk[:, : cfg.num_heads]), self.k_norm(qk[:, cfg.num_heads :])], dim=1)
-            qk = rotate(qk, *rope)  # q and k heads rotated in one go
-            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads :]
-            v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-            self.attention.write_kv(k, v, key_cache, value_cache, plans.slot_mapping)
+        q = ops.rope_write_kv(qkv, *rope, key_cache, value_cache, plans.slot_mapping)  # [T, heads, head_dim]
         prefill, decode = plans.prefill, plans.decode
         parts = []
         if prefill is not None:
@@ -140,18 +116,22 @@ class DecoderLayer:
             parts.append(self.attention.decode(q[p:], key_cache, value_cache, decode, self.scale, self.softcap))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self.o(out.reshape(t, cfg.q_size), d)
-        if self.native:  # x + out, in place (x is this forward's own), and the MLP's norm of it
-            out = self.down(cpu.silu_mul(self.gate_up(cpu.add_rms_norm_(x, out, self.mlp_norm.weight, eps), d)), d)
-            return x + out
-        x = x + (out if self.post_attn_norm is None else self.post_attn_norm(out))
-        # mlp
-        gate, up = self.gate_up(self.mlp_norm(x), d).chunk(2, dim=-1)
-        out = self.down(self.act(gate) * up, d)
-        return x + (out if self.post_mlp_norm is None else self.post_mlp_norm(out))
+        if self.post_attn_norm is not None:
+            out = ops.head_norm(out, self.post_attn_norm.weight)
+        # mlp: x + out, in place, and the MLP's norm of it
+        out = self.down(ops.gated(self.gate_up(ops.add_norm_(x, out, self.mlp_norm.weight), d)), d)
+        if self.post_mlp_norm is not None:
+            out = ops.head_norm(out, self.post_mlp_norm.weight)
+        return x + out
 
-
-def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
+    def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:  # [T, q + 2 kv] -> the same, q and k heads normed
+        """Each q and k head RMS-normed before RoPE (Qwen3, Gemma 3)."""
+        assert self.q_norm is not None and self.k_norm is not None
+        cfg, t = self.cfg, qkv.shape[0]
+        q = self.ops.head_norm(qkv[:, : cfg.q_size].view(t, cfg.num_heads, cfg.head_dim), self.q_norm.weight)
+        k = self.ops.head_norm(qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(t, cfg.num_kv_heads, cfg.head_dim),
+                               self.k_norm.weight)
+        return torch.cat([q.reshape(t, cfg.q_size), k.reshape(t, cfg.kv_size), qkv[:, cfg.q_size + cfg.kv_size :]], 1)
 
 
 class DecoderModel:
@@ -159,16 +139,23 @@ class DecoderModel:
         check_shapes(cfg, weights)
         self.cfg = cfg
         self.dtype = dtype
-        # the engine swaps in CudaAttention on a GPU (set_attention), once it knows the cache shape
-        self.attention = TorchAttention()
+        # the engine sets the device's backend (set_attention) once it knows the cache shape
+        self.attention: Attention = ops.TorchAttention()
+        self.shape = LayerShape(cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
+                                cfg.rms_norm_eps, bool(cfg.norm_offset), cfg.sandwich_norms, cfg.activation,
+                                cfg.partial_rotary_factor != 1.0, cfg.qk_norm)
+        # (the ops follow the weights as loaded: a norm's dtype and device)
+        self.ops_dtype = weights["layers.0.attn_norm"].dtype if cfg.num_layers else dtype
+        self.ops = ops.layer_ops(self.shape, self.ops_dtype, weights["norm"].device, self.attention)
         self.min_rows = 1
         self.embed = weights["embed"]  # [vocab, hidden]
         # (Gemma's √hidden, rounded to the weights' dtype as transformers does)
         self.embed_scale = None if cfg.embed_scale == 1.0 else torch.tensor(cfg.embed_scale, dtype=self.embed.dtype)
         # [vocab, hidden]; a tied head has its own entry only when packed (quant.pack_weights)
         self.lm_head = make_linear(weights.get("lm_head", self.embed), None, dtype)
-        self.norm = RMSNorm(weights["norm"], cfg.rms_norm_eps, cfg.norm_offset)
-        self.layers = [DecoderLayer(cfg, weights, f"layers.{i}", self.attention, i) for i in range(cfg.num_layers)]
+        self.norm = Norm.of(weights["norm"], cfg.norm_offset)
+        self.layers = [DecoderLayer(cfg, weights, f"layers.{i}", self.attention, self.ops, i)
+                       for i in range(cfg.num_layers)]
         # Rotary tables for every position, computed once like transformers does per forward;
         # sliding layers have their own where the family gives them another RoPE (Gemma 3)
         self.rope = cfg.rope().tables(cfg.max_position_embeddings, dtype)  # cos, signed sin: [max_pos, rotary_dim]
@@ -180,10 +167,12 @@ class DecoderModel:
     def device(self) -> torch.device:
         return self.embed.device
 
-    def set_attention(self, attention: TorchAttention) -> None:
+    def set_attention(self, attention: Attention) -> None:
+        """The attention backend, and the small ops bound again (the KV write is the backend's)."""
         self.attention = attention
+        self.ops = ops.layer_ops(self.shape, self.ops_dtype, self.device, attention)
         for layer in self.layers:
-            layer.attention = attention
+            layer.attention, layer.ops = attention, self.ops
 
     def set_batch_invariant(self, on: bool) -> None:
         """Every row's result the same bits whatever else is in the batch (`linear`; the
@@ -214,7 +203,7 @@ class DecoderModel:
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, local if layer.sliding else rope, kv_cache, attn)
         x = x[logits_indices]  # [S, hidden]: the final norm and head only where sampled
-        x = cpu.rms_norm(x, self.norm.weight, self.cfg.rms_norm_eps) if self.layers[0].native else self.norm(x)
+        x = self.ops.norm(x, self.norm.weight)
         logits = self.lm_head(x).float()
         if self.cfg.final_softcap is not None:
             cap = self.cfg.final_softcap

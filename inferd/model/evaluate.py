@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from inferd.model.decoder import DecoderModel, LayerAttention, StepAttention
 from inferd.model.layers.quant import DENSE_PREFILL_MIN_TOKENS
-from inferd.model.tensors import device_tensor
+from inferd.kernels.tensors import device_tensor
 
 
 def perplexity(model: DecoderModel, kv_layers: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,

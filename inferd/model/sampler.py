@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from inferd.text.sampling_params import SamplingParams
-from inferd.model.tensors import device_tensor, to_device
+from inferd.kernels.tensors import device_tensor, to_device
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:  # [B, V] float32 -> [B] long, ties to the lowest id

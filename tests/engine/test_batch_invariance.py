@@ -19,7 +19,7 @@ import torch
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
 from inferd.kernels import reference
-from inferd.model.layers.attention import CpuAttention
+from inferd.kernels.ops import CpuAttention
 from inferd.model.layers.quant import Linear, SplitLinear
 from inferd.text.sampling_params import SamplingParams
 

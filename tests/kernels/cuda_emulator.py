@@ -3,7 +3,7 @@
 The sources in inferd/kernels/csrc are compiled by g++ against `emu/` (cuda_fp16.h, cuda_bf16.h
 and cuda_emu.h, a model of CUDA's threads: one fiber per CUDA thread, barriers for
 __syncthreads and for warp shuffles) into a shared library. `install(monkeypatch)` then makes
-`inferd.kernels.cuda` launch through it instead of CuPy, so its host code (argument packing,
+`inferd.kernels.cuda.launch` launch through it instead of CuPy, so its host code (argument packing,
 grids, partition layout, workspace) runs unchanged and the kernels' code runs for real, on CPU
 tensors. What it cannot show: speed, and anything about the GPU's memory model beyond the
 barriers the kernels use.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from inferd.kernels import cuda
+from inferd.kernels.cuda import launch as cuda
 
 EMU = Path(__file__).parent / "emu"
 

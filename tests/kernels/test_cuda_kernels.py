@@ -2,7 +2,7 @@
 
 Every test builds its inputs on the GPU, runs the kernel and the reference on the same tensors
 (the reference in float32 from the upcast, already rounded inputs), and compares. Skipped with a
-reason where there is no CUDA device or no CuPy; `inferd.kernels.cuda` is imported only then.
+reason where there is no CUDA device or no CuPy; `inferd.kernels.cuda.launch` is imported only then.
 
 The paged caches hold large garbage in every slot no sequence owns (the tail of a sequence's last
 block, spare blocks), and block-table columns past a sequence's blocks hold random block ids, so a
@@ -45,7 +45,7 @@ TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 @pytest.fixture(scope="module")
 def kernels() -> ModuleType:
-    from inferd.kernels import cuda
+    from inferd.kernels.cuda import launch as cuda
 
     assert cuda.is_available()
     return cuda
@@ -361,6 +361,7 @@ def test_prefill_matches_reference(kernels: ModuleType, dtype: torch.dtype, head
             expected = reference.prefill_attention(
                 query.float(), key_cache.float(), value_cache.float(), tables, query_lens, seq_lens, scale
             )
-            out = kernels.prefill_attention(query, key_cache, value_cache, tables, query_lens, seq_lens, scale)
+            # the CUDA path's prefill: the reference's gather and torch's SDPA, in the model's dtype on the device
+            out = reference.prefill_attention(query, key_cache, value_cache, tables.long(), query_lens, seq_lens, scale)
             assert out.shape == query.shape
             assert_matches(out, expected, dtype, f"block_size={block_size} group={group} tables {table_dtype}")

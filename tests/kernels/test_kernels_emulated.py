@@ -1,7 +1,7 @@
 """The CUDA kernels, run on the CPU through an emulation of CUDA's threads (cuda_emulator.py),
 against the torch reference, on every machine.
 
-Their source is compiled by g++ and launched through `inferd.kernels.cuda`'s own host code, so
+Their source is compiled by g++ and launched through `inferd.kernels.cuda.launch`'s own host code, so
 indexing, partitioning, the online softmax, the warp and CTA reductions and the split-context
 reduce step are checked where CI runs (it has no GPU); tests/kernels/test_cuda_kernels.py covers
 the same and more on a real device. Shapes are small: the emulated CUDA threads take turns on one core.
@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import cuda_emulator
-from inferd.kernels import cuda, reference
+from inferd.kernels import reference
+from inferd.kernels.cuda import launch as cuda
 
 pytestmark = pytest.mark.skipif(cuda_emulator.compiler() is None, reason="needs g++ to build the CPU emulation")
 
@@ -155,7 +156,7 @@ def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path, fam
 
     from inferd.engine.config import EngineConfig
     from inferd.engine.llm_engine import LLMEngine
-    from inferd.model.layers.attention import CudaAttention
+    from inferd.kernels.ops import CudaAttention
     from inferd.text.sampling_params import SamplingParams
 
     vocab_size = tm.train_sentencepiece(tmp_path)

@@ -15,7 +15,7 @@ import importlib.util
 
 import pytest
 
-from inferd.kernels import cuda
+from inferd.kernels.cuda import launch as cuda
 
 
 def nvrtc_or_skip():

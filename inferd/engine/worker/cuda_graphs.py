@@ -20,7 +20,7 @@ import torch
 
 from inferd.engine.worker.kv_cache import KVCache
 from inferd.engine.sched.plan import ScheduledChunk
-from inferd.model.layers.attention import CudaAttention
+from inferd.kernels.ops import CudaAttention
 from inferd.model.decoder import DecoderModel, LayerAttention, StepAttention
 
 log = logging.getLogger(__name__)

@@ -14,7 +14,7 @@ import torch
 
 from inferd.engine.kv.groups import KVLayout
 from inferd.model.families.config import ModelConfig
-from inferd.model.tensors import device_tensor, to_device
+from inferd.kernels.tensors import device_tensor, to_device
 
 
 def kv_layout(cfg: ModelConfig) -> KVLayout:

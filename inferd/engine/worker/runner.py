@@ -15,7 +15,7 @@ from inferd.engine.sched.plan import ScheduledChunk, SchedulerOutput
 from inferd.model.decoder import DecoderModel, LayerAttention, StepAttention
 from inferd.model.layers.quant import DENSE_PREFILL_MIN_TOKENS
 from inferd.model.sampler import Sampler, SamplerOutput
-from inferd.model.tensors import device_tensor
+from inferd.kernels.tensors import device_tensor
 
 
 @dataclass

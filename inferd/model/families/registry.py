@@ -15,7 +15,7 @@ sliding-window layers, per-layer RoPE, partial rotary. A family says
   1 + w, Llama's q/k rows interleaved for its RoPE, Phi-3's fused tensors).
 
 Adding a family: a `Family(...)` entry below; a new switch goes into ModelConfig, the decoder
-and every attention backend (inferd.model.layers.attention), with a test that fails with it off.
+and every attention backend (inferd.kernels.ops), with a test that fails with it off.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from inferd.kernels import cpu
+from inferd.kernels import ops
 
 GROUP = 32  # int4 group size along the input dimension (GGUF's Q4 block size too)
 _LINEAR = {"q", "k", "v", "o", "gate", "up", "down"}
@@ -210,7 +210,7 @@ class Int8Linear:
 
 
 class BlockLinear:
-    """A product on our block kernels (inferd.kernels.cpu.block_matmul): `bits` 4 (Int4Codes:
+    """A product on our block kernels (inferd.kernels.ops.block_matmul): `bits` 4 (Int4Codes:
     code * scale + minimum) or 8 (code * scale, codes -127..127), per block of 32 inputs, the
     scales (and minimums) held in float16 as GGUF stores them. `activation_bits`: the inputs
     quantized to 8 bits per block, or to 16 (4-bit weights only: twice the integer work, for a
@@ -246,10 +246,10 @@ class BlockLinear:
     @staticmethod
     def fits(shape: tuple[int, ...]) -> bool:
         """This machine runs the block products, and on this shape (outputs in tiles of 16)."""
-        return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % GROUP == 0 and cpu.block_matmul_available()
+        return len(shape) == 2 and shape[0] % 16 == 0 and shape[1] % GROUP == 0 and ops.block_products_available()
 
     def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
-        y = cpu.block_matmul(x, self.weight, self.bits, self.activation_bits)
+        y = ops.block_matmul(x, self.weight, self.bits, self.activation_bits)
         return y if self.bias is None else y + self.bias
 
     def unpack(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

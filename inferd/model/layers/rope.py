@@ -88,7 +88,7 @@ class Rope:
         return _longrope(self.theta, dim, s, self.max_position_embeddings, self.long)
 
     def tables(self, num_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin for every position, `[num_positions, rotary_dim]` each (see `rotate`)."""
+        """cos and signed sin for every position, `[num_positions, rotary_dim]` each (see inferd.kernels.reference.rotate)."""
         inv_freq, attention_factor = self.inv_freq()
         freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), inv_freq)  # [P, rotary_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [P, rotary_dim]
@@ -96,19 +96,6 @@ class Rope:
         cos = emb.cos() * attention_factor
         signed_sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1) * attention_factor
         return cos.to(dtype), signed_sin.to(dtype)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (transformers' convention) over the first `rotary_dim` of each head.
-
-    x * cos + cat(-x2, x1) * sin is written as x * cos + cat(x2, x1) * cat(-sin, sin): bit-identical
-    and one op shorter. x: [T, heads, head_dim], cos / signed_sin: [T, rotary_dim]."""
-    rotary_dim = cos.shape[-1]
-    if rotary_dim == x.shape[-1]:
-        return x * cos[:, None, :] + x.roll(rotary_dim // 2, dims=-1) * signed_sin[:, None, :]
-    part, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-    rotated = part * cos[:, None, :] + part.roll(rotary_dim // 2, dims=-1) * signed_sin[:, None, :]
-    return torch.cat((rotated, rest), dim=-1)
 
 
 def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:

@@ -18,13 +18,11 @@ import importlib.util
 import math
 import os
 import site
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from inferd.kernels import reference
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("reshape_and_cache.cu", "paged_attention.cu")
@@ -260,35 +258,3 @@ def decode_attention(
     _launch(reduce, query.device, (num_heads, n),
             (_ptr(out), *parts, _ptr(seq_lens), np.int32(num_partitions), np.int32(partition_size)))
     return out
-
-
-# ------------------------------------------------------------------------------ prefill
-
-
-def prefill_attention(
-    query: torch.Tensor,  # [T, H, D]: each sequence's chunk, concatenated
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # [N, max_blocks]
-    query_lens: torch.Tensor,  # [N]
-    seq_lens: torch.Tensor,  # [N]
-    scale: float,
-) -> torch.Tensor:  # [T, H, D]
-    """Prefill chunks over the paged cache: the context is gathered into a contiguous buffer and
-    torch's fused SDPA (its memory-efficient kernel, which takes the causal-with-prefix mask)
-    does the rest. The gather reads each cached row once per chunk, which the chunk's own
-    quadratic work dwarfs; see bench/RESULTS.md for the measurement owed on a GPU."""
-    return reference.prefill_attention(query, key_cache, value_cache, block_tables.long(), query_lens.long(),
-                                       seq_lens.long(), scale)
-
-
-@dataclass
-class DecodePlan:
-    """What each layer's decode attention needs on the CUDA path, built once per step."""
-
-    block_tables: torch.Tensor  # [N, max_blocks] int32
-    seq_lens: torch.Tensor  # [N] int32
-    max_seq_len: int  # a bound on seq_lens, known on the host
-    num_partitions: int
-    workspace: DecodeWorkspace | None
-    window: int | None = None  # the sliding layers' plan

@@ -26,7 +26,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -34,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "cpu_simd.h"
 #if defined(INFERD_AVX512) && defined(__AVX512VNNI__)
 #define INFERD_VNNI 1
@@ -229,8 +229,13 @@ at::Tensor block_matmul(const at::Tensor& x,       // [M, K] float32 or bfloat16
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(inferd_cpu, m) {
-  m.def("block_matmul(Tensor x, Tensor weight, int format, int activation_bits=8) -> Tensor");
-  m.impl("block_matmul", c10::DispatchKey::CPU, TORCH_FN(block_matmul));
-  m.def("block_matmul_available() -> bool", [] { return vnni_available(); });
+// the entry points bindings.cpp registers (cpu_ops.h); the work stays in this file's namespace
+namespace inferd_cpu {
+
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t activation_bits) {
+  return ::block_matmul(x, weight, format, activation_bits);
 }
+
+bool block_matmul_available() { return vnni_available(); }
+
+}  // namespace inferd_cpu

@@ -21,7 +21,6 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
@@ -29,6 +28,7 @@
 #include <limits>
 #include <vector>
 
+#include "cpu_ops.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -312,8 +312,13 @@ at::Tensor decode_attention(const at::Tensor& query,        // [N, heads, dim], 
 
 }  // namespace
 
-TORCH_LIBRARY(inferd_cpu, m) {
-  m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, int window, float softcap) -> Tensor");
-  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(decode_attention));
+// the entry points bindings.cpp registers (cpu_ops.h); the work stays in this file's namespace
+namespace inferd_cpu {
+
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                            double softcap) {
+  return ::decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap);
 }
+
+}  // namespace inferd_cpu

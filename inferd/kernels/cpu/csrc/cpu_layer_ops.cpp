@@ -16,12 +16,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_ops.h"
 #include "cpu_simd.h"
 
 namespace {
@@ -204,14 +204,21 @@ at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at:
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(inferd_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
-  m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
-  m.def("add_rms_norm_(Tensor(a!) x, Tensor delta, Tensor weight, float eps) -> Tensor");
-  m.impl("add_rms_norm_", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm_));
-  m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
-  m.def("rope_write_kv(Tensor qkv, Tensor cos, Tensor signed_sin, Tensor(a!) key_cache, Tensor(b!) value_cache, "
-        "Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
-  m.impl("rope_write_kv", c10::DispatchKey::CPU, TORCH_FN(rope_write_kv));
+// the entry points bindings.cpp registers (cpu_ops.h); the work stays in this file's namespace
+namespace inferd_cpu {
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) { return ::rms_norm(x, weight, eps); }
+
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  return ::add_rms_norm_(x, delta, weight, eps);
 }
+
+at::Tensor silu_mul(const at::Tensor& gate_up) { return ::silu_mul(gate_up); }
+
+at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
+                         at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                         int64_t num_heads, int64_t num_kv_heads) {
+  return ::rope_write_kv(qkv, cos, signed_sin, key_cache, value_cache, slot_mapping, num_heads, num_kv_heads);
+}
+
+}  // namespace inferd_cpu

@@ -1,0 +1,91 @@
+"""Our CPU kernels, batch-invariant by construction: paged decode attention
+(csrc/cpu_attention.cpp), products over block-quantized weights on AVX-512 VNNI
+(csrc/cpu_matmul.cpp; inferd.model.layers.quant packs the weights for them) and a decoder layer's
+small bfloat16 ops fused (csrc/cpu_layer_ops.cpp: RMSNorm, residual add + RMSNorm, SiLU x up,
+RoPE + the KV cache write), registered as torch ops in csrc/bindings.cpp. inferd.kernels.reference
+is each one's spec; inferd.kernels.ops, the face, is their only caller outside tests and benches.
+
+build.py compiles them for this machine; without g++ the face binds the torch reference and
+torch's packed products instead, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from inferd.kernels.cpu.build import KernelBuildError, build, library_path
+
+log = logging.getLogger(__name__)
+
+HEAD_SIZE_MULTIPLE = 16  # the kernel's dot product runs 16 lanes
+_loaded: bool | None = None  # None: not tried yet
+
+
+def available() -> bool:
+    """Load the kernel, building it first if this machine has none; False (and a warning) if not."""
+    global _loaded
+    if _loaded is None:
+        try:
+            path = library_path()
+            if not path.exists():
+                log.info("building the CPU kernels for this machine (once; make does it ahead)")
+            torch.ops.load_library(str(build()))
+            _loaded = True
+        except (KernelBuildError, OSError, RuntimeError) as e:
+            log.warning("CPU kernels unavailable, using the torch reference and torch's products: %s", e)
+            _loaded = False
+    return _loaded
+
+
+def supports(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    return head_dim % HEAD_SIZE_MULTIPLE == 0 and num_heads % num_kv_heads == 0
+
+
+def block_matmul_available() -> bool:
+    """The quantized products run here: the kernels built, and on a CPU with AVX-512 VNNI."""
+    return available() and torch.ops.inferd_cpu.block_matmul_available()
+
+
+def block_matmul(x: torch.Tensor,  # [M, K]
+                 weight: torch.Tensor,  # uint8 [N / 16, K / 32, bytes]: quant.BlockLinear's packing
+                 bits: int,  # the weights' codes: 4 or 8
+                 activation_bits: int = 8) -> torch.Tensor:  # [M, N], x's dtype; 16 for 4-bit weights only
+    return torch.ops.inferd_cpu.block_matmul(x, weight, bits, activation_bits)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, H] bfloat16
+    return torch.ops.inferd_cpu.rms_norm(x, weight, eps)
+
+
+def add_rms_norm_(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x += delta in place (rounded to bfloat16); returns RMSNorm(x) * weight."""
+    return torch.ops.inferd_cpu.add_rms_norm_(x, delta, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I] bfloat16
+    return torch.ops.inferd_cpu.silu_mul(gate_up)
+
+
+def rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 KV) x D] bfloat16
+                  cos: torch.Tensor, signed_sin: torch.Tensor,  # [T, D] bfloat16 each
+                  key_cache: torch.Tensor, value_cache: torch.Tensor,  # [blocks, block_size, KV, D] bfloat16
+                  slot_mapping: torch.Tensor,  # [T] int64, negative: padding
+                  num_heads: int, num_kv_heads: int) -> torch.Tensor:  # q: [T, H, D]
+    """q and k rotated (inferd.model.layers.rope.rotate's arithmetic), k and v written to their slots
+    (inferd.kernels.reference.write_kv's), in one pass."""
+    return torch.ops.inferd_cpu.rope_write_kv(qkv, cos, signed_sin, key_cache, value_cache, slot_mapping,
+                                              num_heads, num_kv_heads)
+
+
+def decode_attention(query: torch.Tensor,  # [N, heads, head_dim]
+                     key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim]
+                     value_cache: torch.Tensor,
+                     block_tables: torch.Tensor,  # [N, width] int32
+                     seq_lens: torch.Tensor,  # [N] int32
+                     scale: float,
+                     window: int | None = None,  # a sliding layer's: only the last `window` positions
+                     softcap: float | None = None) -> torch.Tensor:  # [N, heads, head_dim]
+    return torch.ops.inferd_cpu.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
+                                                 window or 0, softcap or 0.0)

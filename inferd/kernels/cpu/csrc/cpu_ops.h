@@ -1,0 +1,28 @@
+// The CPU kernels' entry points, one declaration each: defined in cpu_attention.cpp,
+// cpu_layer_ops.cpp and cpu_matmul.cpp, registered as torch ops (inferd_cpu::*) in bindings.cpp.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace inferd_cpu {
+
+// paged decode attention, one query row per sequence (cpu_attention.cpp)
+at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                            double softcap);
+
+// a decoder layer's small bfloat16 ops (cpu_layer_ops.cpp)
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor add_rms_norm_(at::Tensor& x, const at::Tensor& delta, const at::Tensor& weight, double eps);
+at::Tensor silu_mul(const at::Tensor& gate_up);
+at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
+                         at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
+                         int64_t num_heads, int64_t num_kv_heads);
+
+// products over block-quantized weights on AVX-512 VNNI (cpu_matmul.cpp)
+at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t activation_bits);
+bool block_matmul_available();
+
+}  // namespace inferd_cpu

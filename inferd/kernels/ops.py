@@ -1,0 +1,277 @@
+"""The kernel face: the one module the model reaches its ops through, and the only one outside the
+device rooms (cpu/, cuda/) that imports them.
+
+    model/ ──> ops ──┬──> cpu/        our C++ kernels (torch ops inferd_cpu::*)
+                     ├──> cuda/       our CUDA kernels (NVRTC through CuPy)
+                     └──> reference   the torch spec of every op, bound where no kernel covers a shape
+
+Each op is chosen once, when the model is loaded (or its attention backend is set), for its
+device, dtype and shapes; a call then goes straight to the bound function, with no device test
+on the hot path. The ops:
+- a decoder layer's small ops (`LayerOps`): RMSNorm, residual add + RMSNorm, the gated
+  activation, RoPE + the KV cache write;
+- attention over the paged cache (`Attention` backends), each over its own kind of `AttentionPlan`;
+- products over block-quantized weights (`block_matmul`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from inferd.kernels import cpu, reference
+from inferd.kernels.cuda import launch as cuda
+from inferd.kernels.tensors import device_tensor
+
+log = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+
+
+# ------------------------------------------------------------------------------ attention plans
+
+GatherPlan = reference.AttentionPlan  # the reference's: gather indices and masks (prefill, and decode on torch)
+
+
+@dataclass
+class RowPlan:
+    """Decode row by row over the paged cache, as our CPU and CUDA kernels do it."""
+
+    block_tables: Tensor  # [N, width] int32
+    seq_lens: Tensor  # [N] int32: context lengths, the new token included
+    window: int | None = None  # the sliding layers' plan
+    # CUDA's split decode: a bound on seq_lens known on the host, the partitions and their scratch
+    max_seq_len: int = 0
+    num_partitions: int = 1
+    workspace: cuda.DecodeWorkspace | None = None
+
+
+AttentionPlan = GatherPlan | RowPlan  # one step's plan for a group of rows, shared by the layers
+
+
+# ------------------------------------------------------------------------------ attention backends
+
+
+class TorchAttention:
+    """The reference (`reference.attention_planned`): the CPU path where our kernel does not fit,
+    and the fallback for shapes the CUDA kernels do not cover."""
+
+    name = "torch"
+    row_prefill = False  # decode plans may hold prefill rows too, one per token (CpuAttention)
+
+    def __init__(self, kv_block: int | None = None) -> None:
+        # contexts padded to a multiple of this: batch-invariant rows ([model] deterministic)
+        self.kv_block = kv_block
+
+    def plan_prefill(self, block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
+                     block_size: int, device: torch.device, window: int | None = None) -> AttentionPlan:
+        return reference.plan_attention(
+            device_tensor(block_tables, torch.int64, device),  # [N, max_blocks]
+            device_tensor(seq_lens, torch.int64, device),  # [N]
+            device_tensor(query_lens, torch.int64, device),  # [N]
+            block_size,
+            max_seq_len=max(seq_lens), max_query_len=max(query_lens), num_query_tokens=sum(query_lens),
+            kv_block=self.kv_block, window=window,
+        )
+
+    def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,
+                    device: torch.device, window: int | None = None) -> AttentionPlan:
+        return self.plan_prefill(block_tables, seq_lens, [1] * len(seq_lens), block_size, device, window)
+
+    def write_kv(self, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
+                 slot_mapping: Tensor) -> None:
+        reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
+
+    def prefill(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan,
+                scale: float, softcap: float | None = None) -> Tensor:
+        assert isinstance(plan, GatherPlan)
+        return reference.attention_planned(query, key_cache, value_cache, plan, scale, softcap)
+
+    def decode(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan,
+               scale: float, softcap: float | None = None) -> Tensor:
+        assert isinstance(plan, GatherPlan)
+        return reference.attention_planned(query, key_cache, value_cache, plan, scale, softcap)
+
+
+class CpuAttention(TorchAttention):
+    """Decode on our CPU kernel: no gather of the context, each row on its own in a fixed order
+    (batch-invariant); prefill chunks as the reference."""
+
+    name = "cpu"
+    row_prefill = True
+
+    def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,
+                    device: torch.device, window: int | None = None) -> AttentionPlan:
+        return RowPlan(device_tensor(block_tables, torch.int32, device), device_tensor(seq_lens, torch.int32, device),
+                       window)
+
+    def decode(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan,
+               scale: float, softcap: float | None = None) -> Tensor:
+        assert isinstance(plan, RowPlan)
+        return cpu.decode_attention(query, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
+                                    plan.window, softcap)
+
+
+class CudaAttention(TorchAttention):
+    """Decode and cache writes on our CUDA kernels; prefill chunks gather their context and call
+    torch's fused SDPA, as the reference does. The decode plan carries host-known bounds (max
+    context, partition count) so that no layer reads anything back from the device."""
+
+    name = "cuda"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, max_model_len: int,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.num_kv_heads = num_kv_heads
+        self.num_sms = cuda.num_sms(device.index or 0)
+        # the split variant's scratch, sized for the worst case once, shared by all layers
+        # (they run one after another on one stream)
+        max_partitions = max(cuda.partition_layout(max_model_len, cuda.choose_num_partitions(
+            n, num_kv_heads, max_model_len, self.num_sms))[1] for n in range(1, max_num_seqs + 1))
+        self.workspace = cuda.DecodeWorkspace(max_num_seqs, num_heads, head_dim, max_partitions, device)
+
+    def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,
+                    device: torch.device, window: int | None = None) -> AttentionPlan:
+        return self.decode_plan(device_tensor(block_tables, torch.int32, device),
+                                device_tensor(seq_lens, torch.int32, device), max(seq_lens), window)
+
+    def decode_plan(self, block_tables: Tensor, seq_lens: Tensor, max_seq_len: int,
+                    window: int | None = None) -> RowPlan:
+        """A plan over device tensors (a captured graph's static buffers, say)."""
+        num_partitions = cuda.choose_num_partitions(seq_lens.shape[0], self.num_kv_heads, max_seq_len, self.num_sms)
+        return RowPlan(block_tables, seq_lens, window, max_seq_len, num_partitions, self.workspace)
+
+    def write_kv(self, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
+                 slot_mapping: Tensor) -> None:
+        cuda.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def decode(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan,
+               scale: float, softcap: float | None = None) -> Tensor:
+        assert isinstance(plan, RowPlan)
+        return cuda.decode_attention(
+            query.contiguous(), key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
+            max_seq_len=plan.max_seq_len, num_partitions=plan.num_partitions, workspace=plan.workspace,
+            window=plan.window, softcap=softcap)
+
+
+Attention = TorchAttention  # the backends' common face: CpuAttention and CudaAttention refine it
+
+
+def select_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                     block_size: int, max_num_seqs: int, max_model_len: int,
+                     deterministic: bool = False) -> TorchAttention:
+    """Our kernels where the device (CuPy on CUDA, a compiler on the CPU) and the shapes allow;
+    otherwise the reference. `deterministic`: prefill contexts padded to whole blocks (the CPU's
+    batch-invariant mode; decode on our CPU kernel is invariant as it is)."""
+    if device.type != "cuda":
+        kv_block = reference.KV_BLOCK if deterministic else None
+        if cpu.supports(head_dim, num_heads, num_kv_heads) and cpu.available():
+            return CpuAttention(kv_block)
+        return TorchAttention(kv_block)
+    if deterministic:
+        log.warning("[model] deterministic is a CPU mode: on CUDA, results may still vary with the batch")
+    if not cuda.is_available():
+        log.warning("CuPy is not installed (pip install 'inferd[cuda]'): attention runs on the torch reference")
+        return TorchAttention()
+    if not cuda.supports(dtype, head_dim, block_size):
+        log.warning("no CUDA kernel for %s, head size %d, block size %d (kernels cover head sizes %s, block sizes "
+                    "%s): attention runs on the torch reference", dtype, head_dim, block_size, cuda.HEAD_SIZES,
+                    cuda.BLOCK_SIZES)
+        return TorchAttention()
+    return CudaAttention(num_heads, num_kv_heads, head_dim, max_num_seqs, max_model_len, device)
+
+
+# ------------------------------------------------------------------------------ a layer's small ops
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What decides which backend runs a decoder's small ops (from the model's config)."""
+
+    hidden_size: int
+    intermediate_size: int
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    eps: float
+    norm_offset: bool  # Gemma's x̂·(1 + w)
+    sandwich_norms: bool
+    activation: str  # "silu" | "gelu_tanh"
+    partial_rotary: bool  # RoPE over part of each head
+    qk_norm: bool
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    """A decoder's small ops, each bound to one backend for the model's dtype, device and shapes."""
+
+    backend: str  # "cpu" (our fused kernels) or "reference"
+    norm: Callable[[Tensor, Tensor], Tensor]  # (x [T, hidden], weight) -> normed: the layers' and the final norm
+    add_norm_: Callable[[Tensor, Tensor, Tensor], Tensor]  # (x, delta, weight): x += delta; norm(x)
+    gated: Callable[[Tensor], Tensor]  # [T, 2I] -> [T, I]: activation(gate) x up
+    # (qkv [T, (H + 2 KV) D], cos, signed_sin, key_cache, value_cache, slot_mapping) -> q [T, H, D]
+    rope_write_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+    head_norm: Callable[[Tensor, Tensor], Tensor]  # q/k heads' and sandwich norms: always the reference's
+
+
+def layer_ops(shape: LayerShape, dtype: torch.dtype, device: torch.device, attention: TorchAttention) -> LayerOps:
+    """Bind each small op once: our CPU kernels for Llama-shaped layers in bfloat16 on the CPU (the
+    default serving path: the same roundings, fewer passes), the reference elsewhere, whose KV
+    write is the attention backend's (CUDA's kernel on a GPU)."""
+    eps, offset, heads, kv_heads = shape.eps, shape.norm_offset, shape.num_heads, shape.num_kv_heads
+
+    def head_norm(x: Tensor, weight: Tensor) -> Tensor:
+        return reference.rms_norm(x, weight, eps, offset)
+
+    fused = (dtype == torch.bfloat16 and device.type == "cpu" and not offset and not shape.sandwich_norms
+             and shape.activation == "silu" and shape.hidden_size % 16 == 0 and shape.intermediate_size % 16 == 0
+             and cpu.available())
+    if fused:
+        kernels = torch.ops.inferd_cpu
+        rope_fused = not shape.partial_rotary and shape.head_dim % 32 == 0 and not shape.qk_norm
+        return LayerOps(
+            "cpu",
+            norm=lambda x, weight: kernels.rms_norm(x, weight, eps),
+            add_norm_=lambda x, delta, weight: kernels.add_rms_norm_(x, delta, weight, eps),
+            gated=kernels.silu_mul,
+            rope_write_kv=(
+                (lambda qkv, cos, sin, kc, vc, slots: kernels.rope_write_kv(qkv, cos, sin, kc, vc, slots, heads,
+                                                                            kv_heads))
+                if rope_fused else _rope_then_write(attention, heads, kv_heads)),
+            head_norm=head_norm,
+        )
+    activation = shape.activation
+    return LayerOps(
+        "reference",
+        norm=head_norm,
+        add_norm_=lambda x, delta, weight: reference.add_rms_norm_(x, delta, weight, eps, offset),
+        gated=lambda gate_up: reference.gated(gate_up, activation),
+        rope_write_kv=_rope_then_write(attention, heads, kv_heads),
+        head_norm=head_norm,
+    )
+
+
+def _rope_then_write(attention: TorchAttention, heads: int,
+                     kv_heads: int) -> Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]:
+    """reference.rope_write_kv, its KV write the attention backend's (CUDA's kernel on a GPU)."""
+    write = attention.write_kv
+    return lambda qkv, cos, sin, kc, vc, slots: reference.rope_write_kv(qkv, cos, sin, kc, vc, slots, heads, kv_heads,
+                                                                        write)
+
+
+# ------------------------------------------------------------------------------ block products
+
+
+def block_products_available() -> bool:
+    """Products over block-quantized weights run here: our CPU kernels built, on AVX-512 VNNI."""
+    return cpu.block_matmul_available()
+
+
+def block_matmul(x: Tensor,  # [M, K]
+                 weight: Tensor,  # uint8 [N / 16, K / 32, bytes]: quant.BlockLinear's packing
+                 bits: int,  # the weights' codes: 4 or 8
+                 activation_bits: int = 8) -> Tensor:  # [M, N], x's dtype; 16 for 4-bit weights only
+    return torch.ops.inferd_cpu.block_matmul(x, weight, bits, activation_bits)
