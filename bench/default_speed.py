@@ -18,7 +18,7 @@ TEXT = "The history of computing is a story of ideas that moved from laboratorie
 
 
 def main() -> None:
-    engine = LLMEngine.from_config(EngineConfig(model=str(default_model_path())))
+    engine = LLMEngine.from_config(EngineConfig.of(model=str(default_model_path())))
     prompt = engine.tokenizer.encode(TEXT)
     for batch, tokens in ((1, 96), (16, 64)):
         engine.generate([prompt] * batch, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))

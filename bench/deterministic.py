@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    engines = {mode: LLMEngine.from_config(EngineConfig(dtype="bfloat16", kv_cache_memory=512 * 2**20,
+    engines = {mode: LLMEngine.from_config(EngineConfig.of(dtype="bfloat16", kv_cache_memory=512 * 2**20,
                                                         enable_prefix_caching=False, deterministic=mode))
                for mode in (False, True)}
     print("| batch | deterministic off tok/s | on (the default) tok/s | on / off | same tokens |")

@@ -75,7 +75,7 @@ def main() -> None:
     path = default_model_path()
     # offline: larger prefill chunks than the server's latency-minded default
     engine = LLMEngine.from_config(
-        EngineConfig(dtype=args.dtype, kv_cache_memory=2 * 2**30, max_num_seqs=256, max_num_batched_tokens=2048)
+        EngineConfig.of(dtype=args.dtype, kv_cache_memory=2 * 2**30, max_num_seqs=256, max_num_batched_tokens=2048)
     )
     model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
     model.eval()

@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(2)
-    engines = {mode: LLMEngine.from_config(EngineConfig(dtype="bfloat16", kv_cache_memory=512 * 2**20,
+    engines = {mode: LLMEngine.from_config(EngineConfig.of(dtype="bfloat16", kv_cache_memory=512 * 2**20,
                                                         enable_prefix_caching=False, weights=mode))
                for mode in ("bf16", "auto")}
     print("| batch | bf16 weights tok/s | packed (auto, the default) tok/s | packed / bf16 |")

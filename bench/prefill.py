@@ -21,7 +21,7 @@ WORDS = "the quick brown fox jumps over a lazy dog while seven wizards".split()
 
 
 def prefill_ms(dtype: str, tokens: int, runs: int) -> tuple[float, int]:
-    engine = LLMEngine.from_config(EngineConfig(dtype=dtype, kv_cache_memory=64 * 2**20, enable_prefix_caching=False))
+    engine = LLMEngine.from_config(EngineConfig.of(dtype=dtype, kv_cache_memory=64 * 2**20, enable_prefix_caching=False))
     ids = engine.tokenizer.encode(" ".join(WORDS[i % len(WORDS)] for i in range(tokens)))[:tokens]
     one = SamplingParams(max_tokens=1, temperature=0)
     engine.generate([ids], one)  # warm-up

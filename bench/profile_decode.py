@@ -19,7 +19,7 @@ parser.add_argument("--batch", type=int, default=1)
 parser.add_argument("--context", type=int, default=0, help="prompt tokens before decoding (0: a short prompt)")
 parser.add_argument("--rows", type=int, default=12, help="rows of the profiler's table")
 args = parser.parse_args()
-eng = LLMEngine.from_config(EngineConfig(dtype="bfloat16", kv_cache_memory=max(64, args.batch * (args.context + 400) // 8) * 2**20,
+eng = LLMEngine.from_config(EngineConfig.of(dtype="bfloat16", kv_cache_memory=max(64, args.batch * (args.context + 400) // 8) * 2**20,
                                          max_num_seqs=max(16, args.batch)))
 p = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
 words = ("the sea was calm and the ship sailed on " * (1 + args.context // 9)).split()[: args.context]

@@ -127,7 +127,7 @@ def build_engine(max_num_seqs: int, vocab_size: int = 0) -> LLMEngine:
     tokenizer = load_tokenizer(default_model_path())
     model = SyntheticZeroCostModel(tokenizer, max_num_seqs, vocab_size)
     assert max(tokenizer.encode(PROMPT)) < model.cfg.vocab_size, "the prompt must fit the vocabulary"
-    config = EngineConfig(device="cpu", dtype="float32", kv_cache_memory=64 * 2**20,
+    config = EngineConfig.of(device="cpu", dtype="float32", kv_cache_memory=64 * 2**20,
                           max_num_seqs=max_num_seqs, max_num_batched_tokens=8192)
     return LLMEngine(model, tokenizer, config)  # type: ignore[arg-type]
 

@@ -69,7 +69,7 @@ def engine_for(model: DecoderModel, context: int) -> LLMEngine:
     tokenizer = Tokenizer(_Pieces(), [f"t{i}" for i in range(VOCAB)], vocab_size=VOCAB, bos_token_id=None,
                           eos_token_ids=frozenset(), eos_token_id=None, pad_token_id=None, add_bos=False,
                           add_eos=False, special_ids=frozenset(), chat_template=None, byte_level=False)
-    config = EngineConfig(dtype="float32", block_size=BLOCK_SIZE, max_model_len=context + 1024,
+    config = EngineConfig.of(dtype="float32", block_size=BLOCK_SIZE, max_model_len=context + 1024,
                           max_num_batched_tokens=2048, kv_cache_memory=512 * 2**20)
     return LLMEngine(model, tokenizer, config)
 

@@ -19,7 +19,7 @@ import sys
 SNIPPETS = {
     "inferd": (
         "from inferd.engine.config import EngineConfig; from inferd.engine.llm_engine import LLMEngine\n"
-        "LLMEngine.from_config(EngineConfig(dtype='bfloat16'))\n"
+        "LLMEngine.from_config(EngineConfig.of(dtype='bfloat16'))\n"
     ),
     "GGUFReader (metadata only)": (
         "import gguf\nfrom inferd.model.loading.loader import default_model_path\n"

@@ -383,7 +383,7 @@ def main() -> None:
     wall = time.perf_counter()
 
     # dtype: the serving default; no load shedding (its TTFT watch only logs here, but noisily)
-    config = EngineConfig(kv_cache_memory=512 * 2**20, max_num_seqs=max(64, big),
+    config = EngineConfig.of(kv_cache_memory=512 * 2**20, max_num_seqs=max(64, big),
                           policy=SchedulingPolicy(shedding=ShedConfig(enabled=False)))
     engine = LLMEngine.from_config(config)
     compiler = GrammarCompiler(engine.tokenizer, engine.model_config.vocab_size)

@@ -1,6 +1,6 @@
 """inferd: an LLM inference serving daemon."""
 
-import os
+from inferd.settings.environment import cap_onednn_isa
 
 __version__ = "0.1.0"
 
@@ -10,4 +10,4 @@ __version__ = "0.1.0"
 # ISA keeps AVX-512 BF16 (AMX's prefill GEMMs are ~3x faster, but not batch-invariant). oneDNN
 # reads the cap once, at its first product: importing inferd sets it before any. An operator's
 # own ONEDNN_MAX_CPU_ISA wins.
-os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+cap_onednn_isa()

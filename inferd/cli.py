@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import dataclasses
+import inspect
 import logging
 import os
 import sys
@@ -13,11 +13,13 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
+from inferd.settings import environment
+
 if TYPE_CHECKING:  # (imported where used: `inferd --help` stays quick)
     from inferd.api.gateway.tenants import Keyring
     from inferd.api.routing.served import ModelSpec
-    from inferd.settings.config import Settings
     from inferd.engine.async_engine import AsyncEngine
+    from inferd.settings.config import Settings
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="inferd: an LLM inference serving daemon.")
 
@@ -46,7 +48,7 @@ def _serve_settings(settings_file: Path | None, overrides: dict[str, dict[str, A
     from inferd.settings.values import SettingsError
 
     def read_keys(settings: Settings) -> frozenset[str]:
-        return load_api_keys(cli_keys, os.environ.get("INFERD_API_KEYS"), settings.server.api_keys_file)
+        return load_api_keys(cli_keys, environment.API_KEYS.get(), settings.server.api_keys_file)
 
     def reload_keys() -> Keyring:
         settings = load_settings(settings_file, overrides)
@@ -79,10 +81,10 @@ def generate(
     config: ConfigOption = None,
 ) -> None:
     """Generate a completion offline and print it as it is produced."""
-    from inferd.settings.config import load_settings
-    from inferd.settings.values import SettingsError
     from inferd.engine.config import EngineConfig
     from inferd.engine.llm_engine import LLMEngine
+    from inferd.settings.config import load_settings
+    from inferd.settings.values import SettingsError
     from inferd.text.errors import ModelLoadError
     from inferd.text.sampling_params import SamplingParams
 
@@ -121,46 +123,15 @@ def generate(
     )
 
 
-@app.command()
-def serve(
-    model: Annotated[Optional[str], typer.Option(help="GGUF file or Hugging Face folder (default: the embedded SmolLM2)")] = None,
-    served_model_name: Annotated[Optional[str], typer.Option(help="the model name clients send (default: the file or folder name)")] = None,
-    host: Annotated[Optional[str], typer.Option(help="address to bind (settings: server.host)")] = None,
-    port: Annotated[Optional[int], typer.Option(help="port to bind, 0 for any free one (settings: server.port)")] = None,
-    dtype: Annotated[Optional[str], typer.Option(help="auto, float32, bfloat16 or float16 (settings: model.dtype)")] = None,
-    device: Annotated[Optional[str], typer.Option(help="auto, cpu or cuda (settings: model.device)")] = None,
-    kv_cache_memory: Annotated[Optional[str], typer.Option(help="KV cache size: bytes like 2GiB, or a fraction of free memory (settings: cache.kv_cache_memory)")] = None,
-    block_size: Annotated[Optional[int], typer.Option(help="tokens per KV block (settings: cache.block_size)")] = None,
-    max_num_seqs: Annotated[Optional[int], typer.Option(help="sequences per batch at most (settings: scheduler.max_num_seqs)")] = None,
-    max_num_batched_tokens: Annotated[Optional[int], typer.Option(help="tokens per engine step at most (settings: scheduler.max_num_batched_tokens)")] = None,
-    max_model_len: Annotated[Optional[int], typer.Option(help="context length cap (settings: model.max_model_len)")] = None,
-    log_format: Annotated[Optional[str], typer.Option(help="text or json lines (settings: server.log_format)")] = None,
-    drain_seconds: Annotated[Optional[float], typer.Option(help="on SIGTERM, how long in-flight requests may finish (settings: server.drain_seconds)")] = None,
-    probe_interval: Annotated[Optional[float], typer.Option(help="seconds between idle inference probes, 0 for start-up only (settings: server.probe_interval_seconds)")] = None,
-    preemption_mode: Annotated[Optional[str], typer.Option(help="recompute or swap (settings: scheduler.preemption_mode)")] = None,
-    prefix_caching: Annotated[Optional[bool], typer.Option(help="reuse cached KV blocks of shared prefixes (settings: cache.prefix_caching)")] = None,
-    threads: Annotated[Optional[int], typer.Option(help="torch CPU threads, 0 for automatic (settings: runtime.threads)")] = None,
-    deterministic: Annotated[Optional[bool], typer.Option(help="CPU: batch-invariant results, at a throughput cost (settings: model.deterministic)")] = None,
-    weights: Annotated[Optional[str], typer.Option(help="CPU: auto, bf16, int8 or int4 (settings: model.weights)")] = None,
-    api_key: Annotated[Optional[list[str]], typer.Option(help="an accepted API key (repeatable); also INFERD_API_KEYS and server.api_keys_file")] = None,
-    config: ConfigOption = None,
-) -> None:
+def serve(api_key: list[str] | None = None, config: Path | None = None, **flags: Any) -> None:
     """Serve the OpenAI-compatible API (completions, chat completions, models) over HTTP."""
     from inferd.api.routing.registry import load_models, model_specs
     from inferd.api.server import run_server
-    from inferd.text.errors import ModelLoadError
     from inferd.settings.config import load_settings
+    from inferd.settings.flags import overrides as flag_overrides
+    from inferd.text.errors import ModelLoadError
 
-    overrides = {
-        "server": {"host": host, "port": port, "drain_seconds": drain_seconds, "probe_interval_seconds": probe_interval,
-                   "log_format": log_format},
-        "model": {"path": model, "name": served_model_name, "dtype": dtype, "device": device, "max_model_len": max_model_len,
-                  "deterministic": deterministic, "weights": weights},
-        "cache": {"kv_cache_memory": kv_cache_memory, "block_size": block_size, "prefix_caching": prefix_caching},
-        "scheduler": {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens,
-                      "preemption_mode": preemption_mode},
-        "runtime": {"threads": threads},
-    }
+    overrides = flag_overrides(flags)
     settings_file = _settings_file(config)
     settings, api_keys, reload_keys = _serve_settings(settings_file, overrides, api_key or [])
     _configure_runtime(settings.runtime.threads, serving=True, log_format=settings.server.log_format)
@@ -169,6 +140,44 @@ def serve(
                    lambda: model_specs(load_settings(settings_file, overrides)))
     except (ModelLoadError, ValueError, OSError) as e:
         _fail(str(e))
+
+
+def _serve_options() -> None:
+    """`serve`'s options: one per promoted setting (settings/flags.py: its type and help from the
+    key's own field), the repeatable --api-key and --config."""
+    from inferd.settings.flags import SERVE_FLAGS
+
+    def option(flag: str, kind: type, help: str) -> Any:
+        names = f"{flag}/--no-{flag[2:]}" if kind is bool else flag  # (booleans: --x/--no-x)
+        return Annotated[Optional[kind], typer.Option(names, help=help)]
+
+    params = [inspect.Parameter(f.param, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                annotation=option(f.flag, f.type, f.help)) for f in SERVE_FLAGS]
+    params += [
+        inspect.Parameter("api_key", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+            Optional[list[str]], typer.Option(help="an accepted API key (repeatable); also INFERD_API_KEYS and "
+                                                   "server.api_keys_file")]),
+        inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=ConfigOption),
+    ]
+    serve.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    serve.__annotations__ = {p.name: p.annotation for p in params}
+    app.command()(serve)
+
+
+_serve_options()
+
+
+@app.command("config")
+def config_command(
+    defaults: Annotated[bool, typer.Option("--defaults", help="print every setting at its default, as TOML")] = False,
+) -> None:
+    """Print the settings: with --defaults, every key at its default, its description above it (a
+    file `serve --config` reads; docs/configuration.md describes each key)."""
+    if not defaults:
+        _fail("give --defaults (every key at its default, as TOML)")
+    from inferd.settings.docs import defaults_toml
+
+    sys.stdout.write(defaults_toml())
 
 
 def _model_loader(settings: Settings) -> Callable[[ModelSpec], AsyncEngine]:
@@ -181,8 +190,8 @@ def _model_loader(settings: Settings) -> Callable[[ModelSpec], AsyncEngine]:
 
     def load(spec: ModelSpec) -> AsyncEngine:
         config = EngineConfig.from_settings(settings)
-        kv = config.kv_cache_memory if spec.kv_cache_memory is None else spec.kv_cache_memory
-        config = dataclasses.replace(config, model=spec.path, dtype=spec.dtype or config.dtype, kv_cache_memory=kv)
+        kv = config.cache.kv_cache_memory if spec.kv_cache_memory is None else spec.kv_cache_memory
+        config = config.replace(model=spec.path, dtype=spec.dtype or config.model.dtype, kv_cache_memory=kv)
         return AsyncEngine(in_passing_thread(LLMEngine.from_config, config))
 
     return load
@@ -193,7 +202,7 @@ def status(
     url: Annotated[str, typer.Argument(help="the server: a base URL, or host:port")] = "http://127.0.0.1:8000",
     interval: Annotated[float, typer.Option(min=0.1, help="seconds between polls of /v1/status")] = 1.0,
     once: Annotated[bool, typer.Option("--once", help="print one frame and exit (for scripts)")] = False,
-    api_key: Annotated[Optional[str], typer.Option(envvar="INFERD_API_KEY", help="sent as `Authorization: Bearer KEY`")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar=environment.API_KEY.name, help="sent as `Authorization: Bearer KEY`")] = None,
 ) -> None:
     """Show a live dashboard of a running server: queues per class, KV cache, throughput, requests."""
     from inferd.client.status import StatusError, run
@@ -246,7 +255,7 @@ BENCH_HELP = """Load-test an OpenAI-compatible server; report vLLM `bench serve`
 def bench_run(
     url: Annotated[str, typer.Argument(help="the server: a base URL, .../v1, or host:port")],
     endpoint: Annotated[str, typer.Option(help="completions or chat (always streamed, with usage)")] = "completions",
-    api_key: Annotated[Optional[str], typer.Option(envvar="INFERD_API_KEY", help="sent as `Authorization: Bearer KEY`")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar=environment.API_KEY.name, help="sent as `Authorization: Bearer KEY`")] = None,
     model: Annotated[Optional[str], typer.Option(help="model name (default: the first of GET /v1/models)")] = None,
     concurrency: Annotated[Optional[int], typer.Option(help="closed loop: requests in flight (default 1); with --rate, the cap on them")] = None,
     rate: Annotated[Optional[str], typer.Option(help="open loop: requests/s; a list (1,2,4) sweeps rates")] = None,
@@ -329,7 +338,7 @@ def systemd_unit(
     config: Annotated[Path, typer.Option("--config", "-c", help="settings file the service reads")] = Path("/etc/inferd/inferd.toml"),
     user: Annotated[str, typer.Option(help="account the service runs as (and its group)")] = "inferd",
 ) -> None:
-    """Print a systemd unit that runs `inferd serve` from this install (README: Running under systemd)."""
+    """Print a systemd unit that runs `inferd serve` from this install (docs/operations.md: Running under systemd)."""
     from inferd.api.systemd import exec_start, render_unit
 
     try:

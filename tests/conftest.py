@@ -26,7 +26,7 @@ def float32_weights() -> tuple[Any, Any]:
     from inferd.engine.builder import load_model
     from inferd.engine.config import EngineConfig
 
-    return load_model(EngineConfig(dtype="float32"))
+    return load_model(EngineConfig.of(dtype="float32"))
 
 
 @pytest.fixture(scope="session")

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 import urllib.error
 import urllib.request
@@ -44,6 +43,7 @@ from rich.text import Text
 
 from inferd.client.status_panels import (MISSING, counters, dicts, drift, fmt_dur, fmt_int, is_num, models,
                                          models_lines, num, queues, requests, tenants)
+from inferd.settings import environment
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 SPARK = "▁▂▃▄▅▆▇█"
@@ -300,9 +300,9 @@ def run(url: str = DEFAULT_URL, interval: float = 1.0, once: bool = False, api_k
     failures keep the last frame on screen under a red line and are retried."""
     from rich.live import Live
 
-    api_key = api_key or os.environ.get("INFERD_API_KEY") or None
+    api_key = api_key or environment.API_KEY.get()
     console = Console()
-    if not console.is_terminal and "COLUMNS" not in os.environ:
+    if not console.is_terminal and environment.COLUMNS.get() is None:
         console.width = 120  # NOTE: rich's 80 columns for a pipe would wrap the queue table
     tracker = LocalThroughput(interval)
     timeout = max(2.0, interval * 2)

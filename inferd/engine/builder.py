@@ -43,7 +43,7 @@ def in_passing_thread(build: Callable[..., T], *args: object) -> T:
 
 def load_model(config: EngineConfig) -> tuple[DecoderModel, Tokenizer]:
     """The model's weights on its device, and its tokenizer; ModelLoadError names what is wrong."""
-    path = Path(config.model) if config.model else default_model_path()
+    path = Path(config.model.path) if config.model.path else default_model_path()
     device, dtype = config.resolved_device(), config.resolved_dtype()
     start = time.perf_counter()
     checkpoint = load_checkpoint(path, dtype, config.resolved_weights())
@@ -72,26 +72,26 @@ class Execution:
 def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: int) -> Execution:
     """The KV cache (from `kv_cache_memory`), the attention backend, CUDA graphs, the runner."""
     cfg = model.cfg
-    memory = config.kv_cache_memory
+    memory = config.cache.kv_cache_memory
     if memory is None:
-        memory = auto_kv_cache_memory(cfg, model.dtype, model.device, config.max_num_batched_tokens,
-                                      config.max_num_seqs, max_model_len)
-    num_blocks = num_blocks_for(memory, cfg, config.block_size, model.dtype, model.device)
+        memory = auto_kv_cache_memory(cfg, model.dtype, model.device, config.scheduler.max_num_batched_tokens,
+                                      config.scheduler.max_num_seqs, max_model_len)
+    num_blocks = num_blocks_for(memory, cfg, config.cache.block_size, model.dtype, model.device)
     num_host_blocks = 0
     if config.policy.preemption_mode == "swap":
-        num_host_blocks = host_blocks_for(config.swap_space, cfg, config.block_size, model.dtype)
-    kv_cache = KVCache(cfg, num_blocks, config.block_size, model.dtype, model.device,
+        num_host_blocks = host_blocks_for(config.cache.swap_space, cfg, config.cache.block_size, model.dtype)
+    kv_cache = KVCache(cfg, num_blocks, config.cache.block_size, model.dtype, model.device,
                        num_host_blocks=num_host_blocks)
     # a CPU mode, for bfloat16 only (the default dtype, where the drift was seen): in float32 the
     # one-row path is a fast matrix-vector product that two rows would give up (-38% at batch 1)
-    deterministic = config.deterministic and model.dtype == torch.bfloat16 and model.device.type == "cpu"
+    deterministic = config.model.deterministic and model.dtype == torch.bfloat16 and model.device.type == "cpu"
     model.set_attention(select_attention(
         model.device, model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-        config.block_size, config.max_num_seqs, max_model_len, deterministic))
+        config.cache.block_size, config.scheduler.max_num_seqs, max_model_len, deterministic))
     model.set_batch_invariant(deterministic)
     graphs = None
     # (a hybrid model's decode steps run eagerly: the graphs hold one block table per row)
-    if config.cuda_graphs and isinstance(model.attention, CudaAttention) and len(kv_cache.layout.groups) == 1:
-        graphs = DecodeGraphs(model, kv_cache, config.max_num_seqs, max_model_len)
+    if config.model.cuda_graphs and isinstance(model.attention, CudaAttention) and len(kv_cache.layout.groups) == 1:
+        graphs = DecodeGraphs(model, kv_cache, config.scheduler.max_num_seqs, max_model_len)
         graphs.capture()
     return Execution(kv_cache, ModelRunner(model, kv_cache, graphs=graphs), num_blocks, num_host_blocks)

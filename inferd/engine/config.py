@@ -3,85 +3,97 @@ every default; nothing here repeats a number)."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from inferd.settings.config import Settings
 from inferd.engine.output.blocklist import Blocklist, read_blocklist
+from inferd.settings.config import Settings
+from inferd.settings.engine import CacheSettings, HealthSettings, ModelSettings, SchedulerSettings
 from inferd.settings.policy import SchedulingPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
-_DEFAULTS = Settings()
+_DEFAULT_POLICY = Settings().policy()
 # NOTE: "auto" KV memory means 2 GiB on the host (kv_cache.auto_kv_cache_memory); tests and
 # benchmarks that build an EngineConfig by hand get that default without the settings layer.
+
+# the engine's short names for the settings keys it is built with, for `of` and `replace`
+FLAT: dict[str, tuple[str, str]] = {
+    "model": ("model", "path"), "dtype": ("model", "dtype"), "device": ("model", "device"),
+    "max_model_len": ("model", "max_model_len"), "cuda_graphs": ("model", "cuda_graphs"),
+    "weights": ("model", "weights"), "deterministic": ("model", "deterministic"),
+    "block_size": ("cache", "block_size"), "kv_cache_memory": ("cache", "kv_cache_memory"),
+    "enable_prefix_caching": ("cache", "prefix_caching"), "swap_space": ("cache", "swap_space"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"), "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "failure_window_seconds": ("health", "failure_window_seconds"),
+    "failure_recover_seconds": ("health", "recover_seconds"),
+}
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = _DEFAULTS.model.path  # a GGUF file or a Hugging Face folder; None: the embedded default
-    dtype: str = _DEFAULTS.model.dtype  # auto: bfloat16 on CPU and CUDA
-    device: str = _DEFAULTS.model.device  # auto: cuda when available
-    block_size: int = _DEFAULTS.cache.block_size
-    kv_cache_memory: float | None = _DEFAULTS.cache.kv_cache_memory  # bytes, a fraction (0, 1] of free memory, or None: auto
-    cuda_graphs: bool = _DEFAULTS.model.cuda_graphs  # on CUDA, replay decode steps from captured graphs
-    deterministic: bool = _DEFAULTS.model.deterministic  # batch-invariant results on the CPU (builder.py)
-    weights: str = _DEFAULTS.model.weights  # CPU: packed weights (inferd.model.layers.quant)
-    max_num_seqs: int = _DEFAULTS.scheduler.max_num_seqs
-    max_num_batched_tokens: int = _DEFAULTS.scheduler.max_num_batched_tokens
-    max_model_len: int | None = _DEFAULTS.model.max_model_len  # None: the model's context length
-    policy: SchedulingPolicy = _DEFAULTS.policy()
-    enable_prefix_caching: bool = _DEFAULTS.cache.prefix_caching
-    swap_space: float = _DEFAULTS.cache.swap_space  # bytes of host memory for swapped-out blocks
-    failure_window_seconds: float = _DEFAULTS.health.failure_window_seconds  # see engine/health.py
-    failure_recover_seconds: float = _DEFAULTS.health.recover_seconds
+    """The settings tables an engine is built from, as they are (settings/ holds every default and
+    its description), the scheduling policy made from them, and the blocklist they name."""
+
+    model: ModelSettings = ModelSettings()  # the checkpoint, dtype, device, packed weights
+    cache: CacheSettings = CacheSettings()  # KV block size and memory, prefix caching, swap space
+    scheduler: SchedulerSettings = SchedulerSettings()  # batch limits
+    health: HealthSettings = HealthSettings()  # engine/health.py's windows
+    policy: SchedulingPolicy = _DEFAULT_POLICY  # classes, aging, preemption, fairness, shedding
     output_filter: Blocklist | None = None  # the blocklist, read from output_filter.blocklist_file
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
         """The engine's config; reads the blocklist file (SettingsError names a bad line)."""
         blocklist = settings.output_filter.blocklist_file
-        return cls(
-            model=settings.model.path,
-            dtype=settings.model.dtype,
-            device=settings.model.device,
-            block_size=settings.cache.block_size,
-            kv_cache_memory=settings.cache.kv_cache_memory,
-            max_num_seqs=settings.scheduler.max_num_seqs,
-            max_num_batched_tokens=settings.scheduler.max_num_batched_tokens,
-            max_model_len=settings.model.max_model_len,
-            cuda_graphs=settings.model.cuda_graphs,
-            deterministic=settings.model.deterministic,
-            weights=settings.model.weights,
-            policy=settings.policy(),
-            enable_prefix_caching=settings.cache.prefix_caching,
-            swap_space=settings.cache.swap_space,
-            failure_window_seconds=settings.health.failure_window_seconds,
-            failure_recover_seconds=settings.health.recover_seconds,
-            output_filter=read_blocklist(blocklist, settings.output_filter.action) if blocklist else None,
-        )
+        return cls(settings.model, settings.cache, settings.scheduler, settings.health, settings.policy(),
+                   read_blocklist(blocklist, settings.output_filter.action) if blocklist else None)
+
+    @classmethod
+    def of(cls, *, policy: SchedulingPolicy | None = None, output_filter: Blocklist | None = None,
+           **keys: Any) -> EngineConfig:
+        """A config from the defaults and a few keys by their short names (FLAT): tests and benches."""
+        return cls(policy=policy or _DEFAULT_POLICY, output_filter=output_filter).replace(**keys)
+
+    def replace(self, **keys: Any) -> EngineConfig:
+        """This config with keys changed by their short names (FLAT), or whole tables by name."""
+        tables: dict[str, dict[str, Any]] = {}
+        fields: dict[str, Any] = {}
+        for name, value in keys.items():
+            if name in FLAT:
+                table, key = FLAT[name]
+                tables.setdefault(table, {})[key] = value
+            else:
+                fields[name] = value
+        for table, changes in tables.items():
+            fields[table] = getattr(self, table).model_copy(update=changes)
+        return dataclasses.replace(self, **fields)
 
     def resolved_device(self) -> torch.device:
-        if self.device == "auto":
+        device = self.model.device
+        if device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} was asked for, but torch sees no CUDA device")
-        return torch.device(self.device)
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {device!r} was asked for, but torch sees no CUDA device")
+        return torch.device(device)
 
     def resolved_weights(self) -> str:
         """What the loader packs: "auto" only where the packed kernels serve (the CPU, bfloat16)."""
-        if self.weights == "bf16":
+        weights = self.model.weights
+        if weights == "bf16":
             return "bf16"
         if self.resolved_device().type != "cpu":
-            if self.weights != "auto":
-                raise ValueError(f"weights {self.weights!r} is a CPU mode (torch's packed CPU kernels); use bf16")
+            if weights != "auto":
+                raise ValueError(f"weights {weights!r} is a CPU mode (torch's packed CPU kernels); use bf16")
             return "bf16"
-        if self.weights == "auto" and self.resolved_dtype() != torch.bfloat16:
+        if weights == "auto" and self.resolved_dtype() != torch.bfloat16:
             return "bf16"  # (the packed kernels' float32 path is a slow reference)
-        return self.weights
+        return weights
 
     def resolved_dtype(self) -> torch.dtype:
-        if self.dtype == "auto":
+        if self.model.dtype == "auto":
             return torch.bfloat16
-        return DTYPES[self.dtype]
+        return DTYPES[self.model.dtype]

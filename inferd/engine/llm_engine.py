@@ -90,21 +90,21 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.config = config
         self.model_config = model.cfg
-        self.max_model_len = min(config.max_model_len or model.cfg.max_position_embeddings,
+        self.max_model_len = min(config.model.max_model_len or model.cfg.max_position_embeddings,
                                  model.cfg.max_position_embeddings)
         execution = build_execution(model, config, self.max_model_len)
         self.kv_cache, self.runner = execution.kv_cache, execution.runner
-        self.block_manager = BlockManager(execution.num_blocks, config.block_size,
+        self.block_manager = BlockManager(execution.num_blocks, config.cache.block_size,
                                           num_host_blocks=execution.num_host_blocks,
-                                          enable_prefix_caching=config.enable_prefix_caching,
+                                          enable_prefix_caching=config.cache.prefix_caching,
                                           windows=self.kv_cache.layout.windows)
         self.policy = config.policy
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    config.policy)
         self.outputs = OutputProcessor(tokenizer, output_filter(config.output_filter))
         self.executor = StepExecutor(self.runner)
         self.executor.faults = FaultInjector.from_environ()
-        self.health = EngineHealth(config.failure_window_seconds, config.failure_recover_seconds)
+        self.health = EngineHealth(config.health.failure_window_seconds, config.health.recover_seconds)
         self._ok_steps_since_oom = 0
         self.limits = self._limits()
         self.last_step_tokens = 0  # tokens computed by the last step (0: it found nothing to run)
@@ -128,16 +128,16 @@ class LLMEngine:
         return cls(model, tokenizer, config)
 
     def _limits(self) -> EngineLimits:
-        num_blocks, bs = self.block_manager.pool.num_blocks, self.config.block_size
+        num_blocks, bs = self.block_manager.pool.num_blocks, self.config.cache.block_size
         return EngineLimits(
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
-            max_num_seqs=self.config.max_num_seqs, block_size=bs, num_kv_blocks=num_blocks,
+            max_num_seqs=self.config.scheduler.max_num_seqs, block_size=bs, num_kv_blocks=num_blocks,
             class_kv_tokens={c.name: self.kv_cache.layout.max_tokens(num_blocks - self.scheduler.reserve_blocks(c), bs,
-                                                                     self.config.max_num_batched_tokens)
+                                                                     self.config.scheduler.max_num_batched_tokens)
                              for c in self.policy.classes},
             policy=self.policy, architecture=self.model_config.architecture, num_layers=self.model_config.num_layers,
             dtype=str(self.model.dtype).removeprefix("torch."), device=str(self.model.device),
-            model_path=self.config.model or str(default_model_path()),
+            model_path=self.config.model.path or str(default_model_path()),
             output_filter=self.config.output_filter is not None,
         )
 
@@ -147,7 +147,7 @@ class LLMEngine:
         """Queue a group of n choices sharing one prompt (checked at the door already)."""
         prompt_ids, n = request.prompt_ids, request.n
         assert request.group_id not in self._groups, f"group id {request.group_id} is in use"
-        assert 0 < len(prompt_ids) < self.max_model_len and 1 <= n <= self.config.max_num_seqs, \
+        assert 0 < len(prompt_ids) < self.max_model_len and 1 <= n <= self.config.scheduler.max_num_seqs, \
             f"a request the door refuses: {len(prompt_ids)} prompt tokens, n={n}"
         cls = self.policy.lookup(request.priority_class)
         arrival = request.arrival_time if request.arrival_time is not None else self.scheduler.clock()
@@ -288,10 +288,10 @@ class LLMEngine:
         if executor.out_of_memory_events:
             scheduler.max_num_batched_tokens = max(MIN_TOKEN_BUDGET, scheduler.max_num_batched_tokens // 2)
             self._ok_steps_since_oom = 0
-        elif scheduler.max_num_batched_tokens < self.config.max_num_batched_tokens:
+        elif scheduler.max_num_batched_tokens < self.config.scheduler.max_num_batched_tokens:
             self._ok_steps_since_oom += 1
             if self._ok_steps_since_oom >= OOM_RECOVER_STEPS:
-                scheduler.max_num_batched_tokens = min(self.config.max_num_batched_tokens,
+                scheduler.max_num_batched_tokens = min(self.config.scheduler.max_num_batched_tokens,
                                                        2 * scheduler.max_num_batched_tokens)
                 self._ok_steps_since_oom = 0
 

@@ -19,27 +19,32 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from inferd.settings.values import parse_memory
+from inferd.settings.values import Section, parse_memory
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}")  # (a label value and a URL path segment)
 
 
-class _Table(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+class ModelTable(Section):
+    """One model of several: one engine (and engine thread) per table."""
 
-
-class ModelTable(_Table):
-    path: str | None = None  # GGUF file or Hugging Face folder; None: the embedded SmolLM2
+    path: str | None = None
+    """GGUF file or Hugging Face folder; unset: the embedded SmolLM2."""
     aliases: tuple[str, ...] = ()
+    """More names clients may send."""
     revision: str = "1"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None  # None: [model] dtype
-    kv_cache_memory: float | None = None  # bytes or a fraction of free memory; None: [cache] kv_cache_memory
-    fallback: str | None = None  # a model (not a route) for its new requests while it is degraded
-    # JSON lines {"prompt": ..., "expected": ...}: greedy continuations a new revision must
-    # reproduce before a reload moves traffic to it
+    """Shown in /v1/models, the x-inferd-model header and metrics; a SIGHUP reloads a changed one."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
+    """Its dtype; unset: [model] dtype."""
+    kv_cache_memory: float | None = None
+    """Its own KV share (bytes or a fraction of free memory), so a second model never starves the
+    first; unset: [cache] kv_cache_memory."""
+    fallback: str | None = None
+    """A model (not a route) for its new requests while it is degraded."""
     eval_file: str | None = None
+    """JSON lines {"prompt": ..., "expected": ...}: greedy continuations a new revision must reproduce
+    before a reload moves traffic to it."""
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod
@@ -47,23 +52,36 @@ class ModelTable(_Table):
         return None if value is None or value == "auto" else parse_memory(value)
 
 
-class RuleTable(_Table):
+class RuleTable(Section):
     """Callers matching every non-empty list go to `model`."""
 
     model: str
+    """The model they go to."""
     classes: tuple[str, ...] = ()
+    """Their priority classes."""
     tenants: tuple[str, ...] = ()
+    """Their tenants."""
     tiers: tuple[str, ...] = ()
+    """Their tenants' tiers."""
 
 
-class RouteTable(_Table):
+class RouteTable(Section):
+    """A name clients send that is neither a model nor an alias."""
+
     kind: Literal["split", "cascade"] = "split"
-    targets: dict[str, float] = Field(default_factory=dict)  # split: model -> weight
+    """"split": by weight (sticky per `user`) after the rules; "cascade": small first, then large."""
+    targets: dict[str, float] = Field(default_factory=dict)
+    """split: model -> weight."""
     rules: tuple[RuleTable, ...] = ()
-    small: str | None = None  # cascade: answer with this model first,
-    large: str | None = None  # escalate to this one when the small answer is unsure:
-    threshold: float = Field(default=-1.0, le=0)  # its token logprobs' measure under this
+    """split: tenant tiers, tenants or classes first."""
+    small: str | None = None
+    """cascade: answer with this model first."""
+    large: str | None = None
+    """cascade: escalate to this one when the small answer is unsure."""
+    threshold: float = Field(default=-1.0, le=0)
+    """cascade: unsure is its token logprobs' measure under this."""
     measure: Literal["mean", "min"] = "mean"
+    """cascade: the measure of the small answer's token logprobs."""
 
     @model_validator(mode="after")
     def _complete(self) -> RouteTable:
@@ -74,18 +92,24 @@ class RouteTable(_Table):
         return self
 
 
-class DegradationSettings(_Table):
-    """Persistent overload triggers (None: off), for fallbacks and the functional ladder."""
+class DegradationSettings(Section):
+    """Persistent overload triggers (unset: off), for fallbacks and the functional ladder."""
 
     queue_p95_seconds: float | None = Field(default=None, gt=0)
+    """Trigger: p95 time in the queue over this."""
     preemptions_per_minute: float | None = Field(default=None, gt=0)
+    """Trigger: preemptions per minute over this."""
     ooms_per_minute: float | None = Field(default=None, gt=0)
-    hold_seconds: float = Field(default=10.0, ge=0)  # a trigger must hold this long to count
-    recover_seconds: float = Field(default=30.0, ge=0)  # and be clear this long to end
-    # the functional ladder (streams answered whole, then max_tokens capped, then the lowest of
-    # these classes refused) applies to these classes; empty: off
+    """Trigger: out-of-memory steps per minute over this."""
+    hold_seconds: float = Field(default=10.0, ge=0)
+    """A trigger must hold this long to count."""
+    recover_seconds: float = Field(default=30.0, ge=0)
+    """And be clear this long to end."""
     classes: tuple[str, ...] = ()
+    """The functional ladder (streams answered whole, then max_tokens capped, then the lowest of
+    these classes refused) applies to these classes; empty: off."""
     max_tokens_ceiling: int = Field(default=256, ge=1)
+    """The ladder's max_tokens cap."""
 
 
 def check_models(models: dict[str, ModelTable], routes: dict[str, RouteTable], classes: set[str]) -> None:

@@ -39,18 +39,19 @@ def _tighter(a: float | None, b: float | None) -> float | None:
 
 @dataclass(frozen=True)
 class PriorityClass:
-    """One priority class. Lower `priority` runs first; requests name a class by name or number."""
+    """One priority class. Lower `priority` runs first; requests name a class by name or number.
+    The fields are a [classes.NAME] table's keys (settings/engine.py's ClassSettings describes each)."""
 
     name: str
     priority: int
-    max_waiting: int = 256  # requests admitted but not yet scheduled; more get a 429
-    max_queued_tokens: int = 65536  # their prompt tokens; more get a 429
-    ttft_target: float = 2.0  # seconds: soft target (load shedding, goodput, deadline order)
-    tpot_target: float = 0.5  # seconds per output token after the first: soft target (goodput)
+    max_waiting: int = 256
+    max_queued_tokens: int = 65536
+    ttft_target: float = 2.0
+    tpot_target: float = 0.5
     timeouts: Timeouts = field(default_factory=Timeouts)
-    max_tokens: int = 4096  # ceiling on a request's max_tokens
-    kv_reserve: float = 0.0  # share of KV blocks this class may not use (room for higher classes)
-    sheddable: bool = False  # load shedding may reject, preempt and shorten this class's work
+    max_tokens: int = 4096
+    kv_reserve: float = 0.0
+    sheddable: bool = False
 
 
 DEFAULT_CLASSES = (
@@ -70,16 +71,18 @@ class ShedConfig:
         level 1: new requests of sheddable classes get 429
         level 2: ... and they run at most `max_running` sequences (the rest are preempted)
         level 3: ... and their max_tokens is lowered to `max_tokens`
+
+    The fields are the [shedding] table's keys (settings/engine.py's SheddingSettings describes each).
     """
 
     enabled: bool = True
-    margin: float = 0.2  # act when p95 TTFT > (1 - margin) * ttft_target
-    window_seconds: float = 10.0  # the sliding window of TTFT samples
-    min_samples: int = 5  # fewer samples in the window: no opinion (clear)
-    escalate_seconds: float = 5.0  # at least this long between two escalations
-    recover_seconds: float = 15.0  # clear this long before each step down (hysteresis)
-    max_running: int = 4  # level 2
-    max_tokens: int = 64  # level 3
+    margin: float = 0.2
+    window_seconds: float = 10.0
+    min_samples: int = 5
+    escalate_seconds: float = 5.0
+    recover_seconds: float = 15.0
+    max_running: int = 4
+    max_tokens: int = 64
 
 
 @dataclass(frozen=True)

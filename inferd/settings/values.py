@@ -1,12 +1,21 @@
-"""The value helpers every settings table shares: sizes, text files, key digests, the error."""
+"""What every settings table shares: the table base, sizes, text files, key digests, the error."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class Section(BaseModel):
+    """A settings table: frozen, unknown keys refused, each key described by the docstring under it
+    (its one description: settings/docs.py makes docs/configuration.md and the defaults file from it)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
 
 class SettingsError(ValueError):

@@ -99,7 +99,7 @@ def _weights(engine: AsyncEngine) -> Any:
 
 
 def _deterministic(engine: AsyncEngine) -> bool:
-    return engine._engine.config.deterministic
+    return engine._engine.config.model.deterministic
 
 
 async def wait_ready(state: ServerState, within: float = 30.0) -> None:

@@ -17,7 +17,7 @@ from inferd.engine.llm_engine import LLMEngine
 
 @pytest.fixture
 def llm(served_weights: tuple) -> LLMEngine:
-    return LLMEngine(*served_weights, EngineConfig(kv_cache_memory=128 * 2**20))
+    return LLMEngine(*served_weights, EngineConfig.of(kv_cache_memory=128 * 2**20))
 
 
 @pytest_asyncio.fixture

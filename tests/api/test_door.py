@@ -31,7 +31,7 @@ def refused(call, *args, **kwargs) -> APIError:  # noqa: ANN001
 
 
 def test_bad_prompts_and_requests_are_refused(llm: LLMEngine) -> None:
-    small = LLMEngine(llm.model, llm.tokenizer, EngineConfig(kv_cache_memory=32 * 2**20))
+    small = LLMEngine(llm.model, llm.tokenizer, EngineConfig.of(kv_cache_memory=32 * 2**20))
     door = FrontDoor(AsyncEngine(small), ServerState("m"), LimitSettings())
     limits = door.limits
     gateway = Gateway(Keyring.build(Settings()), limits.policy)
@@ -66,7 +66,7 @@ def test_prepare_settles_max_tokens_and_timeouts_once(llm: LLMEngine) -> None:
     assert tighter.timeouts == Timeouts(queue=2.0, token=1.0)  # a request tightens its class's limits ...
     assert looser.timeouts == Timeouts(queue=5.0, token=1.0, total=30.0)  # ... and never loosens them
     assert tighter.params.max_tokens == 256  # the default
-    short = LLMEngine(llm.model, llm.tokenizer, EngineConfig(kv_cache_memory=32 * 2**20,
+    short = LLMEngine(llm.model, llm.tokenizer, EngineConfig.of(kv_cache_memory=32 * 2**20,
                                                               max_model_len=512))
     fits = FrontDoor(AsyncEngine(short), ServerState("m"), LimitSettings(max_tokens_default=256))
     fitted = asyncio.run(fits.prepare(Ask("m", fit_default=True), [[1] * 502], strict))

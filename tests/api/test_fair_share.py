@@ -36,7 +36,7 @@ BODY = {"model": MODEL, "prompt": "The printing press changed Europe because", "
 
 
 def engine(llm: LLMEngine, fairness: str, seats: int = SEATS) -> LLMEngine:
-    config = EngineConfig(kv_cache_memory=32 * 2**20, max_num_seqs=seats,
+    config = EngineConfig.of(kv_cache_memory=32 * 2**20, max_num_seqs=seats,
                           policy=SchedulingPolicy(fairness=fairness, shedding=ShedConfig(enabled=False)))
     return LLMEngine(llm.model, llm.tokenizer, config)
 
@@ -108,7 +108,7 @@ async def test_when_a_heavy_tenant_holds_every_seat_a_light_one_takes_one_at_onc
     a in /metrics and /v1/status; the pool is whole after. bench/fairness.py's "every seat taken"
     runs the issue's shape (128 streams against 64 seats) at full length."""
     model, tokenizer = float32_weights
-    config = EngineConfig(dtype="float32", kv_cache_memory=32 * 2**20, max_num_seqs=2,
+    config = EngineConfig.of(dtype="float32", kv_cache_memory=32 * 2**20, max_num_seqs=2,
                           policy=SchedulingPolicy(fairness="vtc", shedding=ShedConfig(enabled=False)))
     llm = LLMEngine(model, tokenizer, config)
     prompts = [f"Item {i}: the printing press" for i in range(3)]

@@ -60,7 +60,7 @@ def loader(llm: LLMEngine, big2_weights: Any) -> Any:
     """big shares the session's weights, big2 has its copy; anything with a path is loaded from
     it, as `inferd serve` does."""
     def load(spec: ModelSpec) -> AsyncEngine:
-        config = EngineConfig(kv_cache_memory=spec.kv_cache_memory or KV, model=spec.path)  # as served
+        config = EngineConfig.of(kv_cache_memory=spec.kv_cache_memory or KV, model=spec.path)  # as served
         if spec.path is not None:
             return AsyncEngine(LLMEngine.from_config(config))
         model = llm.model if spec.name == "big" else big2_weights

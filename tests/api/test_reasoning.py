@@ -58,7 +58,7 @@ def thinking_llm(served_weights: tuple) -> LLMEngine:
     model, tokenizer = served_weights
     thinking = copy.copy(tokenizer)  # (the session's tokenizer keeps its own template)
     thinking.chat_template = THINKING_TEMPLATE
-    return LLMEngine(model, thinking, EngineConfig(kv_cache_memory=64 * 2**20))
+    return LLMEngine(model, thinking, EngineConfig.of(kv_cache_memory=64 * 2**20))
 
 
 @pytest.mark.asyncio

@@ -270,7 +270,7 @@ async def test_a_storm_of_resumable_streams_leaks_nothing(llm: LLMEngine, stream
     """Resumable streams disconnect (200 in the soak tier, 24 in the default one); half resume to
     the end, half are left to the grace."""
     engine = LLMEngine(llm.model, llm.tokenizer,
-                       EngineConfig(kv_cache_memory=256 * 2**20, max_num_seqs=256))
+                       EngineConfig.of(kv_cache_memory=256 * 2**20, max_num_seqs=256))
     async with serve(engine, grace(1.0)) as server:
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(base_url=server.session._base_url, connector=connector) as session:

@@ -30,7 +30,7 @@ def one_seat_engine(llm: LLMEngine, **interactive: Any) -> LLMEngine:
     queue), with the built-in classes and the interactive one changed as given."""
     inter, batch = DEFAULT_CLASSES
     policy = SchedulingPolicy(classes=(dataclasses.replace(inter, **interactive), batch))
-    config = EngineConfig(kv_cache_memory=16 * 2**20, max_num_seqs=1, policy=policy)
+    config = EngineConfig.of(kv_cache_memory=16 * 2**20, max_num_seqs=1, policy=policy)
     return LLMEngine(llm.model, llm.tokenizer, config)
 
 
@@ -98,7 +98,7 @@ async def test_an_interactive_request_takes_a_seat_from_the_batch_backlog(llm: L
     more wait; an interactive request arriving takes a seat at once (a batch stream is preempted)
     and gets its first token before either waiting batch request gets one."""
     policy = SchedulingPolicy(classes=DEFAULT_CLASSES, aging_seconds=0.0, shedding=ShedConfig(enabled=False))
-    engine = LLMEngine(llm.model, llm.tokenizer, EngineConfig(kv_cache_memory=16 * 2**20,
+    engine = LLMEngine(llm.model, llm.tokenizer, EngineConfig.of(kv_cache_memory=16 * 2**20,
                                                               max_num_seqs=2, policy=policy))
     async with serve(engine) as server:
         # long enough that the two running streams are still running when the status loop looks

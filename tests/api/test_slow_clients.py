@@ -30,7 +30,7 @@ TOKENS = 32  # per normal stream
 
 
 def engine(llm: LLMEngine) -> LLMEngine:
-    config = EngineConfig(kv_cache_memory=256 * 2**20, max_num_seqs=SLOW + NORMAL)
+    config = EngineConfig.of(kv_cache_memory=256 * 2**20, max_num_seqs=SLOW + NORMAL)
     return LLMEngine(llm.model, llm.tokenizer, config)
 
 

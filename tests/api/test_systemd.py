@@ -194,7 +194,7 @@ def test_deploy_unit_is_what_the_command_prints(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(systemd, "exec_start", lambda: [OPT_INFERD])
     result = CliRunner().invoke(app, ["systemd-unit"])
     assert result.exit_code == 0, result.output
-    assert result.stdout == DEPLOY_UNIT.read_text(), "regenerate deploy/inferd.service: see the end of README.md"
+    assert result.stdout == DEPLOY_UNIT.read_text(), "regenerate deploy/inferd.service: see docs/operations.md, Running under systemd"
     assert f"ExecStart={OPT_INFERD} serve --config /etc/inferd/inferd.toml\n" in result.stdout
 
 

@@ -20,7 +20,7 @@ def test_generate_prints_the_greedy_completion(tmp_path, served_weights: tuple) 
     prompt = "The three primary colors are"
     proc = run_inferd("generate", prompt, "--temperature", "0", "--max-tokens", "12", cwd=str(tmp_path))
     assert proc.returncode == 0, proc.stderr
-    engine = LLMEngine(*served_weights, EngineConfig(kv_cache_memory=16 * 2**20))
+    engine = LLMEngine(*served_weights, EngineConfig.of(kv_cache_memory=16 * 2**20))
     [expected] = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0))
     assert proc.stdout == expected.text + "\n"
     assert "tokens in" in proc.stderr and "model loaded in" in proc.stderr

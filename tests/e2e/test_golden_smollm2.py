@@ -37,7 +37,7 @@ def prompt_ids(engine: LLMEngine, prompt: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def engine(float32_weights: tuple) -> LLMEngine:
-    return LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=256 * 2**20))
+    return LLMEngine(*float32_weights, EngineConfig.of(dtype="float32", kv_cache_memory=256 * 2**20))
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +82,7 @@ def test_greedy_ragged_batch_matches_transformers(engine: LLMEngine, reference_t
 
 def test_chunked_prefill_matches_transformers(reference_tokens: list[list[int]], float32_weights: tuple) -> None:
     # a 16-token step budget splits every prompt into chunks that continue a cached prefix
-    small = LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20,
+    small = LLMEngine(*float32_weights, EngineConfig.of(dtype="float32", kv_cache_memory=64 * 2**20,
                                                      max_num_batched_tokens=16, block_size=4))
     completions = small.generate([prompt_ids(small, p) for p in PROMPTS], GREEDY)
     assert [c.token_ids for c in completions] == reference_tokens

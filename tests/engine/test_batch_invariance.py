@@ -31,7 +31,7 @@ SWEEPS = [pytest.param((BATCHES, 7), marks=pytest.mark.soak, id="every-batch"),
 
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(dtype="bfloat16", kv_cache_memory=128 * 2**20, deterministic=True,
+    return LLMEngine.from_config(EngineConfig.of(dtype="bfloat16", kv_cache_memory=128 * 2**20, deterministic=True,
                                               enable_prefix_caching=False))
 
 

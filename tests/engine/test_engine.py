@@ -16,7 +16,7 @@ from inferd.text.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def engine(float32_weights: tuple) -> LLMEngine:
-    return LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=128 * 2**20))
+    return LLMEngine(*float32_weights, EngineConfig.of(dtype="float32", kv_cache_memory=128 * 2**20))
 
 
 def assert_pool_whole(engine: LLMEngine) -> None:
@@ -96,12 +96,12 @@ def test_abort_returns_blocks_at_once(engine: LLMEngine) -> None:
 def test_preemption_under_memory_pressure_keeps_tokens(float32_weights: tuple) -> None:
     # 12 blocks of 4 tokens cannot hold 4 sequences of 10 + 16 tokens: the scheduler must
     # preempt and recompute, and greedy outputs must still equal the unconstrained run.
-    roomy = LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, block_size=4))
+    roomy = LLMEngine(*float32_weights, EngineConfig.of(dtype="float32", kv_cache_memory=64 * 2**20, block_size=4))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     prompts = ["Dogs are", "The ocean is deep and", "In 1969, the first", "Python is a language that"]
     expected = [c.token_ids for c in roomy.generate(prompts, params)]
     per_block = roomy.kv_cache.storage[:, :, :1].nbytes
-    tight = LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=12 * per_block, block_size=4))
+    tight = LLMEngine(*float32_weights, EngineConfig.of(dtype="float32", kv_cache_memory=12 * per_block, block_size=4))
     assert tight.block_manager.pool.num_blocks == 12
     got = tight.generate(prompts, params)
     assert [c.token_ids for c in got] == expected
@@ -117,7 +117,7 @@ def test_requests_the_door_must_refuse_are_refused(engine: LLMEngine) -> None:
     with pytest.raises(AssertionError, match="door"):
         engine.add([1] * engine.max_model_len, params)
     with pytest.raises(AssertionError, match="door"):
-        engine.add([1, 2, 3], params, n=engine.config.max_num_seqs + 1)
+        engine.add([1, 2, 3], params, n=engine.config.scheduler.max_num_seqs + 1)
     group = engine.add([1, 2, 3], params)
     with pytest.raises(AssertionError, match="in use"):
         engine.add_request(EngineRequest(group, [1, 2, 3], params, "interactive"))
@@ -146,7 +146,7 @@ async def test_a_request_the_door_should_have_refused_fails_alone_on_the_engine_
 
 
 def test_bfloat16_engine_generates_sensible_greedy_text() -> None:
-    bf16 = LLMEngine.from_config(EngineConfig(dtype="bfloat16", kv_cache_memory=32 * 2**20))
+    bf16 = LLMEngine.from_config(EngineConfig.of(dtype="bfloat16", kv_cache_memory=32 * 2**20))
     assert bf16.kv_cache.storage.dtype == torch.bfloat16
     # NOTE: not "What is the capital of France?": its first token is a near-tie (0.08 nats apart in
     # float32, "The" against "L'"), which bfloat16's rounding flips on a CPU without AVX-512 BF16

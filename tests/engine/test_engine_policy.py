@@ -21,12 +21,12 @@ PROMPTS = ["Dogs are", "The ocean is deep and", "In 1969, the first", "Python is
 
 @pytest.fixture(scope="module")
 def roomy(float32_weights: tuple) -> LLMEngine:
-    return LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, block_size=4))
+    return LLMEngine(*float32_weights, EngineConfig.of(dtype="float32", kv_cache_memory=64 * 2**20, block_size=4))
 
 
 def sibling(engine: LLMEngine, **config: object) -> LLMEngine:
     """Another engine over the same loaded model, with its own cache and policy."""
-    return LLMEngine(engine.model, engine.tokenizer, EngineConfig(dtype="float32", **config))  # type: ignore[arg-type]
+    return LLMEngine(engine.model, engine.tokenizer, EngineConfig.of(dtype="float32", **config))  # type: ignore[arg-type]
 
 
 def run(engine: LLMEngine, ids: Sequence[int]) -> dict[int, tuple[list[int], str | None, object]]:

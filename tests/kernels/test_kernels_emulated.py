@@ -173,7 +173,7 @@ def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path, fam
             vocab_size=vocab_size, num_hidden_layers=2, head_dim=64, query_pre_attn_scalar=64, sliding_window=40,
             attn_logit_softcapping=5.0, tie_word_embeddings=False, **shape)), 0, norm_centre=0.0)
     model.save_pretrained(tmp_path, safe_serialization=True)
-    engine = LLMEngine.from_config(EngineConfig(model=str(tmp_path), dtype="float32", kv_cache_memory=16 * 2**20,
+    engine = LLMEngine.from_config(EngineConfig.of(model=str(tmp_path), dtype="float32", kv_cache_memory=16 * 2**20,
                                                 block_size=16, max_num_seqs=8))
     cfg = engine.model.cfg
     engine.model.set_attention(CudaAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 8, engine.max_model_len,

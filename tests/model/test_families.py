@@ -108,7 +108,7 @@ def build(folder: Path, make: Callable[[int], Any], seed: int = 0) -> Case:
     if model.config.tie_word_embeddings:
         model.tie_weights()
     model.save_pretrained(folder, safe_serialization=True)
-    engine = LLMEngine.from_config(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=16 * 2**20))
+    engine = LLMEngine.from_config(EngineConfig.of(model=str(folder), dtype="float32", kv_cache_memory=16 * 2**20))
     prompts = [engine.tokenizer.encode(p) for p in tm.PROMPTS]
     reference = tm.greedy_reference(model, prompts, NEW_TOKENS)
     tm.assert_not_trivial(reference, NEW_TOKENS)
@@ -147,7 +147,7 @@ def test_greedy_alone_and_in_a_ragged_batch_match_transformers(case: Case) -> No
 
 
 def test_small_prefill_chunks_match_transformers(case: Case) -> None:
-    engine = LLMEngine.from_config(EngineConfig(model=str(case.folder), dtype="float32", kv_cache_memory=16 * 2**20,
+    engine = LLMEngine.from_config(EngineConfig.of(model=str(case.folder), dtype="float32", kv_cache_memory=16 * 2**20,
                                                 max_num_batched_tokens=5))
     assert generate(engine, case.prompts) == case.reference
 
@@ -157,7 +157,7 @@ def test_sliding_layers_give_back_their_blocks_and_still_match(family: str, case
     """Blocks of 4 and chunks of 5: sliding groups hold only their window (engine/kv/groups.py),
     and a second turn extending the first hits the prefix cache, token-exact all the same."""
     case = cases(family)
-    engine = LLMEngine.from_config(EngineConfig(model=str(case.folder), dtype="float32", kv_cache_memory=16 * 2**20,
+    engine = LLMEngine.from_config(EngineConfig.of(model=str(case.folder), dtype="float32", kv_cache_memory=16 * 2**20,
                                                 block_size=4, max_num_batched_tokens=5))
     bm = engine.block_manager
     sliding = [g for g, w in enumerate(bm.windows) if w is not None]
@@ -187,7 +187,7 @@ def test_a_sliding_model_preempted_for_memory_still_matches(mode: str, cases: Ca
 
     case = cases("gemma3")
     per_block = case.engine.kv_cache.storage[:, :, :1].nbytes * 4 // 16  # (blocks of 4, not 16)
-    engine = LLMEngine.from_config(EngineConfig(
+    engine = LLMEngine.from_config(EngineConfig.of(
         model=str(case.folder), dtype="float32", block_size=4, max_num_batched_tokens=8,
         kv_cache_memory=30 * per_block, swap_space=64 * per_block, policy=SchedulingPolicy(preemption_mode=mode)))
     assert engine.block_manager.pool.num_blocks == 30
@@ -248,7 +248,7 @@ def test_an_unknown_tensor_is_refused_with_its_name(tmp_path: Path) -> None:
     weights["model.layers.0.self_attn.extra_gate.weight"] = torch.zeros(4)
     save_file(weights, case.folder / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ModelLoadError, match="model.layers.0.self_attn.extra_gate.weight"):
-        LLMEngine.from_config(EngineConfig(model=str(case.folder), dtype="float32", kv_cache_memory=16 * 2**20))
+        LLMEngine.from_config(EngineConfig.of(model=str(case.folder), dtype="float32", kv_cache_memory=16 * 2**20))
 
 
 @pytest.mark.parametrize("key, value, message", [
@@ -264,4 +264,4 @@ def test_a_config_key_inferd_does_not_implement_is_refused(tmp_path: Path, key: 
     config[key] = value
     (case.folder / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=message.replace("(", r"\(")):
-        LLMEngine.from_config(EngineConfig(model=str(case.folder), dtype="float32", kv_cache_memory=16 * 2**20))
+        LLMEngine.from_config(EngineConfig.of(model=str(case.folder), dtype="float32", kv_cache_memory=16 * 2**20))

@@ -146,7 +146,7 @@ def test_family_gguf_matches_transformers(arch: str, spm: dict[str, Any], tmp_pa
     reference = tm.greedy_reference(reference_model, prompts, NEW_TOKENS)
     tm.assert_not_trivial(reference, NEW_TOKENS)
 
-    engine = LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", kv_cache_memory=64 * 2**20))
+    engine = LLMEngine.from_config(EngineConfig.of(model=str(path), dtype="float32", kv_cache_memory=64 * 2**20))
     assert engine.model_config.architecture == arch
     assert [engine.generate([p], GREEDY)[0].token_ids for p in prompts] == reference
     assert [c.token_ids for c in engine.generate(prompts, GREEDY)] == reference

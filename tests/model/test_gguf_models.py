@@ -58,7 +58,7 @@ def reference_model(folder: Path, name: str) -> Any:
 
 def inferd_tokens(path: Path, prompts: list[list[int]]) -> tuple[list[list[int]], list[list[int]]]:
     """Greedy tokens of each prompt alone, then of all prompts in one batch."""
-    engine = LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", kv_cache_memory=64 * 2**20))
+    engine = LLMEngine.from_config(EngineConfig.of(model=str(path), dtype="float32", kv_cache_memory=64 * 2**20))
     alone = [engine.generate([p], GREEDY)[0].token_ids for p in prompts]
     batch = [c.token_ids for c in engine.generate(prompts, GREEDY)]
     return alone, batch

@@ -39,7 +39,7 @@ def _one_thread() -> Iterator[None]:
 
 
 def make_engine(path: Path) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", kv_cache_memory=64 * 2**20))
+    return LLMEngine.from_config(EngineConfig.of(model=str(path), dtype="float32", kv_cache_memory=64 * 2**20))
 
 
 @dataclass

@@ -42,7 +42,7 @@ def _one_thread() -> Iterator[None]:
 def load(path: Path) -> str:
     """The message `LLMEngine.from_config` fails with (it must fail with ModelLoadError)."""
     with pytest.raises(ModelLoadError) as info:
-        LLMEngine.from_config(EngineConfig(model=str(path), dtype="float32", kv_cache_memory=16 * 2**20))
+        LLMEngine.from_config(EngineConfig.of(model=str(path), dtype="float32", kv_cache_memory=16 * 2**20))
     message = str(info.value)
     assert message and "\n" not in message
     return message
@@ -196,7 +196,7 @@ def broken_copy(hf_folder: Path, tmp_path: Path) -> Path:
 
 
 def test_intact_folder_loads(hf_folder: Path) -> None:
-    engine = LLMEngine.from_config(EngineConfig(model=str(hf_folder), dtype="float32", kv_cache_memory=16 * 2**20))
+    engine = LLMEngine.from_config(EngineConfig.of(model=str(hf_folder), dtype="float32", kv_cache_memory=16 * 2**20))
     assert engine.model_config.num_layers == 2
 
 

@@ -45,7 +45,7 @@ def test_q4_1_blocks_are_kept_exactly_as_stored() -> None:
 def test_the_default_model_packs_its_layers_and_its_head() -> None:
     """On the block products where this CPU has them (AVX-512 VNNI): the layers' Q4_1 and the
     tied head's Q8_0 as stored; elsewhere torch's int4 product and a dense head."""
-    model, _ = load_model(EngineConfig(dtype="bfloat16"))
+    model, _ = load_model(EngineConfig.of(dtype="bfloat16"))
     layer = model.layers[0]
     blocks = cpu.block_matmul_available()
     assert all(isinstance(op, quant.SplitLinear)
@@ -59,7 +59,7 @@ def test_the_default_model_packs_its_layers_and_its_head() -> None:
     for op in (layer.qkv, layer.gate_up, model.layers[-1].down):  # the prefill rows' copy: the same weights,
         dense = op.dense.weight  # [N, K] bfloat16, row-major (a column-major one is slow on some CPUs)
         assert dense.is_contiguous() and torch.equal(dense, op.packed.dequantize().to(torch.bfloat16))
-    float32, _ = load_model(EngineConfig(dtype="float32"))  # auto: dense where the packed kernels are slow
+    float32, _ = load_model(EngineConfig.of(dtype="float32"))  # auto: dense where the packed kernels are slow
     assert isinstance(float32.layers[0].qkv, quant.DenseLinear)
 
 
@@ -76,7 +76,7 @@ class _ReferenceBlockLinear:
 def _dequantized_reference(packed: DecoderModel) -> LLMEngine:
     """A float32 engine whose every product multiplies by the packed model's own weights, dequantized
     (the block products' by their float64 specification: activations quantized per block too)."""
-    engine = LLMEngine.from_config(EngineConfig(dtype="float32", weights="bf16", kv_cache_memory=64 * 2**20))
+    engine = LLMEngine.from_config(EngineConfig.of(dtype="float32", weights="bf16", kv_cache_memory=64 * 2**20))
     for ours, theirs in zip(packed.layers, engine.model.layers):
         for name in ("qkv", "o", "gate_up", "down"):
             layer = getattr(ours, name).packed
@@ -111,7 +111,7 @@ def test_packed_products_equal_a_reference_over_the_same_weights(num_prompts: in
     every token's log-probability: close, not equal (an activation a rounding away from a half
     step of its 8-bit code moves a product by ~1e-3 and the two runs drift apart; a wrong code
     or nibble would move them by whole units)."""
-    ours = LLMEngine.from_config(EngineConfig(dtype="float32", weights="int4", kv_cache_memory=64 * 2**20))
+    ours = LLMEngine.from_config(EngineConfig.of(dtype="float32", weights="int4", kv_cache_memory=64 * 2**20))
     assert isinstance(ours.model.layers[0].qkv.packed,
                       quant.BlockLinear if cpu.block_matmul_available() else quant.Int4Linear)
     assert isinstance(ours.model.lm_head, quant.Int8Linear)
@@ -151,8 +151,8 @@ def book() -> str:
 
 @pytest.mark.parametrize("tokens", [pytest.param(PERPLEXITY_TOKENS, marks=pytest.mark.soak), 512])
 def test_packed_perplexity_is_within_1_percent_of_dense_on_20k_tokens_of_a_book(book: str, tokens: int) -> None:
-    dense, tokenizer = load_model(EngineConfig(dtype="bfloat16", weights="bf16"))
-    packed, _ = load_model(EngineConfig(dtype="bfloat16"))
+    dense, tokenizer = load_model(EngineConfig.of(dtype="bfloat16", weights="bf16"))
+    packed, _ = load_model(EngineConfig.of(dtype="bfloat16"))
     ids = tokenizer.encode(book)[:tokens + 1]
     assert len(ids) == tokens + 1
     results = {}

@@ -40,7 +40,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object, list[l
 
 
 def engine_of(folder: Path, **overrides: object) -> LLMEngine:
-    return LLMEngine.from_config(EngineConfig(model=str(folder), dtype="float32", kv_cache_memory=16 * 2**20,
+    return LLMEngine.from_config(EngineConfig.of(model=str(folder), dtype="float32", kv_cache_memory=16 * 2**20,
                                               **overrides))
 
 

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field, fields
 
 import torch
+
+from inferd.settings import environment
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ class FaultInjector:
 
     @classmethod
     def from_environ(cls) -> FaultInjector | None:
-        spec = os.environ.get("INFERD_FAULTS")
+        spec = environment.FAULTS.get()
         if not spec:
             return None
         known = {f.name for f in fields(cls)} - {"doomed"}

@@ -10,7 +10,6 @@ sets (-march=native: the library fits only this kind of CPU). `make` builds ahea
 from __future__ import annotations
 
 import hashlib
-import os
 import platform
 import shutil
 import subprocess
@@ -18,6 +17,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+from inferd.settings import environment
 
 CSRC = Path(__file__).parent / "csrc"
 # the kernels, then bindings.cpp (their registration as torch ops), compiled side by side and linked
@@ -45,8 +46,7 @@ def library_path() -> Path:
     key.update(torch.__version__.encode())
     key.update(platform.machine().encode())
     key.update(_cpu_flags().encode())
-    folder = Path(os.environ.get("INFERD_KERNEL_DIR") or Path.home() / ".cache" / "inferd" / "kernels")
-    return folder / f"inferd_cpu_{key.hexdigest()[:16]}.so"
+    return environment.kernel_dir() / f"inferd_cpu_{key.hexdigest()[:16]}.so"
 
 
 def _cpu_flags() -> str:
@@ -64,7 +64,7 @@ def build(force: bool = False) -> Path:
     target = library_path()
     if target.exists() and not force:
         return target
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    compiler = shutil.which(environment.CXX.get() or "g++")
     if compiler is None:
         raise KernelBuildError("no C++ compiler (g++) on PATH: the CPU kernel cannot be built")
     from torch.utils import cpp_extension

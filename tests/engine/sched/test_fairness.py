@@ -357,7 +357,7 @@ def test_policy_rejects_an_unknown_fairness() -> None:
 
 
 def test_the_engine_passes_the_tenant_to_every_choice_and_publishes_the_shares(float32_weights: tuple) -> None:
-    engine = LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=32 * 2**20))
+    engine = LLMEngine(*float32_weights, EngineConfig.of(dtype="float32", kv_cache_memory=32 * 2**20))
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     prompt = engine.tokenizer.encode("The sky is")
     engine.add_request(EngineRequest(1, prompt, params, "interactive", n=2, tenant="acme", tenant_weight=2.0))

@@ -37,7 +37,7 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def engine(float32_weights: tuple) -> LLMEngine:
-    return LLMEngine(*float32_weights, EngineConfig(dtype="float32", kv_cache_memory=64 * 2**20, block_size=4))
+    return LLMEngine(*float32_weights, EngineConfig.of(dtype="float32", kv_cache_memory=64 * 2**20, block_size=4))
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def test_preemption_keeps_the_matcher_state(engine: LLMEngine, compiler: Grammar
                                             persons_unpreempted: dict) -> None:
     expected = persons_unpreempted
     per_block = engine.kv_cache.storage[:, :, :1].nbytes
-    tight = LLMEngine(engine.model, engine.tokenizer, EngineConfig(
+    tight = LLMEngine(engine.model, engine.tokenizer, EngineConfig.of(
         dtype="float32", block_size=4, kv_cache_memory=40 * per_block, swap_space=64 * per_block,
         policy=SchedulingPolicy(preemption_mode=mode)))
     got = run(tight, person_requests(engine, compiler))
