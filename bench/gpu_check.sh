@@ -7,8 +7,8 @@
 # torch, cupy, numpy and pytest, nothing else. Steps, each under `timeout`, and all of them inside
 # one deadline (TOTAL_S) so the check ends in under 8 minutes however the steps go:
 #   tests    python3 -m pytest tests/kernels (GPU kernel tests, NVRTC compile test, CPU reference tests)  270 s
-#   kernels  python3 bench/gpu_kernels.py --out <report dir>/gpu_kernels.md                              120 s
-#   engine   python3 bench/gpu_engine.py  --out <report dir>/gpu_engine.md   (only if the file exists)   150 s
+#   kernels  python3 bench/kernels/gpu_kernels.py --out <report dir>/gpu_kernels.md                              120 s
+#   engine   python3 bench/kernels/gpu_engine.py  --out <report dir>/gpu_engine.md   (only if the file exists)   150 s
 # The steps' exit codes: 0 passed; 2 from a bench script: skipped, no CUDA device; 124 or 137:
 # killed at its time limit; anything else failed (pytest's 5, no tests collected, included).
 # This script's exit code: 0 every step passed on a CUDA machine; 1 a step failed or timed out;
@@ -129,11 +129,11 @@ run_step() {
 
 run_step tests 270 "" "$PY" -m pytest -q -rs -p no:cacheprovider -W "ignore::pytest.PytestConfigWarning" \
     --durations=10 tests/kernels
-run_step kernels 120 "$REPORT_DIR/gpu_kernels.md" "$PY" bench/gpu_kernels.py --out "$REPORT_DIR/gpu_kernels.md"
-if [[ -f bench/gpu_engine.py ]]; then
-    run_step engine 150 "$REPORT_DIR/gpu_engine.md" "$PY" bench/gpu_engine.py --out "$REPORT_DIR/gpu_engine.md"
+run_step kernels 120 "$REPORT_DIR/gpu_kernels.md" "$PY" bench/kernels/gpu_kernels.py --out "$REPORT_DIR/gpu_kernels.md"
+if [[ -f bench/kernels/gpu_engine.py ]]; then
+    run_step engine 150 "$REPORT_DIR/gpu_engine.md" "$PY" bench/kernels/gpu_engine.py --out "$REPORT_DIR/gpu_engine.md"
 else
-    SUMMARY+=("$(printf '%-8s %-32s' engine 'not run (no bench/gpu_engine.py)')")
+    SUMMARY+=("$(printf '%-8s %-32s' engine 'not run (no bench/kernels/gpu_engine.py)')")
 fi
 
 {

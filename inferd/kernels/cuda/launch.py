@@ -86,7 +86,7 @@ def covering_specializations() -> dict[str, list[str]]:
     """Per source file, a set of specializations that takes every code path: each kernel at every
     dtype x head size x block size (what changes vector widths, lanes per row and passes per
     block), and the decode kernel at the GQA groups of common models (SmolLM2: 3, Llama 3: 4).
-    CI compiles these for each target architecture; bench/kernel_resources.py reports them."""
+    CI compiles these for each target architecture; bench/kernels/kernel_resources.py reports them."""
     return {
         "reshape_and_cache.cu": [cache_kernel_name(dt) for dt in DTYPES],
         "paged_attention.cu": [

@@ -1,7 +1,7 @@
 """What `[model] deterministic` (batch-invariant results on the CPU) costs, against the default,
 measured in the same run (issue 16).
 
-    .venv/bin/python bench/deterministic.py [--batches 1 16 32] [--max-tokens 64] [--rounds 2]
+    .venv/bin/python bench/kernels/deterministic.py [--batches 1 16 32] [--max-tokens 64] [--rounds 2]
 
 Two engines over the default GGUF in bfloat16, each with its own copy of the weights (the mode
 is set on the model): the default one and the deterministic one (every linear with at least two

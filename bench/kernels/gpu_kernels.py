@@ -1,6 +1,6 @@
 """Decode attention's achieved memory bandwidth on the GPU, against the device's copy bandwidth.
 
-    PYTHONPATH=. python3 bench/gpu_kernels.py [--out FILE.md]
+    PYTHONPATH=. python3 bench/kernels/gpu_kernels.py [--out FILE.md]
 
 Llama-3-8B's attention shape (32 query heads, 8 KV heads, head size 128, bfloat16, block size 16)
 at batch 1, 16, 64 x context 1k, 4k, 16k, for the single-pass kernel and the split (flash-decoding)
@@ -184,48 +184,18 @@ def prefill_section(say: Callable[[str], None], scale: float) -> bool:
     return failed
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", help="also write the markdown report to this file")
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("gpu_kernels: skipped: no CUDA device")
-        return 2
-    try:
-        import cupy
-    except ImportError as e:
-        print(f"gpu_kernels: error: CUDA is there but CuPy is not importable ({e})")
-        return 1
-    from inferd.kernels import reference
+def kernel_table(say: Callable[[str], None], copy_gbps: float, num_sms: int, scale: float
+                 ) -> tuple[dict[tuple[str, int, int], float], bool]:
+    """Each kernel variant's time and bandwidth per shape: (% of copy bandwidth by (variant, batch,
+    context), whether a shape failed)."""
     from inferd.kernels.cuda import launch as cuda
 
-    lines: list[str] = []
-
-    def say(line: str = "") -> None:
-        print(line, flush=True)
-        lines.append(line)
-
-    props = torch.cuda.get_device_properties(0)
-    num_sms = props.multi_processor_count
-    say("# Decode attention kernels: achieved bandwidth")
-    say()
-    say(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")
-    say(f"- GPU: {props.name} ({num_sms} SMs, {props.total_memory / 2**30:.0f} GiB)")
-    python = sys.version.split()[0]
-    say(f"- torch {torch.__version__}, CUDA {torch.version.cuda}, CuPy {cupy.__version__}, Python {python}")
-    say(
-        f"- shape: {N_HEADS} query heads, {N_KV} KV heads, head size {HEAD_DIM}, {str(DTYPE).removeprefix('torch.')},"
-        f" block size {BLOCK_SIZE}; the split variant's partitions: at least {cuda.MIN_PARTITION_SIZE} tokens"
-    )
-    copy_gbps, copy_bytes = copy_bandwidth()
-    say(f"- copy bandwidth: {copy_gbps:.0f} GB/s (torch copy_ of {copy_bytes / 2**30:.1f} GiB, read + written)")
     cycles_per_ms = sleep_cycles_per_ms()
     say()
     say("| batch | context | variant | time µs | GB/s | % of copy |")
     say("|---|---|---|---|---|---|")
     pct: dict[tuple[str, int, int], float] = {}
     failed = False
-    scale = HEAD_DIM**-0.5
     for batch in BATCHES:
         for context in CONTEXTS:
             shape = Shape(batch, context)
@@ -257,14 +227,16 @@ def main() -> int:
                 pct[(variant.split()[0], batch, context)] = 100 * gbps / copy_gbps
                 say(fmt_row(batch, context, variant, us, gbps, 100 * gbps / copy_gbps))
             shape.free()
-    say()
-    single = pct.get(("single-pass", 64, 4096))
-    split = pct.get(("split", 1, 16384))
-    say(f"single-pass at batch 64 × 4k: {percent(single)} of copy bandwidth (target ≥ 70%)")
-    say(f"split at batch 1 × 16k: {percent(split)} (target ≥ 50%)")
-    say()
+    return pct, failed
+
+
+def reference_section(say: Callable[[str], None], copy_gbps: float, scale: float) -> bool:
+    """The peer: torch's reference decode at a few shapes. True if one failed."""
+    from inferd.kernels import reference
+
     say("Peer: torch's reference.decode_attention (gathers the context, then SDPA; includes its host syncs)")
     say()
+    failed = False
     for batch, context in REFERENCE_SHAPES:
         shape = Shape(batch, context)
         shape.layers = 1  # slow enough that L2 reuse does not matter
@@ -286,13 +258,56 @@ def main() -> int:
             failed = True
             say(f"torch reference at batch {batch} × {context // 1024}k: error: {type(e).__name__}: {e}")
         shape.free()
+    return failed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="also write the markdown report to this file")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("gpu_kernels: skipped: no CUDA device")
+        return 2
+    try:
+        import cupy
+    except ImportError as e:
+        print(f"gpu_kernels: error: CUDA is there but CuPy is not importable ({e})")
+        return 1
+    from inferd.kernels.cuda import launch as cuda
+
+    lines: list[str] = []
+
+    def say(line: str = "") -> None:
+        print(line, flush=True)
+        lines.append(line)
+
+    props = torch.cuda.get_device_properties(0)
+    say("# Decode attention kernels: achieved bandwidth")
+    say()
+    say(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")
+    say(f"- GPU: {props.name} ({props.multi_processor_count} SMs, {props.total_memory / 2**30:.0f} GiB)")
+    python = sys.version.split()[0]
+    say(f"- torch {torch.__version__}, CUDA {torch.version.cuda}, CuPy {cupy.__version__}, Python {python}")
+    say(
+        f"- shape: {N_HEADS} query heads, {N_KV} KV heads, head size {HEAD_DIM}, {str(DTYPE).removeprefix('torch.')},"
+        f" block size {BLOCK_SIZE}; the split variant's partitions: at least {cuda.MIN_PARTITION_SIZE} tokens"
+    )
+    copy_gbps, copy_bytes = copy_bandwidth()
+    say(f"- copy bandwidth: {copy_gbps:.0f} GB/s (torch copy_ of {copy_bytes / 2**30:.1f} GiB, read + written)")
+    scale = HEAD_DIM**-0.5
+    pct, failed = kernel_table(say, copy_gbps, props.multi_processor_count, scale)
+    say()
+    say(f"single-pass at batch 64 × 4k: {percent(pct.get(('single-pass', 64, 4096)))} of copy bandwidth "
+        "(target ≥ 70%)")
+    say(f"split at batch 1 × 16k: {percent(pct.get(('split', 1, 16384)))} (target ≥ 50%)")
+    say()
+    failed |= reference_section(say, copy_gbps, scale)
     say()
     failed |= prefill_section(say, scale)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")
     return 1 if failed else 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

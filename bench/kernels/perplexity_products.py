@@ -4,7 +4,7 @@ packed kernels, except the products named in --bf16-activations, which multiply 
 stored weights dequantized to bfloat16 (no 8-bit activations there). Prints the figure against
 the dense bfloat16 model's, measured in the same run.
 
-    .venv/bin/python bench/perplexity_products.py [--bf16-activations down[,head,qkv,o,gate_up]] [--tokens 20480]
+    .venv/bin/python bench/kernels/perplexity_products.py [--bf16-activations down[,head,qkv,o,gate_up]] [--tokens 20480]
 """
 from __future__ import annotations
 
@@ -41,9 +41,9 @@ def main() -> None:
     for layer in packed.layers:
         for name in LAYER_PRODUCTS:
             op = getattr(layer, name).packed  # every row on the packed product (not the prefill copy)
-            setattr(layer, name, quant.DenseLinear(op.dequantize().to(torch.bfloat16), None) if name in names else op)
+            setattr(layer, name, linear.DenseLinear(op.dequantize().to(torch.bfloat16), None) if name in names else op)
     if "head" in names:
-        packed.lm_head = quant.DenseLinear(packed.embed, None)
+        packed.lm_head = linear.DenseLinear(packed.embed, None)
     results = {}
     for label, model in (("dense bf16", dense), ("packed", packed)):
         cache = KVCache(model.cfg, 64, 16, torch.bfloat16, torch.device("cpu"))

@@ -3,7 +3,7 @@ quantized to 8 bits per block against 16 (split into two bytes: two VNNI sums), 
 process: one call of each of the default model's layer shapes, at a few row counts; each the
 median call over ~0.3 s (decode_attention.timed).
 
-    .venv/bin/python bench/block_products.py [--rows 1 8 32]
+    .venv/bin/python bench/kernels/block_products.py [--rows 1 8 32]
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def main() -> None:
     print("|---|---:|---:|---:|---:|")
     for name, (n, k) in SHAPES.items():
         weight = quant.quantize_int4(torch.randn(n, k) * 0.05)
-        layers = {bits: quant.BlockLinear(weight.codes, weight.scale, weight.minimum, None, bits) for bits in (8, 16)}
+        layers = {bits: linear.BlockLinear(weight.codes, weight.scale, weight.minimum, None, bits) for bits in (8, 16)}
         for rows in args.rows:
             x = torch.randn(rows, k, dtype=torch.bfloat16)
             us = {bits: timed(lambda: layer(x)) * 1e6 for bits, layer in layers.items()}

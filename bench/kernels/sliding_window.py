@@ -9,7 +9,7 @@ of 1024, 8k context, blocks of 16. Prints
   (b) the TTFT of a second chat turn that extends the first (its prefix served from the cache)
       against the cold prefill of the same context in a fresh engine; the target is <= 0.25x.
 
-    PYTHONPATH=. .venv/bin/python bench/sliding_window.py [--context 8192] [--turn 256]
+    PYTHONPATH=. .venv/bin/python bench/kernels/sliding_window.py [--context 8192] [--turn 256]
 """
 
 from __future__ import annotations

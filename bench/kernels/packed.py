@@ -1,12 +1,12 @@
 """Packed weights (`[model] weights`, inferd/model/layers/quant.py) against dense bf16 ones, measured in
 the same run (issue 16).
 
-    .venv/bin/python bench/packed.py [--batches 1 4 16 32] [--max-tokens 64] [--rounds 2]
+    .venv/bin/python bench/kernels/packed.py [--batches 1 4 16 32] [--max-tokens 64] [--rounds 2]
 
 Two engines over the default GGUF in bfloat16, otherwise in the default configuration: weights
 "bf16" (every layer dequantized at load) and "auto" (the default: the Q4_1 layers kept as 4-bit
 codes, decode rows on torch's packed int4 product, prefill rows on a dense copy). Same workload
-and table as bench/deterministic.py (the engines alternate; median of --rounds); "same tokens"
+and table as bench/kernels/deterministic.py (the engines alternate; median of --rounds); "same tokens"
 compares the two engines' greedy text (not expected to match: the weights' arithmetic differs).
 """
 

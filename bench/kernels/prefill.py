@@ -1,7 +1,7 @@
 """Prefill time of one prompt, engine alone, per dtype: the dense rows' products (a packed model
 prefills through its dense copy of each layer).
 
-    python bench/prefill.py [--tokens 100] [--runs 3] [--dtypes bfloat16,float32]
+    python bench/kernels/prefill.py [--tokens 100] [--runs 3] [--dtypes bfloat16,float32]
 
 Prints one line per dtype, "prefill DTYPE: median N ms (T tokens)", which bench/ab.py reads with
 --metric 'prefill (?P<key>\\w+): median (?P<value>[\\d.]+) ms' --lower-is-better.

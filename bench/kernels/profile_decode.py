@@ -2,7 +2,7 @@
 the engine alone (no HTTP). Prints the step time, the part inside model.forward, and
 torch.profiler's table of the ops over 20 steps.
 
-    .venv/bin/python bench/profile_decode.py [--batch 32] [--context 100] [--rows 12]
+    .venv/bin/python bench/kernels/profile_decode.py [--batch 32] [--context 100] [--rows 12]
 """
 import argparse
 import time

@@ -1,7 +1,7 @@
 """Registers, shared memory and spills of every kernel specialization CI compiles, as ptxas
 reports them (`nvcc -Xptxas -v`). Needs nvcc; no GPU.
 
-    python bench/kernel_resources.py [--arch sm_90] [--out FILE.md]
+    python bench/kernels/kernel_resources.py [--arch sm_90] [--out FILE.md]
 
 Spills or a register count that caps occupancy are what to look at before a GPU run.
 """
@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from inferd.kernels.cuda import launch as cuda  # noqa: E402
 

@@ -9,7 +9,7 @@ bandwidth it achieves on the K/V bytes it must read, against two peers in the sa
 Shapes are the default model's layer (9 query heads, 3 KV heads, head size 64, bfloat16, blocks
 of 16), each sequence's blocks scattered over the pool as the block manager leaves them.
 
-    .venv/bin/python bench/decode_attention.py [--batches 1,4,16,32,64] [--contexts 64,256,1024,2048,4096,8192]
+    .venv/bin/python bench/kernels/decode_attention.py [--batches 1,4,16,32,64] [--contexts 64,256,1024,2048,4096,8192]
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
 
 def build_baseline(commit: str) -> bool:
     """The kernel at `commit`, registered as torch.ops.inferd_cpu_before; False if it cannot be built."""
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     source = subprocess.run(["git", "-C", str(root), "show", f"{commit}:inferd/kernels/csrc/cpu_attention.cpp"],
                             capture_output=True, text=True)
     if source.returncode != 0:

@@ -1,7 +1,7 @@
 """GPU engine benchmark: decode speed of the serving path (scheduler, CUDA-graph decode steps,
 our kernels, sampling) on one GPU, against the memory floor and against transformers.
 
-    PYTHONPATH=. python3 bench/gpu_engine.py [--out FILE.md] [--skip-8b]
+    PYTHONPATH=. python3 bench/kernels/gpu_engine.py [--out FILE.md] [--skip-8b]
 
 1. Device copy bandwidth, measured in this run (bytes read + written / time of a 2 GiB copy).
 2. An 8B-shaped Llama (Llama-3-8B: 32 layers, hidden 4096, 32 heads, 8 KV heads, MLP 14336,
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from inferd.engine.kv.block_manager import BlockManager  # noqa: E402
 from inferd.engine.worker.cuda_graphs import DecodeGraphs  # noqa: E402
