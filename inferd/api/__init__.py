@@ -12,7 +12,7 @@ each a package that owns its state:
     responses/  OpenAI's Responses protocol, and its store of responses (per tenant, bounded)
 
 Around them: app.py (the application and its lifecycle), server.py (`inferd serve`),
-endpoints.py (the route table), openapi.py, admin.py, and what every stage shares: state.py,
+endpoints.py (the endpoint table), openapi.py, admin.py, and what every stage shares: state.py,
 errors.py, body.py, wire.py, record.py, systemd.py, startup.py (the start-up line, written and read).
 
 Imports point down this list, read bottom-up: a protocol package imports the pipeline, the

@@ -123,7 +123,7 @@ async def _swap(request: web.Request, slot: ModelSlot, spec: ModelSpec) -> web.R
     return web.json_response(_revision(served, True))
 
 
-def add_admin_routes(app: web.Application) -> None:
+def add_admin_endpoints(app: web.Application) -> None:
     app.router.add_get("/admin/tenants", list_tenants)
     app.router.add_post("/admin/reload", reload_keys)
     app.router.add_post("/admin/models/{name}/reload", reload_endpoint)

@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable
 from aiohttp import web
 
 from inferd.api.edge import EDGE, MAX_BODY_BYTES, EdgeCounts, edge_middleware
-from inferd.api.endpoints import add_routes
+from inferd.api.endpoints import add_endpoints
 from inferd.api.errors import error_middleware
 from inferd.api.gateway.gate import GATEWAY, Gateway
 from inferd.api.gateway.keys import auth_middleware, principal_of
@@ -75,7 +75,7 @@ def create_app(registry: ModelRegistry, settings: Settings, api_keys: frozenset[
                                     app[SSE_RESPONSES])
     stored = settings.responses
     app[RESPONSE_STORE] = ResponseStore(stored.max_per_tenant, stored.max_bytes_per_tenant, stored.ttl_seconds)
-    add_routes(app)
+    add_endpoints(app)
     setup_request_file(app, settings.request_log, app[STATE].model_name)  # before the metrics, which read it
     setup_metrics(app)
     app[COLLECTORS].register(StoreCollector(app[RESPONSE_STORE]))  # (the Responses API's store: its own module)

@@ -1,4 +1,5 @@
-"""The route table: every path, and the small endpoints of the server's own life.
+"""The endpoint table: every HTTP path, and the small endpoints of the server's own life. ("Routes" in
+inferd are model routes: routing/routes.py, [routes.NAME].)
 
     POST /v1/completions, /v1/chat/completions,    openai/ (the OpenAI protocol, over the shared
          /tokenize, /detokenize; GET /v1/models     generation path of pipeline/)
@@ -13,7 +14,7 @@
     GET, DELETE /v1/streams/<id>                   streaming/resume.py: resume or cancel a stream
     /admin/tenants, /admin/reload, /admin/models/<name>/reload, /rollback   admin.py (admin key)
 
-Each protocol package adds its routes here.
+Each protocol package adds its endpoints here.
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import time
 
 from aiohttp import web
 
-from inferd.api.admin import add_admin_routes
-from inferd.api.anthropic.endpoints import add_anthropic_routes
-from inferd.api.openai.endpoints import add_openai_routes
+from inferd.api.admin import add_admin_endpoints
+from inferd.api.anthropic.endpoints import add_anthropic_endpoints
+from inferd.api.openai.endpoints import add_openai_endpoints
 from inferd.api.openapi import openapi
-from inferd.api.responses.create import add_responses_routes
+from inferd.api.responses.create import add_responses_endpoints
 from inferd.api.routing.registry import REGISTRY
 from inferd.api.state import SETTINGS
 from inferd.api.streaming.resume import RESUMABLE
@@ -63,14 +64,14 @@ async def delete_stream(request: web.Request) -> web.StreamResponse:
     return await request.app[RESUMABLE].delete(request)
 
 
-def add_routes(app: web.Application) -> None:
-    add_openai_routes(app)
-    add_anthropic_routes(app)
-    add_responses_routes(app)
+def add_endpoints(app: web.Application) -> None:
+    add_openai_endpoints(app)
+    add_anthropic_endpoints(app)
+    add_responses_endpoints(app)
     app.router.add_get("/v1/status", status)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/openapi.json", openapi)
     app.router.add_get("/v1/streams/{response_id}", resume_stream)
     app.router.add_delete("/v1/streams/{response_id}", delete_stream)
-    add_admin_routes(app)
+    add_admin_endpoints(app)

@@ -30,7 +30,7 @@ from aiohttp import web
 from kubernetes_validate.utils import all_versions, major_minor
 
 from inferd.api.edge import EDGE
-from inferd.api.endpoints import add_routes
+from inferd.api.endpoints import add_endpoints
 from inferd.api.gateway.gate import GATEWAY
 from inferd.api.routing.registry import REGISTRY
 from inferd.api.state import STATE
@@ -189,7 +189,7 @@ def served_paths() -> set[str]:
     app[REGISTRY], app[STATE] = sentinel.models, sentinel.state
     app[GATEWAY], app[RESUMABLE], app[SLOW_CLIENTS] = sentinel.gateway, sentinel.resumable, sentinel.slow
     app[EDGE], app[LOOP_LAG] = sentinel.edge, sentinel.loop_lag
-    add_routes(app)
+    add_endpoints(app)
     setup_metrics(app)
     return {r.resource.canonical for r in app.router.routes() if r.method == "GET" and r.resource}
 

@@ -3,7 +3,7 @@
     wire.py       the request and reply models (pydantic: validated once, here)
     messages.py   POST /v1/messages (whole, or named stream events) and /v1/messages/count_tokens
     errors.py     errors in Anthropic's shape and status codes (429, 529 overloaded, 504 timeout)
-    endpoints.py  its routes, and its error shape registered for them
+    endpoints.py  its endpoints, and its error shape registered for them
 
 It keeps the contract of pipeline/__init__.py (an `Ask` and a `Shape`, then
 `pipeline.generate.generate`) and renders through conversation/ (the chat template, the tool-call

@@ -7,7 +7,7 @@
     structured.py, tools.py  response_format and tool_choice as grammars; tool calls parsed
     logprobs.py, events.py   logprobs and streamed chunks in OpenAI's shapes
     tokenize.py            POST /tokenize, /detokenize (vLLM's shapes)
-    endpoints.py           its routes, and GET /v1/models
+    endpoints.py           its endpoints, and GET /v1/models
 
 The contract a protocol front-end keeps (pipeline/__init__.py): parse the body, build an `Ask`
 and a `Shape`, call `pipeline.generate.generate`. It writes no gateway, routing, admission or

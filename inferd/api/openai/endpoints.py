@@ -1,4 +1,4 @@
-"""The OpenAI protocol's routes, and GET /v1/models (every served name, as OpenAI lists models).
+"""The OpenAI protocol's endpoints, and GET /v1/models (every served name, as OpenAI lists models).
 
     POST /v1/completions       completions.py        POST /tokenize        tokenize.py
     POST /v1/chat/completions  chat.py               POST /detokenize      tokenize.py
@@ -47,7 +47,7 @@ async def retrieve_model(request: web.Request) -> web.Response:
     return web.json_response(dump(card))
 
 
-def add_openai_routes(app: web.Application) -> None:
+def add_openai_endpoints(app: web.Application) -> None:
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
     app.router.add_get("/v1/models", list_models)

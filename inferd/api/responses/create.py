@@ -29,7 +29,7 @@ from inferd.api.errors import bad_request
 from inferd.api.pipeline.generate import generate
 from inferd.api.pipeline.shape import Events, Reply
 from inferd.api.responses.events import EVENTS_PER_TOKEN, OutputItem, ResponseEvents, finish_status, item_id
-from inferd.api.responses.stored import RESPONSE_STORE, Keeper, add_stored_routes, not_found, store_full
+from inferd.api.responses.stored import RESPONSE_STORE, Keeper, add_stored_endpoints, not_found, store_full
 from inferd.api.responses.wire import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -280,7 +280,7 @@ def _keeper(request: web.Request, body: ResponsesRequest) -> Keeper | None:
     return Keeper(request, store, owner)
 
 
-def add_responses_routes(app: web.Application) -> None:
+def add_responses_endpoints(app: web.Application) -> None:
     app.router.add_post("/v1/responses", create_response)
-    add_stored_routes(app)
+    add_stored_endpoints(app)
 

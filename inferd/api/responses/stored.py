@@ -1,4 +1,4 @@
-"""Stored responses over HTTP: keeping them, background ones, and their routes.
+"""Stored responses over HTTP: keeping them, background ones, and their endpoints.
 
     POST /v1/responses {"store": true}           create.py: kept once finished (`Keeper.finished`)
     POST /v1/responses {"background": true}      kept from the start; its events go into an
@@ -173,7 +173,7 @@ async def cancel(request: web.Request) -> web.Response:
     return web.json_response(_current(entry))
 
 
-def add_stored_routes(app: web.Application) -> None:
+def add_stored_endpoints(app: web.Application) -> None:
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", delete)
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel)
