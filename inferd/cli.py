@@ -84,12 +84,13 @@ def generate(
     from inferd.engine.config import EngineConfig
     from inferd.engine.llm_engine import LLMEngine
     from inferd.settings.config import load_settings
+    from inferd.settings.flags import overrides
     from inferd.settings.values import SettingsError
     from inferd.text.errors import ModelLoadError
     from inferd.text.sampling_params import SamplingParams
 
-    try:
-        settings = load_settings(_settings_file(config), {"model": {"path": model, "dtype": dtype}})
+    try:  # (--model and --dtype are serve's flags of the same names: the same keys)
+        settings = load_settings(_settings_file(config), overrides({"model": model, "dtype": dtype}))
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
     except (SettingsError, ValueError) as e:
         _fail(str(e))
@@ -175,7 +176,7 @@ def config_command(
     file `serve --config` reads; docs/configuration.md describes each key)."""
     if not defaults:
         _fail("give --defaults (every key at its default, as TOML)")
-    from inferd.settings.docs import defaults_toml
+    from inferd.settings.defaults import defaults_toml
 
     sys.stdout.write(defaults_toml())
 

@@ -1,4 +1,4 @@
-"""The block products (inferd/kernels/csrc/cpu_matmul.cpp) on 4-bit weights, their activations
+"""The block products (inferd/kernels/cpu/csrc/cpu_matmul.cpp) on 4-bit weights, their activations
 quantized to 8 bits per block against 16 (split into two bytes: two VNNI sums), in the same
 process: one call of each of the default model's layer shapes, at a few row counts; each the
 median call over ~0.3 s (decode_attention.timed).
@@ -13,7 +13,7 @@ import torch
 from decode_attention import timed  # (bench/ is this script's folder)
 
 from inferd.kernels import cpu
-from inferd.model.layers import quant
+from inferd.model.layers import linear, quant
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}  # [N, K]
 

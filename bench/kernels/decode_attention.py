@@ -23,25 +23,53 @@ from pathlib import Path
 import torch
 
 from inferd.kernels import cpu, reference
+from inferd.kernels.cpu.build import FLAGS
 
 HEADS, KV_HEADS, DIM, BLOCK = 9, 3, 64, 16
+
+
+# Where the kernel's source lived: the CPU device room (its registration in bindings.cpp), or before
+# it, inferd/kernels/csrc/ (its TORCH_LIBRARY inside the file)
+_ROOM, _FLAT = "inferd/kernels/cpu/csrc", "inferd/kernels/csrc"
+_REGISTER = """
+#include <torch/library.h>
+TORCH_LIBRARY(inferd_cpu_before, m) {
+  m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale, int window, float softcap) -> Tensor");
+  m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::decode_attention));
+}
+"""
+
+
+def _git_show(root: Path, commit: str, path: str) -> str | None:
+    shown = subprocess.run(["git", "-C", str(root), "show", f"{commit}:{path}"], capture_output=True, text=True,
+                           check=False)
+    return shown.stdout if shown.returncode == 0 else None
 
 
 def build_baseline(commit: str) -> bool:
     """The kernel at `commit`, registered as torch.ops.inferd_cpu_before; False if it cannot be built."""
     root = Path(__file__).resolve().parents[2]
-    source = subprocess.run(["git", "-C", str(root), "show", f"{commit}:inferd/kernels/csrc/cpu_attention.cpp"],
-                            capture_output=True, text=True)
-    if source.returncode != 0:
-        print(f"(no baseline: {source.stderr.strip()})")
-        return False
+    folder = Path(tempfile.mkdtemp(prefix="inferd-attn-before-"))
+    source = _git_show(root, commit, f"{_ROOM}/cpu_attention.cpp")
+    if source is not None:  # the room's layout: the headers beside it, the op registered here
+        for header in ("cpu_simd.h", "cpu_ops.h"):
+            (folder / header).write_text(_git_show(root, commit, f"{_ROOM}/{header}") or "")
+        source += _REGISTER
+    else:
+        source = _git_show(root, commit, f"{_FLAT}/cpu_attention.cpp")
+        if source is None:
+            print(f"(no baseline: no cpu_attention.cpp at {commit})")
+            return False
+        for header in ("cpu_simd.h",):
+            (folder / header).write_text(_git_show(root, commit, f"{_FLAT}/{header}") or "")
+        source = source.replace("TORCH_LIBRARY(inferd_cpu,", "TORCH_LIBRARY(inferd_cpu_before,")
     from torch.utils import cpp_extension
 
-    folder = Path(tempfile.mkdtemp(prefix="inferd-attn-before-"))
     path = folder / "before.cpp"
-    path.write_text(source.stdout.replace("TORCH_LIBRARY(inferd_cpu,", "TORCH_LIBRARY(inferd_cpu_before,"))
+    path.write_text(source)
     lib = folder / "before.so"
-    command = ["g++", *cpu.FLAGS, "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    command = ["g++", *FLAGS, "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
                *[f"-I{p}" for p in cpp_extension.include_paths()], str(path),
                *[f"-L{p}" for p in cpp_extension.library_paths()], "-lc10", "-ltorch_cpu", "-o", str(lib)]
     subprocess.run(command, check=True)

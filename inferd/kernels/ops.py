@@ -230,7 +230,7 @@ def layer_ops(shape: LayerShape, dtype: torch.dtype, device: torch.device, atten
              and shape.activation == "silu" and shape.hidden_size % 16 == 0 and shape.intermediate_size % 16 == 0
              and cpu.available())
     if fused:
-        kernels = torch.ops.inferd_cpu
+        kernels = cpu.kernels()
         rope_fused = not shape.partial_rotary and shape.head_dim % 32 == 0 and not shape.qk_norm
         return LayerOps(
             "cpu",
@@ -270,8 +270,6 @@ def block_products_available() -> bool:
     return cpu.block_matmul_available()
 
 
-def block_matmul(x: Tensor,  # [M, K]
-                 weight: Tensor,  # uint8 [N / 16, K / 32, bytes]: quant.BlockLinear's packing
-                 bits: int,  # the weights' codes: 4 or 8
-                 activation_bits: int = 8) -> Tensor:  # [M, N], x's dtype; 16 for 4-bit weights only
-    return torch.ops.inferd_cpu.block_matmul(x, weight, bits, activation_bits)
+# (M rows of x's dtype, uint8 weights as linear.BlockLinear packs them, bits 4 | 8, activation bits 8 | 16)
+# -> [M, N] in x's dtype: the CPU room's kernel, the only one there is
+block_matmul = cpu.block_matmul

@@ -20,7 +20,8 @@ import torch
 from inferd.kernels import ops
 from inferd.kernels.ops import Attention, AttentionPlan, LayerOps, LayerShape
 from inferd.model.families.config import ModelConfig
-from inferd.model.layers.quant import DenseLinear, Linear, fuse, make_linear
+from inferd.model.layers.linear import DenseLinear, Linear, make_linear
+from inferd.model.layers.quant import fuse
 from inferd.text.errors import ModelLoadError
 
 
@@ -40,7 +41,7 @@ class StepAttention:
 
     layers: list[LayerAttention]  # per layer
     num_prefill_tokens: int  # tokens [0, num_prefill_tokens) are prefill chunks, the rest decodes
-    # tokens [0, dense_rows) multiply by packed layers' dense copies (quant.SplitLinear): the
+    # tokens [0, dense_rows) multiply by packed layers' dense copies (linear.SplitLinear): the
     # prefill rows of long prompts, which the runner puts first
     dense_rows: int = 0
 
@@ -80,7 +81,7 @@ class DecoderLayer:
         )  # [q+2kv] or None
         dtype = w[f"{prefix}.attn_norm"].dtype
         parts = [w[f"{prefix}.{name}"] for name in ("q", "k", "v")]
-        # packed weights: long prompts' prefill rows on a dense copy, the rest packed (quant.SplitLinear).
+        # packed weights: long prompts' prefill rows on a dense copy, the rest packed (linear.SplitLinear).
         # qkv's and down's inputs (the normed residual, SiLU(gate) x up) have outliers inside their
         # blocks of 32: on 8-bit codes each costs the default model ~0.5% of perplexity on the book,
         # so they take 16-bit ones (+0.42% in all, against +1.39%; bench/RESULTS.md, issue 30)

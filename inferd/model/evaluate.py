@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from inferd.model.decoder import DecoderModel, LayerAttention, StepAttention
-from inferd.model.layers.quant import DENSE_PREFILL_MIN_TOKENS
+from inferd.model.layers.linear import DENSE_PREFILL_MIN_TOKENS
 from inferd.kernels.tensors import device_tensor
 
 

@@ -9,7 +9,8 @@ flags are made from those.
     models.py       [models.NAME], [routes.NAME] and [degradation]: several models in one process
     policy.py       the scheduling policy as data: priority classes, timeouts, load shedding
     flags.py        the keys promoted to `inferd serve` flags
-    docs.py         docs/configuration.md and `inferd config --defaults`, from the descriptions
+    docs.py         docs/configuration.md, from the descriptions (`python -m inferd.settings.docs`)
+    defaults.py     `inferd config --defaults` and the shipped inferd.toml, from the descriptions
     environment.py  every environment variable inferd reads
     values.py       the table base, sizes, text files, key digests, SettingsError
 

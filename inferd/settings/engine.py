@@ -1,6 +1,7 @@
 """The engine's settings tables: [model], [cache], [scheduler], [shedding], [classes.NAME], [limits],
 [health] and [runtime]. Each key's docstring is its one description: docs/configuration.md,
-`inferd config --defaults` and the `serve` flags are made from it (settings/docs.py, cli.py)."""
+`inferd config --defaults` and the `serve` flags are made from it (settings/docs.py, defaults.py,
+flags.py)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from inferd.settings.policy import DEFAULT_CLASSES, PriorityClass, SchedulingPolicy, ShedConfig, Timeouts
-from inferd.settings.values import Section, parse_memory
+from inferd.settings.values import AUTO_SIZE, SIZE, Section, parse_memory
 
 
 class ModelSettings(Section):
     """The model served (without [models.NAME] tables, the only one)."""
 
-    path: str | None = None
-    """GGUF file or Hugging Face folder; unset: the embedded SmolLM2-135M-Instruct."""
-    name: str | None = None
+    path: str | None = Field(default=None, examples=["/srv/models/Qwen3-8B-Q4_K_M.gguf"])
+    """GGUF file or Hugging Face folder (config.json, *.safetensors, tokenizer.json or tokenizer.model);
+    unset: the embedded SmolLM2-135M-Instruct (Q4_1 GGUF)."""
+    name: str | None = Field(default=None, examples=["qwen3-8b"])
     """The name clients send; unset: the file or folder name."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """The weights' and activations' dtype; auto: bfloat16."""
@@ -38,12 +40,12 @@ class CacheSettings(Section):
 
     block_size: int = Field(default=16, ge=1, le=128)
     """Tokens per KV block (a power of two)."""
-    kv_cache_memory: float | None = None
+    kv_cache_memory: float | None = Field(default=None, json_schema_extra=AUTO_SIZE)
     """KV cache size: bytes like "2GiB", or a fraction of free memory; "auto" (unset): 2 GiB on the
-    host, most of the free memory on CUDA."""
+    host, most of the free memory on CUDA. More KV memory: more requests at once, and longer ones."""
     prefix_caching: bool = True
     """Reuse cached KV blocks of shared prompt prefixes."""
-    swap_space: float = 2**30
+    swap_space: float = Field(default=2**30, json_schema_extra=SIZE)
     """Host memory for swapped-out blocks (scheduler.preemption_mode "swap"), bytes like "1GiB"."""
 
     @field_validator("block_size")

@@ -6,8 +6,9 @@ flag beside its key. A flag not given (None) leaves the file's or the environmen
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic.fields import FieldInfo
 
@@ -39,7 +40,12 @@ class Flag:
 
     @property
     def help(self) -> str:
-        return f"{self.field.description} (settings: {self.key})"
+        """The key's description, then its allowed values (a choice of words) and the key."""
+        choices = [str(c) for c in typing.get_args(self.field.annotation) if c is not None]
+        if typing.get_origin(self.field.annotation) is not Literal or len(choices) < 2:
+            return f"{self.field.description} (settings: {self.key})"
+        words = ", ".join(choices[:-1]) + f" or {choices[-1]}"
+        return f"{self.field.description} ({words}; settings: {self.key})"
 
 
 SERVE_FLAGS = (

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from inferd.settings.values import Section, parse_memory
+from inferd.settings.values import SIZE, Section, parse_memory
 
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}")  # (a label value and a URL path segment)
 
@@ -37,7 +37,7 @@ class ModelTable(Section):
     """Shown in /v1/models, the x-inferd-model header and metrics; a SIGHUP reloads a changed one."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] | None = None
     """Its dtype; unset: [model] dtype."""
-    kv_cache_memory: float | None = None
+    kv_cache_memory: float | None = Field(default=None, json_schema_extra=SIZE)
     """Its own KV share (bytes or a fraction of free memory), so a second model never starves the
     first; unset: [cache] kv_cache_memory."""
     fallback: str | None = None

@@ -87,13 +87,13 @@ class ShedConfig:
 
 @dataclass(frozen=True)
 class SchedulingPolicy:
+    """The classes and how the scheduler orders them. The other fields are the [scheduler] table's
+    keys of the same names (settings/engine.py's SchedulerSettings describes each)."""
+
     classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
-    default_class: str = "interactive"  # for a request that names no priority
-    # a waiting request moves up one class per `aging_seconds` waited, so none starves; 0: off
+    default_class: str = "interactive"
     aging_seconds: float = 60.0
-    preemption_mode: str = "recompute"  # or "swap" (falls back to recompute when swap is full)
-    # inside a class: "vtc" serves the backlogged tenant with the fewest tokens served per weight
-    # first (engine/sched/fairness.py); "fcfs" by deadline and arrival alone
+    preemption_mode: str = "recompute"
     fairness: str = "vtc"
     shedding: ShedConfig = field(default_factory=ShedConfig)
 

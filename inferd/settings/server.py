@@ -1,5 +1,6 @@
 """The server's settings tables: [server], [tenants.NAME], [responses], [output_filter] and
-[request_log]. Each key's docstring is its one description (settings/docs.py makes the rest)."""
+[request_log]. Each key's docstring is its one description (settings/docs.py and defaults.py make
+the rest)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from inferd.settings.values import DIGEST_HINT, SHA256_HEX, Section, parse_memory
+from inferd.settings.values import DIGEST_HINT, SHA256_HEX, SIZE, Section, parse_memory
 
 
 def digests(values: tuple[str, ...]) -> tuple[str, ...]:
@@ -27,9 +28,10 @@ class ServerSettings(Section):
     """Address to bind."""
     port: int = Field(default=8000, ge=0, le=65535)
     """Port to bind; 0: any free port."""
-    api_keys_file: str | None = None
-    """SHA-256 hex digests of the accepted API keys, one per line ('#' comments allowed); keys also
-    come from --api-key and INFERD_API_KEYS (comma-separated, in the clear). No key at all: open."""
+    api_keys_file: str | None = Field(default=None, examples=["/etc/inferd/api_keys"])
+    """SHA-256 hex digests of the accepted API keys (`printf %s KEY | sha256sum`), one per line ('#'
+    comments allowed); keys also come from --api-key and INFERD_API_KEYS (comma-separated, in the
+    clear). No key at all: open."""
     open_paths: tuple[str, ...] = ("/health", "/ready", "/metrics")
     """Paths served without a key."""
     keepalive_seconds: float = Field(default=10.0, gt=0, le=300)
@@ -122,7 +124,7 @@ class ResponsesSettings(Section):
     """A request that names no `store` (the openai client sends none) is kept."""
     max_per_tenant: int = Field(default=1024, ge=1)
     """Responses kept per tenant; past it the oldest finished ones go."""
-    max_bytes_per_tenant: int = Field(default=64 * 2**20, ge=1)
+    max_bytes_per_tenant: int = Field(default=64 * 2**20, ge=1, json_schema_extra=SIZE)
     """Their JSON text and events, all told, bytes like "64MiB"."""
     ttl_seconds: float = Field(default=3600.0, gt=0, le=30 * 86400)
     """Kept this long after they start."""
@@ -157,7 +159,7 @@ class RequestLogSettings(Section):
 
     path: str | None = None
     """Where the request file is written; unset: off."""
-    max_bytes: int = Field(default=64 * 2**20, ge=1)
+    max_bytes: int = Field(default=64 * 2**20, ge=1, json_schema_extra=SIZE)
     """Rotate the file past this size, bytes like "64MiB"."""
     backups: int = Field(default=5, ge=1)
     """Rotated files kept: path.1 .. path.N."""

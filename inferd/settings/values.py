@@ -13,7 +13,8 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 class Section(BaseModel):
     """A settings table: frozen, unknown keys refused, each key described by the docstring under it
-    (its one description: settings/docs.py makes docs/configuration.md and the defaults file from it)."""
+    (its one description: settings/docs.py and defaults.py make the docs page and the TOML files
+    from it)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_attribute_docstrings=True)
 
@@ -47,6 +48,20 @@ def parse_memory(value: Any) -> float:
     if number <= 0:
         raise ValueError("must be positive")
     return number
+
+
+# a size key's json_schema_extra: the docs and the defaults file write it as bytes like "64MiB";
+# AUTO_SIZE's key is also written "auto" where it is unset (its validator reads "auto" as unset)
+SIZE: dict[str, Any] = {"size": True}
+AUTO_SIZE: dict[str, Any] = {"size": True, "unset": "auto"}
+
+
+def format_size(number: float) -> str:
+    """Bytes as the largest binary unit that holds them whole ("64MiB"), else plain bytes."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if number >= scale and number % scale == 0:
+            return f"{int(number // scale)}{unit}"
+    return f"{int(number)}B" if number == int(number) else repr(number)
 
 
 SHA256_HEX = re.compile(r"[0-9a-fA-F]{64}")  # a key's digest, as settings and the keys file hold it

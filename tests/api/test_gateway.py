@@ -180,6 +180,11 @@ async def test_a_tenant_sees_only_its_own_requests_and_row(llm: LLMEngine) -> No
         try:
             for r in streams:
                 await r.content.readline()  # both have started
+            # the engine publishes its snapshot every 50 ms: look once it holds both requests
+            deadline = asyncio.get_running_loop().time() + 30
+            while len((await server.get("/v1/status", headers=bearer(ADMIN)))[1]["requests"]) < 2:
+                assert asyncio.get_running_loop().time() < deadline, "the two streams never ran together"
+                await asyncio.sleep(0.01)
             views = {key: (await server.get("/v1/status", headers=bearer(key)))[1] for key in (ACME, BETA, ADMIN)}
         finally:
             for r in streams:

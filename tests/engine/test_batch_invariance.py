@@ -20,7 +20,7 @@ from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
 from inferd.kernels import reference
 from inferd.kernels.ops import CpuAttention
-from inferd.model.layers.quant import Linear, SplitLinear
+from inferd.model.layers.linear import Linear, SplitLinear
 from inferd.text.sampling_params import SamplingParams
 
 BATCHES = range(1, 65)
@@ -71,7 +71,7 @@ def test_each_product_gives_a_row_the_same_bits_at_batch_sizes_1_to_64(
         activations: dict[str, tuple[Linear, torch.Tensor]], name: str, rows: str,
         sweep: tuple[Sequence[int], int]) -> None:
     """A layer's product on packed weights: decode rows through the packed kernel, prefill rows
-    through the dense copy (quant.SplitLinear); the head is dense for both."""
+    through the dense copy (linear.SplitLinear); the head is dense for both."""
     op, inputs = activations[name]
     if name != "lm_head":
         assert isinstance(op, SplitLinear), type(op)  # the default weights of the default model

@@ -1,6 +1,6 @@
 """Runs inferd's CUDA kernel sources on the CPU, for machines without a GPU (tests only).
 
-The sources in inferd/kernels/csrc are compiled by g++ against `emu/` (cuda_fp16.h, cuda_bf16.h
+The sources in inferd/kernels/cuda/csrc are compiled by g++ against `emu/` (cuda_fp16.h, cuda_bf16.h
 and cuda_emu.h, a model of CUDA's threads: one fiber per CUDA thread, barriers for
 __syncthreads and for warp shuffles) into a shared library. `install(monkeypatch)` then makes
 `inferd.kernels.cuda.launch` launch through it instead of CuPy, so its host code (argument packing,

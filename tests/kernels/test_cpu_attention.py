@@ -1,4 +1,4 @@
-"""Our CPU decode kernel (inferd/kernels/csrc/cpu_attention.cpp) against its specification, the
+"""Our CPU decode kernel (inferd/kernels/cpu/csrc/cpu_attention.cpp) against its specification, the
 torch reference: random paged caches, GQA shapes, contexts across block edges, strided queries."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A decoder layer's fused bfloat16 ops (inferd/kernels/csrc/cpu_layer_ops.cpp) against their spec
+"""A decoder layer's fused bfloat16 ops (inferd/kernels/cpu/csrc/cpu_layer_ops.cpp) against their spec
 in inferd/kernels/reference.py, and a row's bits alone against the same row in a batch."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Our block products (inferd/kernels/csrc/cpu_matmul.cpp) against their specification, the
+"""Our block products (inferd/kernels/cpu/csrc/cpu_matmul.cpp) against their specification, the
 float64 reference in inferd.kernels.reference, and a row's bits alone against the same row in
 batches of 1 to 64 rows."""
 
@@ -10,7 +10,7 @@ import torch
 from gguf.quants import dequantize
 
 from inferd.kernels import cpu, reference
-from inferd.model.layers import quant
+from inferd.model.layers import linear, quant
 from inferd.text.gguf_file import GGUFFile
 from inferd.model.loading.loader import default_model_path
 
@@ -29,9 +29,9 @@ def _q8(n: int, k: int, seed: int) -> quant.Q8Blocks:
     return quant.Q8Blocks(torch.randint(-127, 128, (n, k), dtype=torch.int8), scale)
 
 
-def _layer(bits: int, activation_bits: int, n: int, k: int, seed: int) -> quant.BlockLinear:
+def _layer(bits: int, activation_bits: int, n: int, k: int, seed: int) -> linear.BlockLinear:
     weight = _int4(n, k, seed) if bits == 4 else _q8(n, k, seed)
-    return quant.BlockLinear(weight.codes, weight.scale, getattr(weight, "minimum", None), None, activation_bits)
+    return linear.BlockLinear(weight.codes, weight.scale, getattr(weight, "minimum", None), None, activation_bits)
 
 
 FORMATS = [(4, 8), (8, 8), (4, 16)]  # (weight bits, activation bits)
@@ -67,7 +67,7 @@ def test_the_product_is_near_the_dense_one(bits: int, activation_bits: int, boun
 def test_the_packed_blob_is_all_the_layer_keeps(bits: int) -> None:
     """Codes, scales and minimums read back from the kernel's blob (the layer keeps nothing else)."""
     weight = _int4(96, 576, 2) if bits == 4 else _q8(96, 576, 2)
-    layer = quant.BlockLinear(weight.codes, weight.scale, getattr(weight, "minimum", None), None)
+    layer = linear.BlockLinear(weight.codes, weight.scale, getattr(weight, "minimum", None), None)
     codes, scale, minimum = layer.unpack()
     assert torch.equal(codes, weight.codes) and torch.equal(scale, weight.scale.to(torch.float16).float())
     if bits == 4:
@@ -78,7 +78,7 @@ def test_the_packed_blob_is_all_the_layer_keeps(bits: int) -> None:
 
 def test_wide_activations_only_with_4_bit_weights() -> None:
     weight = _q8(16, 32, 0)
-    layer = quant.BlockLinear(weight.codes, weight.scale, None, None)
+    layer = linear.BlockLinear(weight.codes, weight.scale, None, None)
     with pytest.raises(RuntimeError, match="16 for q4"):
         cpu.block_matmul(torch.randn(1, 32), layer.weight, 8, 16)
 

@@ -20,7 +20,7 @@ from inferd.engine.config import EngineConfig
 from inferd.engine.worker.kv_cache import KVCache
 from inferd.engine.llm_engine import LLMEngine
 from inferd.kernels import cpu, reference
-from inferd.model.layers import quant
+from inferd.model.layers import linear, quant
 from inferd.model.evaluate import perplexity
 from inferd.text.gguf_file import GGUFFile
 from inferd.model.decoder import DecoderModel
@@ -48,25 +48,25 @@ def test_the_default_model_packs_its_layers_and_its_head() -> None:
     model, _ = load_model(EngineConfig.of(dtype="bfloat16"))
     layer = model.layers[0]
     blocks = cpu.block_matmul_available()
-    assert all(isinstance(op, quant.SplitLinear)
-               and isinstance(op.packed, quant.BlockLinear if blocks else quant.Int4Linear)
+    assert all(isinstance(op, linear.SplitLinear)
+               and isinstance(op.packed, linear.BlockLinear if blocks else linear.Int4Linear)
                for op in (layer.qkv, layer.o, layer.gate_up, layer.down))
     if blocks:
-        assert isinstance(model.lm_head, quant.BlockLinear) and model.lm_head.bits == 8
+        assert isinstance(model.lm_head, linear.BlockLinear) and model.lm_head.bits == 8
         assert torch.equal(model.lm_head.dequantize().to(torch.bfloat16), model.embed)  # the same Q8_0 codes
     else:
-        assert isinstance(model.lm_head, quant.DenseLinear)
+        assert isinstance(model.lm_head, linear.DenseLinear)
     for op in (layer.qkv, layer.gate_up, model.layers[-1].down):  # the prefill rows' copy: the same weights,
         dense = op.dense.weight  # [N, K] bfloat16, row-major (a column-major one is slow on some CPUs)
         assert dense.is_contiguous() and torch.equal(dense, op.packed.dequantize().to(torch.bfloat16))
     float32, _ = load_model(EngineConfig.of(dtype="float32"))  # auto: dense where the packed kernels are slow
-    assert isinstance(float32.layers[0].qkv, quant.DenseLinear)
+    assert isinstance(float32.layers[0].qkv, linear.DenseLinear)
 
 
 class _ReferenceBlockLinear:
     """A block product's specification (inferd.kernels.reference.block_matmul) over its codes."""
 
-    def __init__(self, layer: quant.BlockLinear) -> None:
+    def __init__(self, layer: linear.BlockLinear) -> None:
         self.weights, self.activation_bits = layer.unpack(), layer.activation_bits
 
     def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
@@ -80,18 +80,18 @@ def _dequantized_reference(packed: DecoderModel) -> LLMEngine:
     for ours, theirs in zip(packed.layers, engine.model.layers):
         for name in ("qkv", "o", "gate_up", "down"):
             layer = getattr(ours, name).packed
-            setattr(theirs, name, _ReferenceBlockLinear(layer) if isinstance(layer, quant.BlockLinear)
-                    else quant.DenseLinear(layer.dequantize(), None))
-    engine.model.lm_head = quant.DenseLinear(packed.lm_head.dequantize(), None)
+            setattr(theirs, name, _ReferenceBlockLinear(layer) if isinstance(layer, linear.BlockLinear)
+                    else linear.DenseLinear(layer.dequantize(), None))
+    engine.model.lm_head = linear.DenseLinear(packed.lm_head.dequantize(), None)
     return engine
 
 
 class _Checked:
     """A packed layer that also runs its float32 / float64 reference on the same input."""
 
-    def __init__(self, layer: quant.Linear, errors: list[float]) -> None:
+    def __init__(self, layer: linear.Linear, errors: list[float]) -> None:
         self.layer, self.errors = layer, errors
-        self.reference = _ReferenceBlockLinear(layer) if isinstance(layer, quant.BlockLinear) else None
+        self.reference = _ReferenceBlockLinear(layer) if isinstance(layer, linear.BlockLinear) else None
         self.dense = None if self.reference else layer.dequantize()
 
     def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
@@ -113,8 +113,8 @@ def test_packed_products_equal_a_reference_over_the_same_weights(num_prompts: in
     or nibble would move them by whole units)."""
     ours = LLMEngine.from_config(EngineConfig.of(dtype="float32", weights="int4", kv_cache_memory=64 * 2**20))
     assert isinstance(ours.model.layers[0].qkv.packed,
-                      quant.BlockLinear if cpu.block_matmul_available() else quant.Int4Linear)
-    assert isinstance(ours.model.lm_head, quant.Int8Linear)
+                      linear.BlockLinear if cpu.block_matmul_available() else linear.Int4Linear)
+    assert isinstance(ours.model.lm_head, linear.Int8Linear)
     reference_engine = _dequantized_reference(ours.model)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
                "Water boils at a temperature of"][:num_prompts]

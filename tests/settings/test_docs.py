@@ -16,6 +16,7 @@ from pydantic import BaseModel
 
 from inferd.settings import environment
 from inferd.settings.config import Settings, load_settings
+from inferd.settings.defaults import starter_toml
 from inferd.settings.docs import markdown
 from inferd.settings.flags import SERVE_FLAGS
 
@@ -48,7 +49,7 @@ def test_every_setting_has_a_description() -> None:
 
 
 def test_the_configuration_page_is_generated_and_current() -> None:
-    assert DOCS.read_text() == markdown(), "regenerate it: python -m inferd.settings.docs > docs/configuration.md"
+    assert DOCS.read_text() == markdown(), "regenerate it (from the repository root): python -m inferd.settings.docs"
 
 
 def test_config_defaults_prints_every_key_and_loads_back_as_the_defaults(tmp_path: Path) -> None:
@@ -56,7 +57,7 @@ def test_config_defaults_prints_every_key_and_loads_back_as_the_defaults(tmp_pat
                          text=True, check=True).stdout
     data = tomllib.loads(out)
     defaults = Settings()
-    for name, field in Settings.model_fields.items():
+    for name in Settings.model_fields:
         value = getattr(defaults, name)
         if isinstance(value, BaseModel):  # a table: each key set, or said to be unset
             for key in type(value).model_fields:
@@ -64,8 +65,9 @@ def test_config_defaults_prints_every_key_and_loads_back_as_the_defaults(tmp_pat
     path = tmp_path / "defaults.toml"
     path.write_text(out)
     assert load_settings(path, environ={}) == defaults
-    # the descriptions are the comments above the keys
+    # the descriptions are the comments above the keys; sizes and "auto" are written as a user would
     assert "# Port to bind; 0: any free port.\nport = 8000" in out
+    assert 'kv_cache_memory = "auto"' in out and 'swap_space = "1GiB"' in out and 'max_bytes = "64MiB"' in out
 
 
 def test_each_serve_flag_is_named_by_its_key_and_helped_by_its_description() -> None:
@@ -79,6 +81,7 @@ def test_each_serve_flag_is_named_by_its_key_and_helped_by_its_description() -> 
 
 def test_the_shipped_file_is_short_and_at_the_defaults() -> None:
     text = INFERD_TOML.read_text()
+    assert text == starter_toml(), "regenerate it (from the repository root): python -m inferd.settings.docs"
     assert len(text.splitlines()) <= 80
     data = tomllib.loads(text)
     assert data, "it sets the keys a first run changes"

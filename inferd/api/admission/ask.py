@@ -1,11 +1,13 @@
 """What a protocol front-end asks of the shared path, and what the door's checks make of it.
 
     front-end (wire format)  ->  Ask (the caller's wishes, in the engine's terms, unchecked)
+    the front-end's shape    ->  Shaped (for the chosen model: prompts, grammar, thinking)
     the model's door         ->  Prepared (every limit checked once: what the engine runs)
 
-An `Ask` names nothing of any wire format: OpenAI's chat and completions, and later protocols,
-each build one from their own request body. Everything the engine needs to know comes out of
-`FrontDoor.prepare` as a `Prepared`; admission, the charge and the engine take it as it is.
+An `Ask` and a `Shaped` name nothing of any wire format and hold plain data: OpenAI's chat and
+completions, Anthropic's messages and OpenAI's responses each build them from their own request
+body. Everything the engine needs to know comes out of `FrontDoor.prepare` as a `Prepared`;
+admission, the charge and the engine take it as it is.
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from inferd.api.errors import APIError
+from inferd.api.gateway.tenants import Tenant
 from inferd.engine.protocol import LogitsConstraint
-from inferd.text.sampling_params import SamplingParams
-from inferd.text.tokenizer import Tokenizer
 from inferd.settings.policy import PriorityClass, Timeouts
+from inferd.text.sampling_params import SamplingParams
 
 # where a request's grammar came from (/metrics counts them; "invalid": it was refused)
 # ("tools": only tool calls, tool_choice "required" or named; "tools_auto": text, and any call it starts)
@@ -88,12 +91,40 @@ class Ask:
     resumable: bool = False  # a stream that outlives a disconnect
     cache_salt: str | None = None  # narrows its prefix-cache namespace (its tenant's) further
     prompt_param: str = "prompt"  # the field an error about the prompt names ("messages" in chat)
-    # the structured output's grammar for the model's tokenizer (the tool-call format follows its
-    # chat template), built on demand (it may raise the front-end's 400; the door counts it as
-    # invalid); None: free text
-    grammar: Callable[[Tokenizer], Grammar | None] | None = None
-    # a thinking budget, asked once the prompts are made (the shape knows the markers by then)
-    thinking: Callable[[], Thinking | None] | None = None
+    # what the shape made for the chosen model (Shaped's, copied in by the pipeline): the
+    # structured output's grammar, or the 400 building it gave (the door refuses it in its turn);
+    # None: free text
+    grammar: Grammar | Refused | None = None
+    thinking: Thinking | None = None  # a thinking model's budget, if one is asked
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A grammar a shape could not build for this model: the client's 400, which the door gives
+    where it checks the grammar (after the prompts and the limits), counted as invalid."""
+
+    error: APIError
+
+
+@dataclass(frozen=True, slots=True)
+class Shaped:
+    """What a front-end's shape makes of one request for the model that answers it (its
+    tokenizer and chat template), before any limit is checked: Shape.prepare's result."""
+
+    prompts: list[list[int]]  # one engine request each, with n choices
+    # the structured output's grammar (the tool-call format follows the model's chat template);
+    # None: free text
+    grammar: Grammar | Refused | None = None
+    thinking: Thinking | None = None  # a thinking model's budget, if one is asked
+
+
+def build_grammar(make: Callable[[], Grammar | None]) -> Grammar | Refused | None:
+    """`make()`, a shape's grammar for this model; the 400 it raises kept as Refused, so that the
+    door's earlier checks (prompts, n, max_tokens) still answer first."""
+    try:
+        return make()
+    except APIError as e:
+        return Refused(e)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +139,7 @@ class Prepared:
     segment: str
     constraints: Sequence[LogitsConstraint] | None  # one per prompt, for a structured output
     cache_salt: str | None = None  # the request's own (Ask.cache_salt)
+    tenant: Tenant | None = None  # who asks (its fair-share weight and prefix-cache scope); None: no tenant
 
     @property
     def prompt_tokens(self) -> int:

@@ -8,11 +8,11 @@ the event loop.
 `prepare` checks, in order: each prompt (empty, past the context, outside the vocabulary); `n`;
 max_tokens (the server's limit, the default fitted to the context, the context, the functional
 ladder's ceiling, the class's ceiling, the class's KV capacity); logprobs against the output
-filter; the sampling values; logit_bias against the vocabulary; the grammar (compiled off the
-loop), within a thinking budget if one is asked. Each check reads the limits the engine
-published at start-up; nothing after `prepare` checks again, and the engine only asserts. The
-door is the only owner of its class queues: the engine thread never writes them (it reports
-through `StepOutputs`, arriving on this loop).
+filter; the sampling values; logit_bias against the vocabulary; the grammar the front-end's shape
+made (its text compiled off the loop), within a thinking budget if one is asked. Each check reads
+the limits the engine published at start-up; nothing after `prepare` checks again, and the engine
+only asserts. The door is the only owner of its class queues: the engine thread never writes them
+(it reports through `StepOutputs`, arriving on this loop).
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from inferd.api.admission.ask import Ask, Grammar, Prepared, Thinking
+from inferd.api.admission.ask import Ask, Grammar, Prepared, Refused, Thinking
 from inferd.api.admission.queues import AdmissionError, ClassQueues
 from inferd.api.errors import APIError, bad_request
+from inferd.api.gateway.tenants import Tenant
 from inferd.api.state import ServerState
 from inferd.engine.async_engine import AsyncEngine, RequestStream
 from inferd.engine.protocol import EngineLimits, EngineRequest, LogitsConstraint
@@ -71,10 +72,11 @@ class FrontDoor:
     # ------------------------------------------------------------------------------ checks
 
     async def prepare(self, ask: Ask, prompts: Sequence[list[int]], cls: PriorityClass,
-                      ceiling: int | None = None, whole: bool = False) -> Prepared:
+                      ceiling: int | None = None, whole: bool = False, tenant: Tenant | None = None) -> Prepared:
         """Every limit of the request, once (the module's docstring has the order): a 400 that
-        names the field, else what the engine will run. `ceiling` and `whole` are the functional
-        degradation ladder's: max_tokens at most this, a stream answered in one piece."""
+        names the field, else what the engine will run, for `tenant` (None: a caller without
+        one). `ceiling` and `whole` are the functional degradation ladder's: max_tokens at most
+        this, a stream answered in one piece."""
         for prompt in prompts:
             self.check_prompt(prompt, ask.prompt_param)
         bound = min(self.settings.max_n, self.limits.max_num_seqs)
@@ -95,7 +97,8 @@ class FrontDoor:
         return Prepared(prompts=prompts, params=params, n=ask.n, cls=cls,
                         timeouts=cls.timeouts.tightened(ask.timeouts),
                         segment="whole" if whole and ask.stream else ask.segment,
-                        constraints=await self._constraints(ask, len(prompts)), cache_salt=ask.cache_salt)
+                        constraints=await self._constraints(ask, len(prompts)), cache_salt=ask.cache_salt,
+                        tenant=tenant)
 
     def check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
         """A 400 for a prompt no request could run: empty, past the context, outside the vocabulary."""
@@ -150,20 +153,19 @@ class FrontDoor:
         asked), or None for free text; a 400 naming the field for a grammar that does not
         compile or cannot hold with the other fields."""
         first = await self._grammar(ask)
-        thinking = ask.thinking() if ask.thinking is not None else None
-        if thinking is not None:
-            first = self._budget(thinking, first)
+        if ask.thinking is not None:
+            first = self._budget(ask.thinking, first)
         if first is None:
             return None
         return [first] + [first.fork() for _ in range(prompts - 1)]
 
     async def _grammar(self, ask: Ask) -> LogitsConstraint | None:
-        if ask.grammar is None:
+        grammar = ask.grammar
+        if grammar is None:
             return None
         try:
-            grammar = ask.grammar(self.engine.tokenizer)
-            if grammar is None:
-                return None
+            if isinstance(grammar, Refused):  # the shape could not build it: its 400, in this turn
+                raise grammar.error
             if ask.sampling.ignore_eos and grammar.ends_answer:
                 raise bad_request(f"ignore_eos cannot be combined with {grammar.param}: the grammar ends the answer",
                                   param="ignore_eos")
@@ -205,13 +207,12 @@ class FrontDoor:
 
     # --------------------------------------------------------------------------- admission
 
-    def admit(self, prepared: Prepared, tenant: str | None = None, tenant_weight: float = 1.0,
-              cache_scope: str = "") -> list[RequestStream]:
+    def admit(self, prepared: Prepared) -> list[RequestStream]:
         """Admit every prompt into the class's queue (or none: 429 / 503), then submit one engine
         request per prompt (with its own constraint, if any, and the prefix-cache namespace of
-        `cache_scope` and its cache_salt); each leaves the queue when the engine schedules it or
-        it ends first. Nothing is checked again: `prepare` did."""
-        cls, prompts = prepared.cls, prepared.prompts
+        its tenant's scope and its cache_salt); each leaves the queue when the engine schedules
+        it or it ends first. Nothing is checked again: `prepare` did."""
+        cls, prompts, tenant = prepared.cls, prepared.prompts, prepared.tenant
         try:
             self.queues.enter(cls.name, len(prompts), prepared.prompt_tokens, draining=self.server.draining,
                               shed_level=self.engine.snapshot.shed_level, ttft_deadline=prepared.timeouts.ttft,
@@ -219,13 +220,14 @@ class FrontDoor:
         except AdmissionError as e:
             raise admission_error(e) from None
         arrival = time.monotonic()
-        salt = cache_namespace(cache_scope, prepared.cache_salt)
+        salt = cache_namespace(tenant.cache_scope if tenant else "", prepared.cache_salt)
         streams: list[RequestStream] = []
         try:
             for i, prompt in enumerate(prompts):
                 request = EngineRequest(self.engine.new_group_id(), prompt, prepared.params, cls.name, prepared.n,
-                                        prepared.timeouts, arrival_time=arrival, tenant=tenant,
-                                        tenant_weight=tenant_weight, segment=prepared.segment, cache_salt=salt,
+                                        prepared.timeouts, arrival_time=arrival, tenant=tenant.name if tenant else None,
+                                        tenant_weight=tenant.weight if tenant else 1.0, segment=prepared.segment,
+                                        cache_salt=salt,
                                         constraint=prepared.constraints[i] if prepared.constraints else None)
                 departure = functools.partial(self.queues.leave, cls.name, 1, len(prompt))
                 streams.append(self.engine.submit(request, on_queue_exit=departure))

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from inferd.api.admission.ask import Ask, Grammar, Sampling
+from inferd.api.admission.ask import Ask, Grammar, Sampling, Shaped, build_grammar
 from inferd.api.anthropic.wire import (
     CountTokensRequest,
     CountTokensResponse,
@@ -29,13 +29,13 @@ from inferd.api.anthropic.wire import (
 )
 from inferd.api.anthropic.errors import DIALECT
 from inferd.api.body import read_json
-from inferd.api.conversation.reasoning import PromptReasoning, ReasoningSplitter, prompt_reasoning, split_output
+from inferd.api.conversation.answer import (AnswerDecoder, AnswerFormat, Finish, Reasoning, Text, ToolCallArguments,
+                                            ToolCallStart, decode_whole)
+from inferd.api.conversation.reasoning import prompt_reasoning
 from inferd.api.conversation.reasoning_grammar import after_reasoning, thinking
 from inferd.api.conversation.render import render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
 from inferd.api.conversation.tool_grammar import tools_grammar
-from inferd.api.conversation.tool_formats import tool_parser
-from inferd.api.conversation.tools import Arguments, CallStart, Content
 from inferd.api.errors import bad_request
 from inferd.api.pipeline.generate import generate
 from inferd.api.pipeline.prompts import make_prompts
@@ -112,16 +112,12 @@ def calls_grammar(body: MessagesRequest, tokenizer: Tokenizer) -> Grammar | None
         raise bad_request(str(e), param="tool_choice") from None
 
 
-def to_ask(body: MessagesRequest, shape: MessagesShape) -> Ask:
-    """A thinking model's tool-call grammar holds the content only; `thinking.budget_tokens` is
-    its budget (both asked once the shape has made the prompt, and knows how it reasons)."""
+def to_ask(body: MessagesRequest) -> Ask:
+    """What the body asks for, in the engine's terms; the door checks every limit of it."""
     sampling = Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k or 0,
                         stop=tuple(body.stop_sequences or ()))
-    budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
     return Ask(model=body.model, stream=body.stream, user=body.metadata.user_id if body.metadata else None,
-               max_tokens=body.max_tokens, clamp_max_tokens=True, sampling=sampling, prompt_param="messages",
-               grammar=lambda tokenizer: after_reasoning(calls_grammar(body, tokenizer), tokenizer, shape.reasoning),
-               thinking=lambda: thinking(shape.reasoning, budget))
+               max_tokens=body.max_tokens, clamp_max_tokens=True, sampling=sampling, prompt_param="messages")
 
 
 def tool_use_id() -> str:
@@ -153,39 +149,32 @@ class MessagesShape:
 
     def __init__(self, body: MessagesRequest) -> None:
         self.body = body
-        self.reasoning: PromptReasoning | None = None  # a thinking model's (conversation/reasoning.py)
+        self.answer = AnswerFormat(tools=body.calls_tools, call_id=tool_use_id)  # (set by prepare)
 
-    def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
-        prompt = messages_prompt(tokenizer, self.body)
-        self.reasoning = prompt_reasoning(tokenizer, prompt)
-        return [prompt]
-
-    def reasoning_splitter(self) -> ReasoningSplitter | None:
-        return self.reasoning.splitter() if self.reasoning is not None else None
+    def prepare(self, tokenizer: Tokenizer, max_prompts: int) -> Shaped:
+        """The prompt; a thinking model's tool-call grammar holds the content only, and
+        `thinking.budget_tokens` is its budget."""
+        body = self.body
+        prompt = messages_prompt(tokenizer, body)
+        reasoning = prompt_reasoning(tokenizer, prompt)
+        self.answer = AnswerFormat(reasoning, body.calls_tools, tool_use_id)
+        grammar = build_grammar(lambda: after_reasoning(calls_grammar(body, tokenizer), tokenizer, reasoning))
+        budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
+        return Shaped([prompt], grammar, thinking(reasoning, budget))
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return tokenizer.decode(prompts[0])
 
     def whole(self, reply: Reply, results: dict[int, ChoiceResult]) -> dict[str, Any]:
-        result, text = results[0], results[0].text
+        result = results[0]
+        answer = decode_whole(reply.tokenizer, self.answer, result.text, result.finish_reason, result.stop_reason)
         content: list[ThinkingOut | TextOut | ToolUseOut] = []
-        if self.reasoning is not None:
-            reasoning, text = self.reasoning.split(text)
-            if reasoning:
-                content.append(ThinkingOut(thinking=reasoning))
-        if self.body.calls_tools:
-            parser = tool_parser(reply.tokenizer, tool_use_id)
-            events = parser.feed(text) + parser.finish()
-            text = "".join(e.text for e in events if isinstance(e, Content))
-            if text.strip() or not parser.calls:
-                content.append(TextOut(text=text))
-            content += [ToolUseOut(id=c["id"], name=c["function"]["name"], input=_arguments(c))
-                        for c in parser.calls]
-            called = bool(parser.calls)
-        else:
-            content.append(TextOut(text=text))
-            called = False
-        reason, sequence = stop_reason(self.body, result.finish_reason, result.stop_reason, called)
+        if answer.reasoning:
+            content.append(ThinkingOut(thinking=answer.reasoning))
+        if answer.text.strip() or not answer.calls:
+            content.append(TextOut(text=answer.text))
+        content += [ToolUseOut(id=c["id"], name=c["function"]["name"], input=_arguments(c)) for c in answer.calls]
+        reason, sequence = stop_reason(self.body, result.finish_reason, result.stop_reason, bool(answer.calls))
         return dump(MessageResponse(id=reply.id, model=reply.model, content=content, stop_reason=reason,  # type: ignore[arg-type]
                                     stop_sequence=sequence, usage=MessageUsage(**_usage(reply))))
 
@@ -193,7 +182,7 @@ class MessagesShape:
         start = {"type": "message_start", "message": {
             "id": reply.id, "type": "message", "role": "assistant", "model": reply.model, "content": [],
             "stop_reason": None, "stop_sequence": None, "usage": _usage(reply)}}
-        blocks = StreamBlocks(self.body, reply, self.reasoning_splitter())
+        blocks = StreamBlocks(self.body, reply, self.answer.decoder(reply.tokenizer))
         return Events([Named("message_start", start), Named("ping", {"type": "ping"})], blocks.render, blocks.tail,
                       DIALECT)
 
@@ -213,37 +202,26 @@ class StreamBlocks:
     tool_use block per call (its input as `input_json_delta` pieces), each opened and stopped in
     turn; then `message_delta` (stop reason, usage) and `message_stop`."""
 
-    def __init__(self, body: MessagesRequest, reply: Reply, splitter: ReasoningSplitter | None = None) -> None:
-        self.body, self.reply, self.splitter = body, reply, splitter
-        self.parser = tool_parser(reply.tokenizer, tool_use_id) if body.calls_tools else None
+    def __init__(self, body: MessagesRequest, reply: Reply, decoder: AnswerDecoder) -> None:
+        self.body, self.reply, self.decoder = body, reply, decoder
         self.index = -1  # the open block's, -1 before the first
         self.open: str | None = None  # its type
         self.stop: tuple[str, str | None] = ("end_turn", None)
 
     def render(self, prompt: int, out: EngineOutput) -> list[Payload]:
         events: list[Payload] = []
-        text = out.text
-        if self.splitter is not None:
-            reasoning, text = split_output(self.splitter, text, out.finished)
-            if reasoning:
-                self._thinking(events, reasoning)
-        if self.parser is None:
-            if text:
-                self._text(events, text)
-        else:
-            found = self.parser.feed(text) + (self.parser.finish() if out.finished else [])
-            for event in found:
-                if isinstance(event, Content):
-                    if event.text and not (self.parser.calls_started and not event.text.strip()):
-                        self._text(events, event.text)
-                elif isinstance(event, CallStart):
-                    self._open(events, "tool_use", {"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
-                elif isinstance(event, Arguments):
-                    events.append(self._delta({"type": "input_json_delta", "partial_json": event.fragment}))
-        if out.finished:
-            self._close(events)
-            called = self.parser is not None and self.parser.calls_started > 0
-            self.stop = stop_reason(self.body, out.finish_reason, out.stop_reason, called)
+        for part in self.decoder.feed(out.text, out.finished, out.finish_reason, out.stop_reason):
+            if isinstance(part, Reasoning):
+                self._thinking(events, part.text)
+            elif isinstance(part, Text) and not part.filler:
+                self._text(events, part.text)
+            elif isinstance(part, ToolCallStart):
+                self._open(events, "tool_use", {"type": "tool_use", "id": part.id, "name": part.name, "input": {}})
+            elif isinstance(part, ToolCallArguments):
+                events.append(self._delta({"type": "input_json_delta", "partial_json": part.fragment}))
+            elif isinstance(part, Finish):
+                self._close(events)
+                self.stop = stop_reason(self.body, part.reason, part.stop, part.called)
         return events
 
     def tail(self) -> list[Payload]:
@@ -287,8 +265,7 @@ def _custom_tools_only(request: web.Request, body: Prompted) -> None:
 async def create_message(request: web.Request) -> web.StreamResponse:
     body = MessagesRequest.model_validate(await read_json(request))
     _custom_tools_only(request, body)
-    shape = MessagesShape(body)
-    return await generate(request, to_ask(body, shape), shape)
+    return await generate(request, to_ask(body), MessagesShape(body))
 
 
 async def count_tokens(request: web.Request) -> web.Response:

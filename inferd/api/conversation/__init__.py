@@ -8,8 +8,13 @@
     tool_grammar.py  the grammars that hold calls to the declared functions: only calls
                 ("required", a named function), or free text whose calls are held ("auto")
     reasoning.py  a thinking model's answer split into reasoning and content, streamed or whole
+    reasoning_grammar.py  a thinking model's grammar (the content's, after the reasoning) and budget
+    answer.py   the one answer decoder: a choice's text -> typed parts (reasoning, text, tool-call
+                start and arguments, finish), whole or streamed, however it is chunked
 
-A protocol front-end (openai/, anthropic/) turns its own messages into template dicts (role,
-content, tool_calls, tool_call_id, reasoning_content) and its tools into OpenAI-style function dicts, and calls these.
+A protocol front-end (openai/, anthropic/, responses/) turns its own messages into template dicts
+(role, content, tool_calls, tool_call_id, reasoning_content) and its tools into OpenAI-style
+function dicts, and calls these; it reads every answer through answer.py and only translates the
+parts into its own wire events.
 It may import: pipeline and below (shared), the engine's structured grammars; no protocol package.
 """

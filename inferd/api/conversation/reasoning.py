@@ -108,10 +108,6 @@ class PromptReasoning:
     def splitter(self) -> ReasoningSplitter:
         return ReasoningSplitter(self.markers, self.inside)
 
-    def split(self, text: str) -> tuple[str, str]:
-        """(reasoning, content) of a whole answer."""
-        return split_whole(text, self.markers, self.inside)
-
 
 def prompt_reasoning(tokenizer: Tokenizer, prompt: Sequence[int]) -> PromptReasoning | None:
     """None for a model that does not think; else its markers, and whether `prompt` (its last
@@ -120,13 +116,6 @@ def prompt_reasoning(tokenizer: Tokenizer, prompt: Sequence[int]) -> PromptReaso
     if markers is None:
         return None
     return PromptReasoning(markers, starts_inside(tokenizer.decode(prompt[-32:], skip_special_tokens=False), markers))
-
-
-def split_output(splitter: ReasoningSplitter, text: str, finished: bool) -> tuple[str, str]:
-    """(reasoning, content) of one streamed output: its text through the splitter, flushed at the end."""
-    pieces = splitter.feed(text) + (splitter.finish() if finished else [])
-    return ("".join(p.text for p in pieces if p.channel == "reasoning"),
-            "".join(p.text for p in pieces if p.channel == "content"))
 
 
 def split_whole(text: str, markers: Markers, inside: bool = False) -> tuple[str, str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from inferd.api.admission.ask import Ask, Sampling
-from inferd.api.openai.structured import request_grammar
 from inferd.api.openai.wire import SamplingFields
 from inferd.settings.policy import Timeouts
 
@@ -21,5 +20,4 @@ def to_ask(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None
     return Ask(model=body.model, n=body.n, stream=body.stream, priority=body.priority, user=body.user,
                max_tokens=max_tokens, fit_default=fit_default, logprobs=logprobs, sampling=sampling,
                timeouts=timeouts, segment=body.segment, resumable=body.resumable, cache_salt=body.cache_salt,
-               prompt_param=prompt_param,
-               grammar=lambda tokenizer: request_grammar(body, tokenizer))
+               prompt_param=prompt_param)

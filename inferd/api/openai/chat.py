@@ -4,18 +4,18 @@ shared path (api/pipeline/) does the rest."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from aiohttp import web
 
 from inferd.api.body import read_json
-from inferd.api.conversation.reasoning import PromptReasoning, ReasoningSplitter, prompt_reasoning, split_output
+from inferd.api.admission.ask import Shaped, build_grammar
+from inferd.api.conversation.answer import (AnswerFormat, Finish, Part, Reasoning, Text, ToolCallArguments,
+                                            ToolCallStart, decode_whole)
+from inferd.api.conversation.reasoning import prompt_reasoning
 from inferd.api.conversation.reasoning_grammar import after_reasoning, thinking
 from inferd.api.conversation.render import call_arguments, render_prompt
-from inferd.api.conversation.tool_formats import ToolParser, tool_parser
-from inferd.api.conversation.tools import Arguments, CallStart, Content
 from inferd.api.openai.ask import to_ask
 from inferd.api.openai.events import StreamEvents, with_usage
 from inferd.api.openai.structured import request_grammar
@@ -72,14 +72,17 @@ class ChatShape:
 
     def __init__(self, body: ChatCompletionRequest) -> None:
         self.body = body
-        self.reasoning: PromptReasoning | None = None  # a thinking model's: its answers split into reasoning and content
+        self.answer = AnswerFormat(tools=body.calls_tools)  # how the model writes it (set by prepare)
 
-    def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
+    def prepare(self, tokenizer: Tokenizer, max_prompts: int) -> Shaped:
         body = self.body
         prompt = chat_prompt(tokenizer, body.messages, body.tools if body.calls_tools else None,
                              template_kwargs=body.chat_template_kwargs)
-        self.reasoning = prompt_reasoning(tokenizer, prompt)
-        return [prompt]
+        reasoning = prompt_reasoning(tokenizer, prompt)
+        self.answer = AnswerFormat(reasoning, body.calls_tools)
+        # a thinking model's grammar holds the content only, and its reasoning may have a budget
+        grammar = build_grammar(lambda: after_reasoning(request_grammar(body, tokenizer), tokenizer, reasoning))
+        return Shaped([prompt], grammar, thinking(reasoning, body.thinking_token_budget))
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return tokenizer.decode(prompts[0])
@@ -92,25 +95,19 @@ class ChatShape:
                                       usage=Usage(**reply.usage())).model_dump(mode="json")
 
     def _choice(self, tokenizer: Tokenizer, token_text: TokenTexts, index: int, result: ChoiceResult) -> ChatChoice:
-        body, text, reasoning = self.body, result.text, None
-        if self.reasoning is not None:
-            reasoning, text = self.reasoning.split(text)
-        message, finish = ChatResponseMessage(content=text), result.finish_reason
-        if body.calls_tools:
-            parser = tool_parser(tokenizer)
-            events = parser.feed(text) + parser.finish()
-            content = "".join(e.text for e in events if isinstance(e, Content))
-            calls = [ToolCallOut.model_validate(call) for call in parser.calls]
-            message = ChatResponseMessage(content=content if content.strip() or not calls else None,
+        answer = decode_whole(tokenizer, self.answer, result.text, result.finish_reason)
+        message = ChatResponseMessage(content=answer.text)
+        if self.answer.tools:
+            calls = [ToolCallOut.model_validate(call) for call in answer.calls]
+            message = ChatResponseMessage(content=answer.text if answer.text.strip() or not calls else None,
                                           tool_calls=calls or None)
-            finish = _tool_finish(finish, bool(calls))
-        if reasoning:  # (a thinking model told not to think says nothing there: the fields stay absent)
-            message.reasoning_content = message.reasoning = reasoning
+        if answer.reasoning:  # (a thinking model told not to think says nothing there: the fields stay absent)
+            message.reasoning_content = message.reasoning = answer.reasoning
         return ChatChoice(
             index=index,
             message=message,
-            logprobs=ChatLogprobs(**chat_logprobs(token_text, result.logprobs)) if body.logprobs else None,
-            finish_reason=finish,  # type: ignore[arg-type]
+            logprobs=ChatLogprobs(**chat_logprobs(token_text, result.logprobs)) if self.body.logprobs else None,
+            finish_reason=_finish(answer.finish.reason, bool(answer.calls)),  # type: ignore[arg-type]
         )
 
     def stream(self, reply: Reply) -> Events:
@@ -127,20 +124,14 @@ class ChatShape:
         return Events(head, with_usage(render, reply.usage) if body.continuous_usage else render, tail)
 
     def _renderer(self, tokenizer: Tokenizer, events: StreamEvents) -> Render:
-        body, token_text, thinks = self.body, token_texts(tokenizer), self.reasoning
-        parsers = {i: tool_parser(tokenizer) for i in range(body.n)} if body.calls_tools else None
-        splitters = {i: thinks.splitter() for i in range(body.n)} if thinks is not None else None
+        body, token_text = self.body, token_texts(tokenizer)
+        decoders = {i: self.answer.decoder(tokenizer) for i in range(body.n)}
 
         def render(prompt: int, out: EngineOutput) -> dict[str, Any] | str:
-            reasoning = ""
-            if splitters is not None:
-                out, reasoning = _split_reasoning(splitters[out.index], out)
-            delta: dict[str, Any] = {"content": out.text} if out.text or not (out.finished or reasoning) else {}
-            finish = out.finish_reason
-            if parsers is not None:
-                delta, finish = _tool_delta(parsers[out.index], out)
-            if reasoning:
-                delta = {"reasoning_content": reasoning, "reasoning": reasoning, **delta}
+            parts = decoders[out.index].feed(out.text, out.finished, out.finish_reason, out.stop_reason)
+            delta, finish = _delta(parts, self.answer.tools)
+            if not out.finished:
+                finish = out.finish_reason
             if not body.logprobs:
                 return events.token_event(out.index, f'"delta":{dumps(delta)}', finish)
             logprobs = chat_logprobs(token_text, out.logprobs or [])
@@ -149,46 +140,43 @@ class ChatShape:
         return render
 
 
-def _split_reasoning(splitter: ReasoningSplitter, out: EngineOutput) -> tuple[EngineOutput, str]:
-    """One streamed output of a thinking model: the output with its content only, and its reasoning."""
-    reasoning, content = split_output(splitter, out.text, out.finished)
-    return dataclasses.replace(out, text=content), reasoning
+def _finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason: a choice that called tools and then stopped on its own ends "tool_calls"."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
-def _tool_finish(finish: str | None, called: bool) -> str | None:
-    """OpenAI's finish reason for a choice that called tools and then stopped on its own."""
-    return "tool_calls" if called and finish == "stop" else finish
-
-
-def _tool_delta(parser: ToolParser, out: EngineOutput) -> tuple[dict[str, Any], str | None]:
-    """One streamed output of a choice offered tools: its content and its tool-call fragments
-    (OpenAI's `delta.tool_calls`: the first with id and name, then argument pieces)."""
-    found = parser.feed(out.text) + (parser.finish() if out.finished else [])
-    content = "".join(e.text for e in found if isinstance(e, Content))
-    calls: dict[int, dict[str, Any]] = {}
-    for event in found:
-        if isinstance(event, CallStart):
-            calls[event.index] = {"index": event.index, "id": event.id, "type": "function",
-                                  "function": {"name": event.name, "arguments": ""}}
-        elif isinstance(event, Arguments):
-            call = calls.setdefault(event.index, {"index": event.index, "function": {"arguments": ""}})
-            call["function"]["arguments"] += event.fragment
+def _delta(parts: list[Part], tools: bool) -> tuple[dict[str, Any], str | None]:
+    """One streamed output's parts as OpenAI's `delta`: reasoning, content, and tool-call fragments
+    (the first with id and name, then argument pieces); and the choice's finish reason, if it ended."""
+    reasoning = "".join(p.text for p in parts if isinstance(p, Reasoning))
+    texts = [p for p in parts if isinstance(p, Text)]
+    content = "".join(p.text for p in texts)
+    finish = next((p for p in parts if isinstance(p, Finish)), None)
     delta: dict[str, Any] = {}
-    if content and not (parser.calls_started and not content.strip()):  # not the newline between calls
+    if reasoning:
+        delta = {"reasoning_content": reasoning, "reasoning": reasoning}
+    if not tools:
+        if content or not (finish or reasoning):
+            delta["content"] = content
+        return delta, finish.reason if finish else None
+    if content and not all(p.filler for p in texts):  # (not the newline between calls)
         delta["content"] = content
+    calls: dict[int, dict[str, Any]] = {}
+    for part in parts:
+        if isinstance(part, ToolCallStart):
+            calls[part.index] = {"index": part.index, "id": part.id, "type": "function",
+                                 "function": {"name": part.name, "arguments": ""}}
+        elif isinstance(part, ToolCallArguments):
+            call = calls.setdefault(part.index, {"index": part.index, "function": {"arguments": ""}})
+            call["function"]["arguments"] += part.fragment
     if calls:
         delta["tool_calls"] = list(calls.values())
-    return delta, _tool_finish(out.finish_reason, parser.calls_started > 0) if out.finished else None
+    return delta, _finish(finish.reason, finish.called) if finish else None
 
 
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = ChatCompletionRequest.model_validate(await read_json(request))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    ask, shape = to_ask(body, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                        fit_default=True, prompt_param="messages"), ChatShape(body)
-    # a thinking model's grammar holds the content only, and its reasoning may have a budget
-    # (both asked once the prompt is made: the shape knows how it reasons then)
-    ask = dataclasses.replace(
-        ask, grammar=lambda tokenizer: after_reasoning(request_grammar(body, tokenizer), tokenizer, shape.reasoning),
-        thinking=lambda: thinking(shape.reasoning, body.thinking_token_budget))
-    return await generate(request, ask, shape)
+    ask = to_ask(body, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+                 fit_default=True, prompt_param="messages")
+    return await generate(request, ask, ChatShape(body))

@@ -9,11 +9,13 @@ from typing import Any
 
 from aiohttp import web
 
+from inferd.api.admission.ask import Shaped, build_grammar
 from inferd.api.body import read_json
 from inferd.api.errors import bad_request
 from inferd.api.openai.ask import to_ask
 from inferd.api.openai.events import StreamEvents, with_usage
 from inferd.api.openai.logprobs import TokenTexts, completion_logprobs, echo_logprobs, token_texts
+from inferd.api.openai.structured import request_grammar
 from inferd.api.openai.wire import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from inferd.api.pipeline.generate import generate
 from inferd.api.pipeline.shape import Events, Reply
@@ -30,10 +32,10 @@ class CompletionShape:
 
     def __init__(self, body: CompletionRequest) -> None:
         self.body = body
-        self.prompt_ids: list[list[int]] = []  # (echo) each prompt's tokens, as prompts() made them
+        self.prompt_ids: list[list[int]] = []  # (echo) each prompt's tokens, as prepare() made them
 
-    def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
-        """The token ids of each prompt of the request."""
+    def prepare(self, tokenizer: Tokenizer, max_prompts: int) -> Shaped:
+        """The token ids of each prompt of the request, and the grammar its answers are held to."""
         prompt = self.body.prompt
         if isinstance(prompt, str):
             batch: list[str] | list[list[int]] = [prompt]
@@ -46,7 +48,7 @@ class CompletionShape:
         if len(batch) > max_prompts:
             raise bad_request(f"at most {max_prompts} prompts per request, got {len(batch)}", param="prompt")
         self.prompt_ids = [tokenizer.encode(p) if isinstance(p, str) else p for p in batch]
-        return self.prompt_ids
+        return Shaped(self.prompt_ids, build_grammar(lambda: request_grammar(self.body, tokenizer)))
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return repr(self.body.prompt)

@@ -1,9 +1,9 @@
 """The one path every generation request takes, whatever its protocol:
 
     authorize (gateway: key, model, class) -> choose the model (routing: name, alias, route,
-    fallback, ladder) -> prompts (the front-end's Shape) -> prepare (the model's door: every
-    limit, once) -> charge the tenant (gateway) -> admit and submit (the door) -> gather one
-    reply or stream events (streaming) -> the request's record (telemetry writes it)
+    fallback, ladder) -> prompts, grammar and thinking (the front-end's Shape.prepare) -> prepare
+    (the model's door: every limit, once) -> charge the tenant (gateway) -> admit and submit
+    (the door) -> gather one reply or stream events (streaming) -> the request's record
 
 A cascade route: the small model's answer, or if it is unsure (its logprobs) the large one's.
 """
@@ -60,17 +60,21 @@ async def answer(request: web.Request, ask: Ask, shape: Shape, choice: Choice, c
     served, model = choice.served, choice.slot.name
     tokenizer = served.engine.tokenizer
     max_prompts = app[SETTINGS].limits.max_prompts
-    prompts = await make_prompts(request, tokenizer, served.engine.limits.max_model_len,
-                                 lambda guarded: shape.prompts(guarded, max_prompts))
+    shaped = await make_prompts(request, tokenizer, served.engine.limits.max_model_len,
+                                lambda guarded: shape.prepare(guarded, max_prompts))
+    prompts = shaped.prompts
+    # (what the shape made for this model goes to its door as data: a fallback's is its own)
+    ask = dataclasses.replace(ask, grammar=shaped.grammar, thinking=shaped.thinking)
     if unsure is not None:  # the cascade reads every token's logprob (not shown unless asked)
         ask = dataclasses.replace(ask, logprobs=max(ask.logprobs or 0, 0))
-    prepared = await served.door.prepare(ask, prompts, cls, choice.ceiling, choice.whole)
+    principal = principal_of(request)  # (its tenant reaches admission on the Prepared)
+    prepared = await served.door.prepare(ask, prompts, cls, choice.ceiling, choice.whole, tenant=principal.tenant)
     if ask.clamp_max_tokens and ask.max_tokens is not None and prepared.params.max_tokens < ask.max_tokens:
         request[MAX_TOKENS_CLAMPED] = prepared.params.max_tokens
     if ask.resumable:
         app[RESUMABLE].check_room()  # (429 before any charge; opening one checks again)
     # every check is passed: charge the tenant (its rate limits) before any queueing
-    ticket = app[GATEWAY].charge(principal_of(request), prepared.cost)
+    ticket = app[GATEWAY].charge(principal, prepared.cost)
     record = request_record(request, ask.user, lambda: shape.prompt_text(tokenizer, prompts))
     if record is not None:
         record.model, record.revision = served.spec.name, served.spec.revision

@@ -5,13 +5,15 @@ work on a big body done on a worker thread (api/offload.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
 from inferd.api.errors import bad_request
 from inferd.api.offload import OFFLOAD
 from inferd.text.tokenizer import Tokenizer
+
+T = TypeVar("T")  # what a shape makes with its prompts
 
 
 class PromptTokenizer:
@@ -34,10 +36,9 @@ class PromptTokenizer:
         return getattr(self._tokenizer, name)
 
 
-async def make_prompts(request: web.Request, tokenizer: Tokenizer, context: int,
-                       make: Callable[[Tokenizer], list[list[int]]]) -> list[list[int]]:
-    """`make(tokenizer)`: the request's prompts (rendering and tokenizing), sized-checked, and
-    on a worker thread when its body is big."""
+async def make_prompts(request: web.Request, tokenizer: Tokenizer, context: int, make: Callable[[Tokenizer], T]) -> T:
+    """`make(tokenizer)`: the request's prompts (rendering and tokenizing, and what comes with them),
+    sized-checked, and on a worker thread when its body is big."""
     size = request.content_length if request.content_length is not None else len(await request.read())
     guarded: Any = PromptTokenizer(tokenizer, context)
     return await request.app[OFFLOAD].run(size, lambda: make(guarded))

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
+from inferd.api.admission.ask import Shaped
 from inferd.api.streaming.generation import ChoiceResult, Render
 from inferd.api.streaming.resume import EventLog
 from inferd.api.streaming.sse import Dialect, Payload
@@ -48,8 +49,11 @@ class Shape(Protocol):
 
     id_prefix: str  # of the response id ("cmpl", "chatcmpl", ...)
 
-    def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
-        """The token ids of each prompt (a 400 for a batch over `max_prompts`)."""
+    def prepare(self, tokenizer: Tokenizer, max_prompts: int) -> Shaped:
+        """For the model of `tokenizer`, in one call: the token ids of each prompt (a 400 for a
+        batch over `max_prompts`), the grammar its answer is held to (or the 400 building it
+        gave, as Refused: the door gives it in its turn), its thinking budget. The shape keeps how
+        the answer is written (its AnswerFormat) for `whole` and `stream`."""
         ...
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:

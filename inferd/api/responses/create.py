@@ -16,15 +16,14 @@ from typing import Any
 
 from aiohttp import web
 
-from inferd.api.admission.ask import Ask, Grammar, Sampling
+from inferd.api.admission.ask import Ask, Grammar, Sampling, Shaped, build_grammar
 from inferd.api.body import read_json
-from inferd.api.conversation.reasoning import PromptReasoning, ReasoningSplitter, prompt_reasoning
+from inferd.api.conversation.answer import AnswerFormat, decode_whole
+from inferd.api.conversation.reasoning import prompt_reasoning
 from inferd.api.conversation.reasoning_grammar import EFFORT_BUDGETS, after_reasoning, thinking
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
-from inferd.api.conversation.tool_formats import tool_parser
 from inferd.api.conversation.tool_grammar import tools_grammar
-from inferd.api.conversation.tools import Content
 from inferd.api.errors import bad_request
 from inferd.api.pipeline.generate import generate
 from inferd.api.pipeline.shape import Events, Reply
@@ -128,17 +127,12 @@ def grammar(body: ResponsesRequest, tokenizer: Tokenizer) -> Grammar | None:
     return None
 
 
-def to_ask(body: ResponsesRequest, shape: ResponsesShape) -> Ask:
-    """A thinking model's grammar holds the content only; `reasoning.effort` is its budget
-    (EFFORT_BUDGETS); both are asked once the shape has made the prompt (and knows how it reasons)."""
-    effort = body.reasoning.effort if body.reasoning else None
-    budget = EFFORT_BUDGETS.get(effort) if effort is not None else None
+def to_ask(body: ResponsesRequest) -> Ask:
+    """What the body asks for, in the engine's terms; the door checks every limit of it."""
     # (a background response's events are produced, and kept, even when its client is not streamed them)
     return Ask(model=body.model, stream=body.stream or body.background, user=body.user, max_tokens=body.max_output_tokens,
                fit_default=True, sampling=Sampling(temperature=body.temperature, top_p=body.top_p),
-               prompt_param="input",
-               grammar=lambda tokenizer: after_reasoning(grammar(body, tokenizer), tokenizer, shape.reasoning),
-               thinking=lambda: thinking(shape.reasoning, budget))
+               prompt_param="input")
 
 
 def _usage(reply: Reply) -> ResponseUsage:
@@ -159,26 +153,24 @@ class ResponsesShape:
         self.body = body
         self.history = history
         self.keeper = keeper
-        self.reasoning: PromptReasoning | None = None  # a thinking model's (conversation/reasoning.py)
-
-    def calls_tools(self) -> bool:
-        return calls_tools(self.body)
+        self.answer = AnswerFormat(tools=calls_tools(body))  # how the model writes it (set by prepare)
 
     def namespace_of(self, name: str) -> str | None:
         return namespace_of(self.body, name)
 
-    def reasoning_splitter(self) -> ReasoningSplitter | None:
-        return self.reasoning.splitter() if self.reasoning is not None else None
-
-    def prompts(self, tokenizer: Tokenizer, max_prompts: int) -> list[list[int]]:
+    def prepare(self, tokenizer: Tokenizer, max_prompts: int) -> Shaped:
+        """The prompt; a thinking model's grammar holds the content only, and `reasoning.effort`
+        is its budget (EFFORT_BUDGETS)."""
         body = self.body
         tools = [t.as_function() for t in body.function_tools()] if calls_tools(body) else []
         effort = body.reasoning.effort if body.reasoning else None
         kwargs = {"enable_thinking": False} if effort == "none" else None
         messages = template_messages(body, self.history)
         prompt = render_prompt(tokenizer, messages, tools, template_kwargs=kwargs, param="input")
-        self.reasoning = prompt_reasoning(tokenizer, prompt)
-        return [prompt]
+        reasoning = prompt_reasoning(tokenizer, prompt)
+        self.answer = AnswerFormat(reasoning, calls_tools(body))
+        held = build_grammar(lambda: after_reasoning(grammar(body, tokenizer), tokenizer, reasoning))
+        return Shaped([prompt], held, thinking(reasoning, EFFORT_BUDGETS.get(effort) if effort is not None else None))
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return tokenizer.decode(prompts[0])
@@ -211,19 +203,12 @@ class ResponsesShape:
     def whole(self, reply: Reply, results: dict[int, ChoiceResult]) -> dict[str, Any]:
         result = results[0]
         output: list[OutputItem] = []
-        text = result.text
-        if self.reasoning is not None:
-            reasoning, text = self.reasoning.split(text)
-            if reasoning:
-                output.append(OutputReasoning(id=item_id("rs"), content=[ReasoningText(text=reasoning)]))
-        calls: list[dict[str, Any]] = []
-        if calls_tools(self.body):
-            parser = tool_parser(reply.tokenizer)
-            events = parser.feed(text) + parser.finish()
-            text = "".join(e.text for e in events if isinstance(e, Content))
-            calls = parser.calls
-        if text.strip() or not calls:
-            output.append(OutputMessage(id=item_id("msg"), content=[OutputText(text=text)]))
+        answer = decode_whole(reply.tokenizer, self.answer, result.text, result.finish_reason)
+        if answer.reasoning:
+            output.append(OutputReasoning(id=item_id("rs"), content=[ReasoningText(text=answer.reasoning)]))
+        calls = answer.calls
+        if answer.text.strip() or not calls:
+            output.append(OutputMessage(id=item_id("msg"), content=[OutputText(text=answer.text)]))
         output += [OutputFunctionCall(id=item_id("fc"), call_id=c["id"], name=c["function"]["name"],
                                       namespace=namespace_of(self.body, c["function"]["name"]),
                                       arguments=c["function"]["arguments"]) for c in calls]
@@ -249,7 +234,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         body.tools = supported_tools(request, body.tools, lambda tool: tool.get("type"), lambda kind: kind in TOOL_TYPES)
     history = _history(request, body)
     shape = ResponsesShape(body, history, _keeper(request, body))
-    return await generate(request, to_ask(body, shape), shape)
+    return await generate(request, to_ask(body), shape)
 
 
 def _history(request: web.Request, body: ResponsesRequest) -> list[dict[str, Any]]:

@@ -19,9 +19,7 @@ from __future__ import annotations
 import secrets
 from typing import Any, Protocol
 
-from inferd.api.conversation.reasoning import ReasoningSplitter, split_output
-from inferd.api.conversation.tool_formats import tool_parser
-from inferd.api.conversation.tools import Arguments, CallStart, Content
+from inferd.api.conversation.answer import AnswerFormat, Finish, Reasoning, Text, ToolCallArguments, ToolCallStart
 from inferd.api.errors import APIError
 from inferd.api.pipeline.shape import Reply
 from inferd.api.responses.wire import OutputFunctionCall, OutputMessage, OutputReasoning, OutputText, ReasoningText
@@ -49,14 +47,10 @@ def finish_status(finish: str | None) -> str:
 class Responder(Protocol):
     """What the events need of their request's shape (create.py's ResponsesShape)."""
 
-    def calls_tools(self) -> bool: ...
+    answer: AnswerFormat  # how the model writes its answer (the shape's prepare set it)
 
     def namespace_of(self, name: str) -> str | None:
         """The namespace tool a called function came in (None for a plain function tool)."""
-        ...
-
-    def reasoning_splitter(self) -> ReasoningSplitter | None:
-        """A thinking model's: its answer's reasoning split from its content."""
         ...
 
     def response(self, reply: Reply, output: list[OutputItem], status: str, usage: bool = True) -> dict[str, Any]:
@@ -73,8 +67,7 @@ class ResponseEvents:
 
     def __init__(self, shape: Responder, reply: Reply) -> None:
         self.shape, self.reply = shape, reply
-        self.parser = tool_parser(reply.tokenizer) if shape.calls_tools() else None
-        self.splitter = shape.reasoning_splitter()
+        self.decoder = shape.answer.decoder(reply.tokenizer)
         self.sequence = 0
         self.output: list[OutputItem] = []
         self.open: OutputItem | None = None
@@ -99,28 +92,22 @@ class ResponseEvents:
     def render(self, prompt: int, out: EngineOutput) -> list[Payload]:
         self.started = True
         events: list[Payload] = []
-        text = out.text
-        if self.splitter is not None:
-            reasoning, text = split_output(self.splitter, text, out.finished)
-            if reasoning:
-                self._reasoning(events, reasoning)
-        found = [Content(text)] if self.parser is None else (
-            self.parser.feed(text) + (self.parser.finish() if out.finished else []))
-        for event in found:
-            if isinstance(event, Content) and event.text:
-                if not (self.parser is not None and self.parser.calls_started and not event.text.strip()):
-                    self._text(events, event.text)
-            elif isinstance(event, CallStart):
-                self._open(events, OutputFunctionCall(id=item_id("fc"), call_id=event.id, name=event.name,
-                                                      namespace=self.shape.namespace_of(event.name),
+        for part in self.decoder.feed(out.text, out.finished, out.finish_reason, out.stop_reason):
+            if isinstance(part, Reasoning):
+                self._reasoning(events, part.text)
+            elif isinstance(part, Text) and not part.filler:
+                self._text(events, part.text)
+            elif isinstance(part, ToolCallStart):
+                self._open(events, OutputFunctionCall(id=item_id("fc"), call_id=part.id, name=part.name,
+                                                      namespace=self.shape.namespace_of(part.name),
                                                       arguments="", status="in_progress"))
-            elif isinstance(event, Arguments) and isinstance(self.open, OutputFunctionCall):
-                self.open.arguments += event.fragment
+            elif isinstance(part, ToolCallArguments) and isinstance(self.open, OutputFunctionCall):
+                self.open.arguments += part.fragment
                 events.append(self._event("response.function_call_arguments.delta", item_id=self.open.id,
-                                          output_index=len(self.output) - 1, delta=event.fragment))
-        if out.finished:
-            self._close(events)
-            self.status = finish_status(out.finish_reason)
+                                          output_index=len(self.output) - 1, delta=part.fragment))
+            elif isinstance(part, Finish):
+                self._close(events)
+                self.status = finish_status(part.reason)
         return events
 
     def tail(self) -> list[Payload]:

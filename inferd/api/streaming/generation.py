@@ -100,9 +100,7 @@ class Generation:
             self.record.priority_class = self.prepared.cls.name
             self.record.prompt_tokens = self.prompt_tokens
         try:
-            self.streams = self.door.admit(self.prepared, tenant=ticket.tenant.name if ticket else None,
-                                           tenant_weight=ticket.tenant.weight if ticket else 1.0,
-                                           cache_scope=ticket.tenant.cache_scope if ticket else "")
+            self.streams = self.door.admit(self.prepared)
         except APIError as e:
             if ticket is not None:
                 ticket.refused(e.code or "refused")

@@ -44,6 +44,7 @@ class DecodeGraphs:
         if len(kv_cache.layout.groups) > 1:
             raise ValueError("CUDA graphs cover models with one KV group (no sliding and full layers mixed)")
         self.model = model
+        self.backend: CudaAttention = model.attention  # (narrowed by the check above)
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
         self.buckets = batch_buckets(max_num_seqs)
@@ -88,10 +89,9 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:  # [b, vocab] float32
         seq_lens = self._ints[:b]
         tables = self._ints[self._largest: self._largest + b * self.max_blocks].view(b, self.max_blocks)
-        backend: CudaAttention = self.model.attention  # type: ignore[assignment]
         # (one KV group: DecodeGraphs refuses more)
         window = self.kv_cache.layout.groups[0].window
-        decode = backend.decode_plan(tables, seq_lens, self.max_model_len, window)
+        decode = self.backend.decode_plan(tables, seq_lens, self.max_model_len, window)
         plans = LayerAttention(self._longs[2, :b], None, decode)
         attn = StepAttention(layers=[plans] * self.model.cfg.num_layers, num_prefill_tokens=0)
         return self.model.forward(self._longs[0, :b], self._longs[1, :b], self.kv_cache.layers, attn,

@@ -13,7 +13,7 @@ from inferd.engine.structured.masks import MaskFiller
 from inferd.engine.sched.request import Request
 from inferd.engine.sched.plan import ScheduledChunk, SchedulerOutput
 from inferd.model.decoder import DecoderModel, LayerAttention, StepAttention
-from inferd.model.layers.quant import DENSE_PREFILL_MIN_TOKENS
+from inferd.model.layers.linear import DENSE_PREFILL_MIN_TOKENS
 from inferd.model.sampler import Sampler, SamplerOutput
 from inferd.kernels.tensors import device_tensor
 
@@ -232,5 +232,5 @@ def _prompt_logprobs(rows: list[tuple[Request, int, list[int]]],
 
 
 def _dense_prefill(chunk: ScheduledChunk) -> bool:
-    """A long prompt's chunk: its rows multiply by packed layers' dense copies (quant.SplitLinear)."""
+    """A long prompt's chunk: its rows multiply by packed layers' dense copies (linear.SplitLinear)."""
     return len(chunk.request.prompt_ids) >= DENSE_PREFILL_MIN_TOKENS

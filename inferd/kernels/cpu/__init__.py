@@ -12,6 +12,7 @@ torch's packed products instead, with a warning.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -39,6 +40,12 @@ def available() -> bool:
     return _loaded
 
 
+def kernels() -> Any:
+    """The registered ops themselves (csrc/bindings.cpp: torch.ops.inferd_cpu), for the face to bind
+    with no Python frame between a layer and a kernel. Call after available() is True."""
+    return torch.ops.inferd_cpu
+
+
 def supports(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
     return head_dim % HEAD_SIZE_MULTIPLE == 0 and num_heads % num_kv_heads == 0
 
@@ -49,7 +56,7 @@ def block_matmul_available() -> bool:
 
 
 def block_matmul(x: torch.Tensor,  # [M, K]
-                 weight: torch.Tensor,  # uint8 [N / 16, K / 32, bytes]: quant.BlockLinear's packing
+                 weight: torch.Tensor,  # uint8 [N / 16, K / 32, bytes]: linear.BlockLinear's packing
                  bits: int,  # the weights' codes: 4 or 8
                  activation_bits: int = 8) -> torch.Tensor:  # [M, N], x's dtype; 16 for 4-bit weights only
     return torch.ops.inferd_cpu.block_matmul(x, weight, bits, activation_bits)
@@ -73,7 +80,7 @@ def rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 KV) x D] bfloat16
                   key_cache: torch.Tensor, value_cache: torch.Tensor,  # [blocks, block_size, KV, D] bfloat16
                   slot_mapping: torch.Tensor,  # [T] int64, negative: padding
                   num_heads: int, num_kv_heads: int) -> torch.Tensor:  # q: [T, H, D]
-    """q and k rotated (inferd.model.layers.rope.rotate's arithmetic), k and v written to their slots
+    """q and k rotated (inferd.kernels.reference.rotate's arithmetic), k and v written to their slots
     (inferd.kernels.reference.write_kv's), in one pass."""
     return torch.ops.inferd_cpu.rope_write_kv(qkv, cos, signed_sin, key_cache, value_cache, slot_mapping,
                                               num_heads, num_kv_heads)

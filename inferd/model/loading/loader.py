@@ -134,7 +134,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
     stored = {part: gguf.tensors[name].ggml_type.name for name, (parts, _) in wanted.items() for part in parts}
     head_blocks = None
     head_part = "lm_head" if "lm_head" in tensors else "embed"  # (a tied head is the embedding)
-    if weights == "auto" and quant.BlockLinear.fits(tuple(tensors[head_part].shape)):
+    if weights == "auto" and quant.blocks_fit(tuple(tensors[head_part].shape)):
         # the head's codes as stored, for the block products (quant.pack_weights)
         head = next(name for name, (parts, _) in wanted.items() if head_part in parts)
         head_blocks = quant.q8_from_gguf(gguf.raw(head), gguf.tensors[head].ggml_type.name)

@@ -16,7 +16,7 @@
 // With AVX-512 (-march=native on such a CPU) the dot products, the softmax and the weighted sum
 // run on 16-lane registers written out below; elsewhere the same loops in plain C++.
 //
-// Built once per machine by inferd/kernels/cpu.py (g++ -O3 -march=native) and registered as
+// Built once per machine by inferd/kernels/cpu/build.py (g++ -O3 -march=native) and registered as
 // torch.ops.inferd_cpu.decode_attention, so it runs on torch's own thread pool.
 
 #include <ATen/ATen.h>
