@@ -18,7 +18,7 @@ from inferd.api.edge import MAX_BODY_BYTES
 from inferd.engine.llm_engine import LLMEngine
 from inferd.settings.config import Settings
 
-pytestmark = pytest.mark.asyncio
+pytestmark = [pytest.mark.asyncio, pytest.mark.served]
 
 KEYS = {"alpha": "sk-alpha", "beta": "sk-beta"}
 SHORT = 1.0  # the body and idle timeouts of these servers, in seconds

@@ -38,6 +38,8 @@ from serveproc import Server, start_server, stop_server  # noqa: E402  (tests/e2
 
 from inferd.api.openapi import openapi_document  # noqa: E402
 
+pytestmark = pytest.mark.served  # it starts a real server
+
 MODEL = "smollm2"
 KEY = "sk-fuzz-0123456789"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -46,6 +46,7 @@ def closed_port() -> int:
 # ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.served
 def test_closed_loop_run_is_consistent(server: Server, tmp_path: Path) -> None:
     out = tmp_path / "run.json"
     result = bench(server.url, "--concurrency", "4", "--num-requests", "20", "--input-len", "16", "--output-len", "8",
@@ -77,6 +78,7 @@ def test_closed_loop_run_is_consistent(server: Server, tmp_path: Path) -> None:
     assert counters["prefix_cache_queries"] > 0
 
 
+@pytest.mark.served
 def test_chat_with_classes_and_plot(server: Server, tmp_path: Path) -> None:
     out, png = tmp_path / "chat.json", tmp_path / "chat.png"
     result = bench(server.url + "/v1", "--endpoint", "chat", "--concurrency", "2", "--num-requests", "6",
@@ -90,6 +92,7 @@ def test_chat_with_classes_and_plot(server: Server, tmp_path: Path) -> None:
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.served
 def test_conversation_workload(server: Server, tmp_path: Path) -> None:
     out = tmp_path / "conversation.json"
     result = bench(server.url, "--workload", "conversation", "--concurrency", "2", "--num-requests", "6",
@@ -123,6 +126,7 @@ def test_unreachable_url_is_one_line_and_exit_1(tmp_path: Path) -> None:
     assert errors["by_type"] == {"connection_error": errors["total"]} and errors["total"] >= 1
 
 
+@pytest.mark.served
 def test_missing_or_wrong_key_is_one_line(server: Server) -> None:
     result = bench(server.url, "--num-requests", "3", "--output-len", "2")
     assert result.returncode == 1

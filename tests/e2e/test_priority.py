@@ -7,7 +7,7 @@ request takes a seat from a batch request at once (preemption at max_num_seqs), 
 its unloaded TTFT plus about two loaded steps. With a single class, the same request queues
 behind the batch backlog (first come, first served), as in servers without priorities.
 Load shedding is off here: this is the scheduler's own doing (shedding has unit tests).
-The measure tier's (timing under load); tests/api/test_scheduling.py has its order in the default one.
+The measure tier's (timing under load); tests/api/admission/test_scheduling.py has its order in the default one.
 """
 
 from __future__ import annotations

@@ -110,7 +110,7 @@ def test_preemption_under_memory_pressure_keeps_tokens(float32_weights: tuple) -
 
 
 def test_requests_the_door_must_refuse_are_refused(engine: LLMEngine) -> None:
-    # the front door validates (tests/api/test_door.py); the engine asserts what would break it
+    # the front door validates (tests/api/admission/test_door.py); the engine asserts what would break it
     params = SamplingParams(max_tokens=4)
     with pytest.raises(AssertionError, match="door"):
         engine.add([], params)

@@ -247,7 +247,7 @@ def test_total_timeout() -> None:
 
 
 def test_the_scheduler_enforces_the_timeouts_the_door_settled() -> None:
-    """A request's own limits tighten its class's once, at the door (tests/api/test_door.py); the
+    """A request's own limits tighten its class's once, at the door (tests/api/admission/test_door.py); the
     scheduler enforces what it is given, and does not tighten again."""
     strict = PriorityClass("interactive", 0, timeouts=Timeouts(queue=5.0, token=1.0))
     s, clock = make(classes=(strict, LO), max_num_seqs=1)
