@@ -260,6 +260,10 @@ async def test_a_plain_stream_disconnect_still_frees_at_once(llm: LLMEngine) -> 
     async with serve(llm, grace(30)) as server:
         async with server.session.post(COMPLETIONS, json={**SAMPLED, "max_tokens": 2000}) as r:
             await read_events(r, 2)
+            # the engine publishes its snapshot every 50 ms: look once it shows the stream's blocks
+            deadline = asyncio.get_running_loop().time() + 10
+            while server.engine.snapshot.kv_blocks_used == 0 and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.01)
             assert server.engine.snapshot.kv_blocks_used > 0
             r.close()
         await wait_idle(server, within=0.5)
