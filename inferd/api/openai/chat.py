@@ -130,8 +130,6 @@ class ChatShape:
         def render(prompt: int, out: EngineOutput) -> dict[str, Any] | str:
             parts = decoders[out.index].feed(out.text, out.finished, out.finish_reason, out.stop_reason)
             delta, finish = _delta(parts, self.answer.tools)
-            if not out.finished:
-                finish = out.finish_reason
             if not body.logprobs:
                 return events.token_event(out.index, f'"delta":{dumps(delta)}', finish)
             logprobs = chat_logprobs(token_text, out.logprobs or [])
