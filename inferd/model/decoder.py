@@ -21,6 +21,7 @@ from inferd.kernels import ops
 from inferd.kernels.ops import Attention, AttentionPlan, LayerOps, LayerShape
 from inferd.model.families.config import ModelConfig
 from inferd.model.layers.linear import DenseLinear, Linear, make_linear
+from inferd.model.layers.moe import GatedMLP, MixtureOfExperts, expected_tensors, swiglu_clamped
 from inferd.model.layers.quant import fuse
 from inferd.text.errors import ModelLoadError
 
@@ -60,7 +61,7 @@ class Norm:
 
 class DecoderLayer:
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, attention: Attention,
-                 ops: LayerOps, index: int) -> None:
+                 ops: LayerOps, index: int, stacked: bool = False) -> None:
         self.cfg = cfg
         self.attention = attention
         self.ops = ops
@@ -86,11 +87,25 @@ class DecoderLayer:
         # blocks of 32: on 8-bit codes each costs the default model ~0.5% of perplexity on the book,
         # so they take 16-bit ones (+0.42% in all, against +1.39%; bench/RESULTS.md, issue 30)
         self.qkv = make_linear(fuse(parts), bias, dtype, split=True, wide_inputs=True)  # [q+2kv, hidden]
-        self.o = make_linear(w[f"{prefix}.o"], None, dtype, split=True)  # [hidden, q]
-        self.gate_up = make_linear(fuse([w[f"{prefix}.gate"], w[f"{prefix}.up"]]), None, dtype, split=True)  # [2 * intermediate, hidden]
-        self.down = make_linear(w[f"{prefix}.down"], None, dtype, split=True, wide_inputs=True)  # [hidden, intermediate]
+        self.o = make_linear(w[f"{prefix}.o"], w.get(f"{prefix}.o_bias"), dtype, split=True)  # [hidden, q]
+        self.mlp = self._mlp(w, prefix, dtype, stacked)
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_softcap
+        # (passed only where set: every backend takes sinks, as a keyword)
+        self.sinks = {"sinks": w[f"{prefix}.sinks"].float()} if cfg.attention_sinks else {}
+
+    def _mlp(self, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
+             stacked: bool) -> GatedMLP | MixtureOfExperts:
+        """The layer's MLP: gated, or a mixture of experts (inferd.model.layers.moe)."""
+        def gated(gate_up: torch.Tensor) -> torch.Tensor:
+            return self.ops.gated(gate_up)  # (looked up per call: set_attention binds the ops again)
+
+        spec = self.cfg.experts
+        if spec is None or not self.cfg.is_sparse(self.index):
+            return GatedMLP.load(w, prefix, dtype, gated)  # type: ignore[arg-type]
+        activate = (swiglu_clamped(spec.swiglu_alpha, spec.swiglu_limit) if spec.activation == "swiglu_clamped"
+                    else gated)
+        return MixtureOfExperts(spec, w, f"{prefix}.moe", dtype, activate, stacked)  # type: ignore[arg-type]
 
     def __call__(
         self,
@@ -112,15 +127,17 @@ class DecoderLayer:
         prefill, decode = plans.prefill, plans.decode
         parts = []
         if prefill is not None:
-            parts.append(self.attention.prefill(q[:p], key_cache, value_cache, prefill, self.scale, self.softcap))
+            parts.append(self.attention.prefill(q[:p], key_cache, value_cache, prefill, self.scale, self.softcap,
+                                                **self.sinks))
         if decode is not None:
-            parts.append(self.attention.decode(q[p:], key_cache, value_cache, decode, self.scale, self.softcap))
+            parts.append(self.attention.decode(q[p:], key_cache, value_cache, decode, self.scale, self.softcap,
+                                               **self.sinks))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self.o(out.reshape(t, cfg.q_size), d)
         if self.post_attn_norm is not None:
             out = ops.head_norm(out, self.post_attn_norm.weight)
         # mlp: x + out, in place, and the MLP's norm of it
-        out = self.down(ops.gated(self.gate_up(ops.add_norm_(x, out, self.mlp_norm.weight), d)), d)
+        out = self.mlp(ops.add_norm_(x, out, self.mlp_norm.weight), d)
         if self.post_mlp_norm is not None:
             out = ops.head_norm(out, self.post_mlp_norm.weight)
         return x + out
@@ -155,7 +172,9 @@ class DecoderModel:
         # [vocab, hidden]; a tied head has its own entry only when packed (quant.pack_weights)
         self.lm_head = make_linear(weights.get("lm_head", self.embed), None, dtype)
         self.norm = Norm.of(weights["norm"], cfg.norm_offset)
-        self.layers = [DecoderLayer(cfg, weights, f"layers.{i}", self.attention, self.ops, i)
+        # experts stacked for grouped products on CUDA, one pair of products each on the CPU (moe.py)
+        stacked = weights["norm"].device.type == "cuda"
+        self.layers = [DecoderLayer(cfg, weights, f"layers.{i}", self.attention, self.ops, i, stacked)
                        for i in range(cfg.num_layers)]
         # Rotary tables for every position, computed once like transformers does per forward;
         # sliding layers have their own where the family gives them another RoPE (Gemma 3)
@@ -185,7 +204,11 @@ class DecoderModel:
                     dense.min_rows = self.min_rows
 
     def linears(self) -> list[Linear]:
-        return [op for layer in self.layers for op in (layer.qkv, layer.o, layer.gate_up, layer.down)] + [self.lm_head]
+        return [op for layer in self.layers for op in (layer.qkv, layer.o, *layer.mlp.linears())] + [self.lm_head]
+
+    def mixtures(self) -> list[MixtureOfExperts | None]:
+        """Each layer's mixture of experts, None where its MLP is dense."""
+        return [layer.mlp if isinstance(layer.mlp, MixtureOfExperts) else None for layer in self.layers]
 
     @torch.inference_mode()
     def forward(
@@ -224,8 +247,17 @@ def check_shapes(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:
         expected |= {
             f"{p}.attn_norm": (h,), f"{p}.mlp_norm": (h,),
             f"{p}.q": (cfg.q_size, h), f"{p}.k": (cfg.kv_size, h), f"{p}.v": (cfg.kv_size, h),
-            f"{p}.o": (h, cfg.q_size), f"{p}.gate": (i, h), f"{p}.up": (i, h), f"{p}.down": (h, i),
+            f"{p}.o": (h, cfg.q_size),
         }
+        if cfg.is_sparse(n):
+            assert cfg.experts is not None
+            expected |= expected_tensors(cfg.experts, f"{p}.moe", h)
+        else:
+            expected |= {f"{p}.gate": (i, h), f"{p}.up": (i, h), f"{p}.down": (h, i)}
+        if cfg.output_bias:
+            expected[f"{p}.o_bias"] = (h,)
+        if cfg.attention_sinks:
+            expected[f"{p}.sinks"] = (cfg.num_heads,)
         if cfg.attention_bias:
             expected |= {f"{p}.q_bias": (cfg.q_size,), f"{p}.k_bias": (cfg.kv_size,), f"{p}.v_bias": (cfg.kv_size,)}
         if cfg.qk_norm:

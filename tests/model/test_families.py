@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,17 +23,12 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
 
 import tiny_models as tm  # noqa: E402 - after the skips
+from family_cases import (NEW_TOKENS, SMALL, WINDOW, Case, build, generate,  # noqa: E402
+                          switched_off)
 
 from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
 from inferd.text.errors import ModelLoadError  # noqa: E402
-from inferd.text.sampling_params import SamplingParams  # noqa: E402
-
-NEW_TOKENS = 24
-WINDOW = 12
-GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True)
-SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-             max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -91,30 +85,6 @@ FAMILIES: dict[str, Callable[[int], Any]] = {"qwen3": qwen3, "mistral": mistral,
                                              "phi3": phi3}
 
 
-@dataclass
-class Case:
-    folder: Path
-    model: Any
-    engine: LLMEngine
-    prompts: list[list[int]]
-    reference: list[list[int]]
-
-
-def build(folder: Path, make: Callable[[int], Any], seed: int = 0) -> Case:
-    vocab = tm.train_sentencepiece(folder)
-    torch.manual_seed(seed)
-    model = make(vocab)
-    model = tm.randomize(model, seed, norm_centre=0.0 if model.config.model_type.startswith("gemma") else 1.0)
-    if model.config.tie_word_embeddings:
-        model.tie_weights()
-    model.save_pretrained(folder, safe_serialization=True)
-    engine = LLMEngine.from_config(EngineConfig.of(model=str(folder), dtype="float32", kv_cache_memory=16 * 2**20))
-    prompts = [engine.tokenizer.encode(p) for p in tm.PROMPTS]
-    reference = tm.greedy_reference(model, prompts, NEW_TOKENS)
-    tm.assert_not_trivial(reference, NEW_TOKENS)
-    return Case(folder, model, engine, prompts, reference)
-
-
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
     """Each family's case, built once for the module on first use."""
@@ -131,12 +101,6 @@ def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
 @pytest.fixture(params=list(FAMILIES))
 def case(request: pytest.FixtureRequest, cases: Callable[[str], Case]) -> Case:
     return cases(request.param)
-
-
-def generate(engine: LLMEngine, prompts: list[list[int]]) -> list[list[int]]:
-    completions = engine.generate(prompts, GREEDY)
-    assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
-    return [c.token_ids for c in completions]
 
 
 def test_greedy_alone_and_in_a_ragged_batch_match_transformers(case: Case) -> None:
@@ -194,20 +158,6 @@ def test_a_sliding_model_preempted_for_memory_still_matches(mode: str, cases: Ca
     assert generate(engine, case.prompts) == case.reference
     assert engine.scheduler.preemptions[mode] > 0, engine.scheduler.preemptions
     assert engine.block_manager.num_free_host_blocks == engine.block_manager.num_host_blocks
-
-
-def greedy_argmax(model: Any, ids: list[int]) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(torch.tensor([ids])).logits.argmax(-1)
-
-
-def switched_off(case: Case, make: Callable[[int], Any]) -> bool:
-    """transformers' argmax along the prompts with one feature off differs from the case's model."""
-    other = make(case.model.config.vocab_size)
-    other.load_state_dict(case.model.state_dict(), strict=False)
-    other.eval()
-    ids = [t for p in case.prompts for t in p] + case.reference[0]  # past the window
-    return not torch.equal(greedy_argmax(case.model, ids), greedy_argmax(other, ids))
 
 
 def identity_qk_norms(model: Any) -> Any:

@@ -11,7 +11,44 @@ from inferd.model.layers.rope import Rope
 
 # the families (inferd.model.families.registry): what a GGUF's general.architecture or a config.json's
 # model_type may say
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
+                           "gpt_oss")
+EXPERT_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
+SCORINGS = ("softmax_topk", "topk_softmax")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP (inferd.model.layers.moe): a router picks `top_k` of `num_experts`
+    gated MLPs per token, and their outputs are summed, weighted by the router."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    # "softmax_topk": softmax over every expert's logit, then the k largest (Mixtral, Qwen3-MoE);
+    # "topk_softmax": the k largest logits, then a softmax over those k (gpt-oss)
+    scoring: str = "softmax_topk"
+    renormalize: bool = True  # softmax_topk: the k weights divided by their sum (Qwen3-MoE's norm_topk_prob)
+    router_bias: bool = False  # the router's product has a bias (gpt-oss)
+    expert_bias: bool = False  # each expert's gate/up and down products have biases (gpt-oss)
+    # "silu" / "gelu_tanh": act(gate) x up; "swiglu_clamped" (gpt-oss): gate capped at `limit`, up
+    # clamped to ±limit, then gate·σ(alpha·gate)·(up + 1)
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_intermediate_size: int = 0  # a dense MLP every token also goes through (0: none)
+    shared_gate: bool = False  # the shared MLP's output scaled by sigmoid(x · w_gate) (Qwen2-MoE style)
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP instead (Qwen3-MoE's mlp_only_layers)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelLoadError(f"top_k {self.top_k} of {self.num_experts} experts")
+        if self.scoring not in SCORINGS:
+            raise ModelLoadError(f"unsupported router scoring {self.scoring!r} (supported: {', '.join(SCORINGS)})")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ModelLoadError(f"unsupported expert activation {self.activation!r} "
+                                 f"(supported: {', '.join(EXPERT_ACTIVATIONS)})")
+
 
 
 @dataclass(frozen=True)
@@ -46,6 +83,9 @@ class ModelConfig:
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
     partial_rotary_factor: float = 1.0  # the share of each head RoPE rotates (Phi-4-mini: 0.75)
+    output_bias: bool = False  # attention's output projection has a bias (gpt-oss)
+    attention_sinks: bool = False  # one learned logit per head joins each softmax's denominator (gpt-oss)
+    experts: Experts | None = None  # a mixture of experts in place of the MLP (in every layer but its dense_layers)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -74,6 +114,10 @@ class ModelConfig:
     @property
     def attention_scale(self) -> float:
         return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
+
+    def is_sparse(self, layer: int) -> bool:
+        """The layer's MLP is a mixture of experts."""
+        return self.experts is not None and layer not in self.experts.dense_layers
 
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -30,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from inferd.model.layers import quant
+from inferd.model.layers import mxfp4, quant
 from inferd.model.families.config import ModelConfig
 from inferd.model.families.registry import (GGUF_TOP_NAMES, TOP_NAMES, Family, config_from_gguf, config_from_hf,
                                      family_of, gguf_family)
@@ -228,16 +229,24 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
         raise ModelLoadError(f"{folder}: no *.safetensors weights")
 
     tensors: dict[str, torch.Tensor] = {}
+    microscaled: dict[str, dict[str, torch.Tensor]] = {}  # MXFP4 tensors: name -> {"blocks", "scales"}
     for file in files:
         if not file.is_file():
             raise ModelLoadError(f"{file}: listed in model.safetensors.index.json but missing")
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
+                    base, _, kind = name.rpartition("_")
+                    if kind in ("blocks", "scales") and _stacked_suffix(base) in family.stacked:
+                        microscaled.setdefault(base, {})[kind] = f.get_tensor(name)
+                        continue
                     for short, tensor in _hf_tensors(family, config, name, lambda: f.get_tensor(name), file):
                         tensors[short] = tensor.to(dtype)
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{file}: truncated or corrupt safetensors file ({e})") from None
+    for base, pair in microscaled.items():
+        for short, tensor in _hf_tensors(family, config, base, lambda: _dequantize_stacked(pair, base), folder):
+            tensors[short] = tensor.to(dtype)
     if config.tie_word_embeddings:
         tensors.pop("lm_head", None)
     elif "lm_head" not in tensors:
@@ -247,6 +256,24 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
 
 # buffers some checkpoints carry that hold no weights (transformers recomputes them)
 _HF_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_EXPERT_INDEX = re.compile(r"experts\.(\d+)\.")
+
+
+def _stacked_suffix(name: str) -> str:
+    """A layer tensor's name after `model.layers.N.` ("" for others)."""
+    parts = name.removeprefix("model.").split(".", 2)
+    return parts[2] if len(parts) == 3 and parts[0] == "layers" else ""
+
+
+def _dequantize_stacked(pair: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """MXFP4 experts [E, out, G, 16] + [E, out, G] -> [E, in, out], the layout of the same tensor
+    unquantized (transformers' convert_moe_packed_tensors does the same)."""
+    if set(pair) != {"blocks", "scales"}:
+        raise ModelLoadError(f"{name}: MXFP4 tensor without its {'scales' if 'blocks' in pair else 'blocks'}")
+    try:
+        return mxfp4.dequantize(pair["blocks"], pair["scales"]).transpose(-1, -2)
+    except ValueError as e:
+        raise ModelLoadError(f"{name}: {e}") from None
 
 
 def _hf_tensors(family: Family, config: ModelConfig, name: str, read: Any, file: Path) -> list[tuple[str, torch.Tensor]]:
@@ -260,6 +287,12 @@ def _hf_tensors(family: Family, config: ModelConfig, name: str, read: Any, file:
         _, layer, rest = short.split(".", 2)
         if rest in family.layer_names:
             return [(f"layers.{layer}.{family.layer_names[rest]}", read())]
+        expert = _EXPERT_INDEX.search(rest)  # one expert's tensor: its name with "{e}" for the index
+        generic = _EXPERT_INDEX.sub("experts.{e}.", rest, count=1)
+        if expert and generic in family.layer_names:
+            return [(f"layers.{layer}.{family.layer_names[generic].format(e=expert.group(1))}", read())]
+        if rest in family.stacked:
+            return [(f"layers.{layer}.{part}", t) for part, t in family.stacked[rest](read(), config)]
         if rest in family.fused:
             parts = family.fused[rest]
             sizes = [{"q": config.q_size, "k": config.kv_size, "v": config.kv_size}.get(p, config.intermediate_size)

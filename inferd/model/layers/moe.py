@@ -1,0 +1,183 @@
+"""The MLPs of a decoder layer: one gated MLP, or a mixture of experts (Mixtral, Qwen3-MoE, gpt-oss).
+
+A mixture routes each token to `top_k` of its experts and sums their outputs, weighted by the
+router (the variants are data, ModelConfig's `Experts`):
+
+    x ──> router ──> weights, experts [T, k]
+      └─> rows grouped by expert ──> one product per expert that has rows ──> back in token order
+                                                             ──> Σ_k weight_k · y_k  (+ a shared MLP)
+
+Batch-invariant by construction: a token's k outputs are computed by products whose rows do not
+depend on one another (linear.py's rule) and summed in the token's own top-k order, so its result
+never depends on which other tokens chose the same experts (tests/model/test_moe.py).
+
+On the CPU each expert is its own pair of products (dense, or packed on the block products); on
+CUDA the experts are stacked and every product is one grouped matmul (`torch._grouped_mm`) over
+all rows, with no read-back to the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from inferd.model.families.config import Experts
+from inferd.model.layers.linear import DenseLinear, Linear, make_linear
+from inferd.model.layers.quant import Weight, fuse
+
+Activation = Callable[[torch.Tensor], torch.Tensor]  # [T, 2I] (gate rows, then up rows) -> [T, I]
+
+
+def route(logits: torch.Tensor, spec: Experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> each token's expert weights [T, k] float32 and experts [T, k] int64."""
+    if spec.scoring == "topk_softmax":  # gpt-oss: the k largest logits, softmaxed among themselves
+        top, index = torch.topk(logits, spec.top_k, dim=-1)
+        return torch.softmax(top, dim=-1).float(), index
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, index = torch.topk(probs, spec.top_k, dim=-1)
+    if spec.renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    return top, index
+
+
+def swiglu_clamped(alpha: float, limit: float) -> Activation:
+    """gpt-oss's gate: gate capped above at `limit`, up clamped to ±limit, gate·σ(alpha·gate)·(up + 1)."""
+
+    def activate(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+    return activate
+
+
+class GatedMLP:
+    """down(act(gate) x up), gate and up fused into one product."""
+
+    def __init__(self, gate_up: Linear, down: Linear, activate: Activation) -> None:
+        self.gate_up, self.down, self.activate = gate_up, down, activate
+
+    @classmethod
+    def load(cls, w: dict[str, Weight], prefix: str, dtype: torch.dtype, activate: Activation,
+             bias: bool = False, split: bool = True) -> GatedMLP:
+        """`{prefix}.gate/up/down` (and `_bias`) as a split (or plain) pair of products."""
+        gate_up_bias = torch.cat([w[f"{prefix}.gate_bias"], w[f"{prefix}.up_bias"]]) if bias else None
+        gate_up = make_linear(fuse([w[f"{prefix}.gate"], w[f"{prefix}.up"]]), gate_up_bias, dtype, split=split)
+        down = make_linear(w[f"{prefix}.down"], w[f"{prefix}.down_bias"] if bias else None, dtype, split=split,
+                           wide_inputs=True)
+        return cls(gate_up, down, activate)  # type: ignore[arg-type]
+
+    def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
+        return self.down(self.activate(self.gate_up(x, dense_rows)), dense_rows)
+
+    def linears(self) -> list[Linear]:
+        return [self.gate_up, self.down]
+
+
+class StackedExperts:
+    """Every expert's weights in one tensor per product: a grouped matmul over rows sorted by
+    expert (CUDA's path; it runs on the CPU too, where tests check it against the per-expert one)."""
+
+    def __init__(self, experts: list[GatedMLP], activate: Activation) -> None:
+        def stack(ops: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+            dense = [op if isinstance(op, DenseLinear) else None for op in ops]
+            assert all(d is not None for d in dense), "stacked experts take dense weights"
+            weight = torch.stack([d.weight.t() for d in dense if d is not None]).contiguous()  # [E, in, out]
+            biases = [d.bias for d in dense if d is not None and d.bias is not None]
+            return weight, torch.stack(biases) if biases else None
+
+        self.gate_up, self.gate_up_bias = stack([e.gate_up for e in experts])
+        self.down, self.down_bias = stack([e.down for e in experts])
+        self.activate = activate
+
+    def __call__(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert [R, H], rows per expert [E] -> each row through its expert [R, H]."""
+        offsets = counts.cumsum(0).to(torch.int32)
+        h = torch._grouped_mm(xs, self.gate_up, offs=offsets)
+        if self.gate_up_bias is not None:
+            h = h + self.gate_up_bias.repeat_interleave(counts, dim=0, output_size=xs.shape[0])
+        y = torch._grouped_mm(self.activate(h), self.down, offs=offsets)
+        if self.down_bias is not None:
+            y = y + self.down_bias.repeat_interleave(counts, dim=0, output_size=xs.shape[0])
+        return y
+
+
+class MixtureOfExperts:
+    def __init__(self, spec: Experts, w: dict[str, Weight], prefix: str, dtype: torch.dtype, activate: Activation,
+                 stacked: bool = False) -> None:
+        self.spec = spec
+        router = w[f"{prefix}.router"]
+        assert isinstance(router, torch.Tensor)
+        self.router = DenseLinear(router, w.get(f"{prefix}.router_bias"))  # type: ignore[arg-type]
+        # (packed experts keep no dense copy for long prompts: that would undo the packing of most
+        # of the model's bytes)
+        self.experts = [GatedMLP.load(w, f"{prefix}.experts.{e}", dtype, activate, spec.expert_bias, split=False)
+                        for e in range(spec.num_experts)]
+        self.stacked = StackedExperts(self.experts, activate) if stacked else None
+        self.shared = (GatedMLP.load(w, f"{prefix}.shared", dtype, activate) if spec.shared_intermediate_size
+                       else None)
+        shared_gate = w.get(f"{prefix}.shared_gate")
+        self.shared_gate = DenseLinear(shared_gate, None) if isinstance(shared_gate, torch.Tensor) else None
+        # rows routed to each expert since start: operators watch the skew (/metrics)
+        self.routed = torch.zeros(spec.num_experts, dtype=torch.int64)
+
+    def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:  # [T, H] -> [T, H]
+        spec = self.spec
+        weights, index = route(self.router(x), spec)  # [T, k] each
+        slots = index.flatten()  # [T * k]: token t's j-th expert at t * k + j
+        order = torch.argsort(slots, stable=True)  # slots grouped by expert, tokens ascending in each
+        counts = torch.bincount(slots, minlength=spec.num_experts)
+        rows = x[order // spec.top_k]  # [T * k, H]
+        if self.stacked is not None:
+            sorted_out = self.stacked(rows, counts)
+        else:
+            sorted_out = self._per_expert(rows, counts.tolist())
+        self.routed += counts.to(self.routed.device)
+        out = torch.empty_like(sorted_out)
+        out[order] = sorted_out
+        out = out.view(x.shape[0], spec.top_k, -1)
+        acc = out[:, 0].float() * weights[:, :1]
+        for j in range(1, spec.top_k):  # the token's own order: the same sum whatever the batch
+            acc += out[:, j].float() * weights[:, j:j + 1]
+        result = acc.to(x.dtype)
+        if self.shared is not None:
+            shared = self.shared(x, dense_rows)
+            if self.shared_gate is not None:
+                shared = shared * torch.sigmoid(self.shared_gate(x))
+            result = result + shared
+        return result
+
+    def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        sorted_out = torch.empty_like(rows)
+        start = 0
+        for expert, n in zip(self.experts, counts):
+            if n:
+                sorted_out[start:start + n] = expert(rows[start:start + n])
+            start += n
+        return sorted_out
+
+    def linears(self) -> list[Linear]:
+        mlps = self.experts + ([self.shared] if self.shared is not None else [])
+        return [self.router] + [op for mlp in mlps for op in mlp.linears()]
+
+
+def expected_tensors(spec: Experts, prefix: str, hidden: int) -> dict[str, tuple[int, ...]]:
+    """The canonical tensors of one layer's mixture and their shapes (decoder.check_shapes)."""
+    e, i = spec.num_experts, spec.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {f"{prefix}.router": (e, hidden)}
+    if spec.router_bias:
+        shapes[f"{prefix}.router_bias"] = (e,)
+    for n in range(e):
+        p = f"{prefix}.experts.{n}"
+        shapes |= {f"{p}.gate": (i, hidden), f"{p}.up": (i, hidden), f"{p}.down": (hidden, i)}
+        if spec.expert_bias:
+            shapes |= {f"{p}.gate_bias": (i,), f"{p}.up_bias": (i,), f"{p}.down_bias": (hidden,)}
+    if spec.shared_intermediate_size:
+        s = spec.shared_intermediate_size
+        shapes |= {f"{prefix}.shared.gate": (s, hidden), f"{prefix}.shared.up": (s, hidden),
+                   f"{prefix}.shared.down": (hidden, s)}
+        if spec.shared_gate:
+            shapes[f"{prefix}.shared_gate"] = (1, hidden)
+    return shapes
