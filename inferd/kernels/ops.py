@@ -86,14 +86,15 @@ class TorchAttention:
         reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
     def prefill(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan,
-                scale: float, softcap: float | None = None) -> Tensor:
+                scale: float, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+        """sinks: [num_heads] float32 on the cache's device, a softmax logit per head with no value (gpt-oss)."""
         assert isinstance(plan, GatherPlan)
-        return reference.attention_planned(query, key_cache, value_cache, plan, scale, softcap)
+        return reference.attention_planned(query, key_cache, value_cache, plan, scale, softcap, sinks)
 
     def decode(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan,
-               scale: float, softcap: float | None = None) -> Tensor:
+               scale: float, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
         assert isinstance(plan, GatherPlan)
-        return reference.attention_planned(query, key_cache, value_cache, plan, scale, softcap)
+        return reference.attention_planned(query, key_cache, value_cache, plan, scale, softcap, sinks)
 
 
 class CpuAttention(TorchAttention):
@@ -109,10 +110,10 @@ class CpuAttention(TorchAttention):
                        window)
 
     def decode(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan,
-               scale: float, softcap: float | None = None) -> Tensor:
+               scale: float, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
         assert isinstance(plan, RowPlan)
         return cpu.decode_attention(query, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
-                                    plan.window, softcap)
+                                    plan.window, softcap, sinks)
 
 
 class CudaAttention(TorchAttention):
@@ -149,12 +150,12 @@ class CudaAttention(TorchAttention):
         cuda.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
 
     def decode(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan,
-               scale: float, softcap: float | None = None) -> Tensor:
+               scale: float, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
         assert isinstance(plan, RowPlan)
         return cuda.decode_attention(
             query.contiguous(), key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
             max_seq_len=plan.max_seq_len, num_partitions=plan.num_partitions, workspace=plan.workspace,
-            window=plan.window, softcap=softcap)
+            window=plan.window, softcap=softcap, sinks=sinks)
 
 
 Attention = TorchAttention  # the backends' common face: CpuAttention and CudaAttention refine it

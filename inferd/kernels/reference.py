@@ -167,7 +167,11 @@ def attention_planned(
     plan: AttentionPlan,
     scale: float,
     softcap: float | None = None,  # scores s -> tanh(s / softcap) * softcap before the mask (Gemma 2)
+    sinks: torch.Tensor | None = None,  # [n_heads] float32: a logit per head in the softmax, no value (gpt-oss)
 ) -> torch.Tensor:  # [T, n_heads, head_dim]
+    """Each query row's softmax(scores) @ V over its plan's context. With `sinks`, head h's
+    softmax has one more column, sinks[h], whose weight is dropped: out = Σ exp(s_j - m) v_j /
+    (Σ exp(s_j - m) + exp(sinks[h] - m)), m = max(s, sinks[h]) (transformers' gpt-oss eager attention)."""
     _, n_heads, head_dim = query.shape
     n_kv = key_cache.shape[2]
     n, q_len = plan.num_seqs, plan.max_query_len
@@ -184,25 +188,31 @@ def attention_planned(
     k = k.view(n, ctx_len, n_kv, head_dim).transpose(1, 2)  # [N, kv, L, D]
     v = v.view(n, ctx_len, n_kv, head_dim).transpose(1, 2)  # [N, kv, L, D]
     q = query.view(n, q_len, n_heads, head_dim).transpose(1, 2)  # [N, H, Q, D]
-    if softcap is None:
+    if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True)
-    else:  # (SDPA has no soft-cap: the scores written out, as transformers' eager attention does)
-        out = _capped_attention(q, k, v, plan.mask, scale, softcap)
+    else:  # (SDPA has neither soft-cap nor sinks: the scores written out, as transformers' eager attention does)
+        out = _eager_attention(q, k, v, plan.mask, scale, softcap, sinks)
     out = out.transpose(1, 2).reshape(n * q_len, n_heads, head_dim)  # [N * Q, H, D]
     if plan.pad_index is not None:
         out = out[plan.pad_index]
     return out
 
 
-def _capped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                      softcap: float) -> torch.Tensor:
-    """q [N, H, Q, D], k / v [N, kv, L, D], mask [N, 1, Q, L] -> [N, H, Q, D]."""
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                     softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q [N, H, Q, D], k / v [N, kv, L, D], mask [N, 1, Q, L], sinks [H] -> [N, H, Q, D]."""
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [N, H, Q, L]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:  # (the real scores only: never the sink)
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:  # the sink as one more column of the softmax, then dropped (its weight has no value)
+        n, h, q_len, _ = scores.shape
+        column = sinks.float().view(1, h, 1, 1).expand(n, h, q_len, 1)  # [N, H, Q, 1]
+        weights = torch.softmax(torch.cat((scores.float(), column), dim=-1), dim=-1)[..., :-1].to(q.dtype)
     return torch.matmul(weights, v)
 
 
@@ -215,9 +225,10 @@ def decode_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [n_heads] float32
 ) -> torch.Tensor:  # [N, n_heads, head_dim]
     plan = plan_attention(block_tables, seq_lens, torch.ones_like(seq_lens), key_cache.shape[1], window=window)
-    return attention_planned(query, key_cache, value_cache, plan, scale, softcap)
+    return attention_planned(query, key_cache, value_cache, plan, scale, softcap, sinks)
 
 
 def prefill_attention(
@@ -230,9 +241,10 @@ def prefill_attention(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [n_heads] float32
 ) -> torch.Tensor:  # [T, n_heads, head_dim]
     plan = plan_attention(block_tables, seq_lens, query_lens, key_cache.shape[1], window=window)
-    return attention_planned(query, key_cache, value_cache, plan, scale, softcap)
+    return attention_planned(query, key_cache, value_cache, plan, scale, softcap, sinks)
 
 
 # ------------------------------------------------------------------------------ block products

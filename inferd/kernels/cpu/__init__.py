@@ -93,6 +93,7 @@ def decode_attention(query: torch.Tensor,  # [N, heads, head_dim]
                      seq_lens: torch.Tensor,  # [N] int32
                      scale: float,
                      window: int | None = None,  # a sliding layer's: only the last `window` positions
-                     softcap: float | None = None) -> torch.Tensor:  # [N, heads, head_dim]
+                     softcap: float | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:  # [heads] float32 -> [N, heads, head_dim]
     return torch.ops.inferd_cpu.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
-                                                 window or 0, softcap or 0.0)
+                                                 window or 0, softcap or 0.0, sinks)

@@ -201,6 +201,25 @@ def partition_layout(max_seq_len: int, num_partitions: int) -> tuple[int, int]:
     return size, max(1, math.ceil(max_seq_len / size))
 
 
+def _check_decode_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                       block_tables: torch.Tensor, seq_lens: torch.Tensor, sinks: torch.Tensor | None) -> None:
+    """decode_attention's arguments fit its kernels, or a ValueError says which does not."""
+    _, num_heads, head_dim = query.shape
+    _, block_size, n_kv, _ = key_cache.shape
+    if num_heads % n_kv:
+        raise ValueError(f"{num_heads} query heads do not share {n_kv} KV heads evenly")
+    if not supports(query.dtype, head_dim, block_size):
+        raise ValueError(f"no decode kernel for {query.dtype}, head size {head_dim}, block size {block_size}")
+    if query.dtype != key_cache.dtype or not (query.is_contiguous() and key_cache.is_contiguous()
+                                              and value_cache.is_contiguous()):
+        raise ValueError("query and caches must be contiguous and of one dtype")
+    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or not block_tables.is_contiguous():
+        raise ValueError("block_tables (contiguous) and seq_lens must be int32")
+    if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_heads,)
+                              or not sinks.is_contiguous()):
+        raise ValueError(f"sinks must be float32 [{num_heads}] and contiguous")
+
+
 def decode_attention(
     query: torch.Tensor,  # [N, H, D], contiguous
     key_cache: torch.Tensor,  # [num_blocks, block_size, n_kv, D], contiguous
@@ -215,20 +234,13 @@ def decode_attention(
     workspace: DecodeWorkspace | None = None,  # for the split variant; None allocates one
     window: int | None = None,  # a sliding layer's: only the last `window` positions
     softcap: float | None = None,  # scores s -> tanh(s / softcap) * softcap
+    sinks: torch.Tensor | None = None,  # [H] float32, contiguous: a softmax logit per head with no value
 ) -> torch.Tensor:
     """One query token per sequence against its paged context (spec: `reference.decode_attention`).
     Capturable in a CUDA graph when max_seq_len, num_partitions, out and workspace are given."""
     n, num_heads, head_dim = query.shape
     _, block_size, n_kv, _ = key_cache.shape
-    if num_heads % n_kv:
-        raise ValueError(f"{num_heads} query heads do not share {n_kv} KV heads evenly")
-    if not supports(query.dtype, head_dim, block_size):
-        raise ValueError(f"no decode kernel for {query.dtype}, head size {head_dim}, block size {block_size}")
-    if query.dtype != key_cache.dtype or not (query.is_contiguous() and key_cache.is_contiguous()
-                                              and value_cache.is_contiguous()):
-        raise ValueError("query and caches must be contiguous and of one dtype")
-    if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or not block_tables.is_contiguous():
-        raise ValueError("block_tables (contiguous) and seq_lens must be int32")
+    _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, sinks)
     if out is None:
         out = torch.empty_like(query)
     if n == 0:
@@ -244,9 +256,10 @@ def decode_attention(
     common = (_ptr(query), _ptr(key_cache), _ptr(value_cache), _ptr(block_tables), _ptr(seq_lens),
               np.int32(block_tables.shape[1]), np.float32(scale), np.int32(partition_size),
               np.int32(window or 0), np.float32(softcap or 0.0))
+    null = np.uint64(0)
+    sink = null if sinks is None else _ptr(sinks)  # the single pass's last step adds it, or else the reduce
     if num_partitions == 1:
-        null = np.uint64(0)
-        _launch(decode, query.device, (n_kv, n, 1), (_ptr(out), null, null, null, *common))
+        _launch(decode, query.device, (n_kv, n, 1), (_ptr(out), null, null, null, *common, sink))
         return out
     if workspace is None:
         workspace = DecodeWorkspace(n, num_heads, head_dim, num_partitions, query.device)
@@ -254,7 +267,7 @@ def decode_attention(
         raise ValueError("the decode workspace is too small for this batch")
     reduce = _kernel("paged_attention.cu", reduce_kernel_name(query.dtype, head_dim), index)
     parts = (_ptr(workspace.part_out), _ptr(workspace.part_max), _ptr(workspace.part_sum))
-    _launch(decode, query.device, (n_kv, n, num_partitions), (_ptr(out), *parts, *common))
+    _launch(decode, query.device, (n_kv, n, num_partitions), (_ptr(out), *parts, *common, null))
     _launch(reduce, query.device, (num_heads, n),
-            (_ptr(out), *parts, _ptr(seq_lens), np.int32(num_partitions), np.int32(partition_size)))
+            (_ptr(out), *parts, _ptr(seq_lens), np.int32(num_partitions), np.int32(partition_size), sink))
     return out

@@ -6,7 +6,7 @@
 
 TORCH_LIBRARY(inferd_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale, int window, float softcap) -> Tensor");
+        "Tensor seq_lens, float scale, int window, float softcap, Tensor? sinks=None) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::decode_attention));
 
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");

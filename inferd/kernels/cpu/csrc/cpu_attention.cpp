@@ -1,6 +1,8 @@
 // Paged attention for the CPU, one query row at a time: row i attends to the first seq_lens[i]
 // positions of its block table (the last `window` of them on a sliding layer), read straight from
-// the cache (no gather), in float32; scores optionally soft-capped (tanh(s / cap) * cap). A decode
+// the cache (no gather), in float32; scores optionally soft-capped (tanh(s / cap) * cap) and, with
+// sinks (gpt-oss), each head's softmax given one more logit that has no value: it enters once,
+// in the merge of the row's spans (its denominator only). A decode
 // step passes one row per sequence; a short prompt's prefill one row per token, each with its
 // context up to itself (inferd/engine/worker/runner.py).
 //
@@ -221,15 +223,16 @@ void run_task(const T* query, const T* key_cache, const T* value_cache, const in
   }
 }
 
-// A row's spans merged in span order (the usual rescaling by exp(top_i - top)) and normalized.
+// A row's spans merged in span order (the usual rescaling by exp(top_i - top)) and normalized;
+// `sinks` (the group's first head's, or null) joins the maximum and the total, not the sum of values.
 template <typename T>
 void merge(const float* tops, const float* totals, const float* accs, int64_t count, int64_t group, int64_t dim,
-           int64_t stride, T* out) {
+           int64_t stride, const float* sinks, T* out) {
   // partial i of head g: tops[i * stride + g], accs[(i * stride + g) * dim ...]
   for (int64_t g = 0; g < group; ++g) {
-    float top = -std::numeric_limits<float>::infinity();
+    float top = sinks ? sinks[g] : -std::numeric_limits<float>::infinity();
     for (int64_t i = 0; i < count; ++i) top = std::max(top, tops[i * stride + g]);
-    float total = 0.0f, acc[kMaxDim] = {};
+    float total = sinks ? exp_nonpositive(sinks[g] - top) : 0.0f, acc[kMaxDim] = {};
     for (int64_t i = 0; i < count; ++i) {
       const float factor = exp_nonpositive(tops[i * stride + g] - top);
       total += factor * totals[i * stride + g];
@@ -246,7 +249,8 @@ at::Tensor decode_attention(const at::Tensor& query,        // [N, heads, dim], 
                             const at::Tensor& value_cache,  // [blocks, block_size, kv_heads, dim]
                             const at::Tensor& block_tables, // [N, width] int32
                             const at::Tensor& seq_lens,     // [N] int32: context length, the new token included
-                            double scale, int64_t window, double softcap) {
+                            double scale, int64_t window, double softcap,
+                            const std::optional<at::Tensor>& sinks) {  // [heads] float32, or none
   TORCH_CHECK(query.dim() == 3 && key_cache.dim() == 4, "decode_attention: query [N, H, D], caches [B, S, KV, D]");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2), "decode_attention: query rows must be dense");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "decode_attention: caches must be contiguous");
@@ -261,6 +265,10 @@ at::Tensor decode_attention(const at::Tensor& query,        // [N, heads, dim], 
   TORCH_CHECK(s.num_heads % s.num_kv_heads == 0 && s.head_dim % kLanes == 0 && s.head_dim <= kMaxDim,
               "decode_attention: heads a multiple of KV heads, head size a multiple of 16 (at most 256)");
   const int64_t group = s.num_heads / s.num_kv_heads, dim = s.head_dim;
+  TORCH_CHECK(!sinks || (sinks->scalar_type() == at::kFloat && sinks->dim() == 1 && sinks->size(0) == s.num_heads &&
+                         sinks->is_contiguous() && sinks->device().is_cpu()),
+              "decode_attention: sinks are float32 [heads], contiguous, on the CPU");
+  const float* sink = sinks ? sinks->data_ptr<float>() : nullptr;  // head h's: sink[h]
   auto out = at::empty({n, s.num_heads, s.head_dim}, query.options());
   if (n == 0) return out;
   const int32_t* l = lens.data_ptr<int32_t>();
@@ -291,7 +299,7 @@ at::Tensor decode_attention(const at::Tensor& query,        // [N, heads, dim], 
         run_task<scalar_t>(q + seq * s.query_row_stride, k, v, t + seq * s.table_width, spans[seq], kv_head, span, s,
                            part);
         if (spans[seq].count == 1)  // the merge of one span, done at once
-          merge<scalar_t>(part.top, part.total, part.acc, 1, group, dim, group,
+          merge<scalar_t>(part.top, part.total, part.acc, 1, group, dim, group, sink ? sink + kv_head * group : nullptr,
                           o + seq * s.num_heads * dim + kv_head * group * dim);
       }
     });
@@ -302,7 +310,7 @@ at::Tensor decode_attention(const at::Tensor& query,        // [N, heads, dim], 
         if (spans[seq].count == 1) continue;
         const int64_t first = task_start[seq] + kv_head;  // the row's span 0 of this KV head
         merge<scalar_t>(tops.data() + first * group, totals.data() + first * group, accs.data() + first * group * dim,
-                        spans[seq].count, group, dim, s.num_kv_heads * group,
+                        spans[seq].count, group, dim, s.num_kv_heads * group, sink ? sink + kv_head * group : nullptr,
                         o + seq * s.num_heads * dim + kv_head * group * dim);
       }
     });
@@ -317,8 +325,8 @@ namespace inferd_cpu {
 
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                            double softcap) {
-  return ::decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap);
+                            double softcap, const std::optional<at::Tensor>& sinks) {
+  return ::decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale, window, softcap, sinks);
 }
 
 }  // namespace inferd_cpu

@@ -5,13 +5,14 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 
 namespace inferd_cpu {
 
-// paged decode attention, one query row per sequence (cpu_attention.cpp)
+// paged decode attention, one query row per sequence (cpu_attention.cpp); sinks: [heads] float32 or none
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
-                            double softcap);
+                            double softcap, const std::optional<at::Tensor>& sinks);
 
 // a decoder layer's small bfloat16 ops (cpu_layer_ops.cpp)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

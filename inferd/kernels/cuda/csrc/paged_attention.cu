@@ -11,9 +11,12 @@
 //   part_out      [num_seqs, num_heads, num_partitions, HEAD_DIM] float32  (split variant only)
 //   part_max, part_sum
 //                 [num_seqs, num_heads, num_partitions] float32           (split variant only)
+//   sinks         [num_heads] float32, or null                            (gpt-oss's attention sinks)
 // Query head h reads KV head h / GROUP (grouped-query attention). A sliding-window layer
 // (window > 0) sees only the last `window` positions of the context; softcap > 0 maps each score
-// s to tanh(s / softcap) * softcap (Gemma 2).
+// s to tanh(s / softcap) * softcap (Gemma 2). A sink (gpt-oss) is one more logit per head that
+// has no value: it joins the softmax's max and denominator once, when the output is normalized
+// (the single pass's last step, or paged_decode_reduce's combine; never per partition).
 //
 // Grid: (num_kv_heads, num_seqs, num_partitions), 128 threads. A CTA serves the GROUP query heads
 // of one KV head, so every K and V row is read from memory once for all of them. It walks its
@@ -50,7 +53,8 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode(
     const float scale,
     const int partition_size,
     const int window,
-    const float softcap)
+    const float softcap,
+    const float* __restrict__ sinks)
 {
     using namespace inferd;
     constexpr int VEC = Vec16<T>::N;                          // elements per 16-byte load
@@ -253,8 +257,13 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode(
         const int g = i / HEAD_DIM;
         const int d = i % HEAD_DIM;
         const int head = kv_head * GROUP + g;
-        const float value = combined[g][d] / run_sum[g];
+        float value = combined[g][d] / run_sum[g];
         if (num_partitions == 1) {
+            if (sinks != nullptr) {  // sum and values rescaled to the max of the scores and the sink
+                const float top = fmaxf(run_max[g], sinks[head]);
+                const float a = expf(run_max[g] - top);
+                value = combined[g][d] * a / (run_sum[g] * a + expf(sinks[head] - top));
+            }
             out[((long long)seq * num_heads + head) * HEAD_DIM + d] = from_float<T>(value);
         } else {
             const long long p = ((long long)seq * num_heads + head) * num_partitions + part;
@@ -268,7 +277,8 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode(
 }
 
 // Combines the partitions of the split variant: partition z's output weighs
-// part_sum[z] * exp(part_max[z] - max over z). Grid: (num_heads, num_seqs), 128 threads.
+// part_sum[z] * exp(part_max[z] - max over z and the sink); the sink (if any) adds
+// exp(sink - max) to the denominator alone. Grid: (num_heads, num_seqs), 128 threads.
 template <typename T, int HEAD_DIM>
 __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode_reduce(
     T* __restrict__ out,
@@ -277,7 +287,8 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode_reduce(
     const float* __restrict__ part_sum,
     const int* __restrict__ seq_lens,
     const int num_partitions,
-    const int partition_size)
+    const int partition_size,
+    const float* __restrict__ sinks)
 {
     using namespace inferd;
     const int head = blockIdx.x;
@@ -307,7 +318,7 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode_reduce(
     if (tid == 0) {
         float all = warp_values[0];
         for (int w = 1; w < kDecodeWarps; ++w) all = fmaxf(all, warp_values[w]);
-        global_max = all;
+        global_max = sinks != nullptr ? fmaxf(all, sinks[head]) : all;
     }
     __syncthreads();
     const float top = global_max;
@@ -321,7 +332,7 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode_reduce(
     if (tid == 0) {
         float all = 0.f;
         for (int w = 0; w < kDecodeWarps; ++w) all += warp_values[w];
-        total = all;
+        total = sinks != nullptr ? all + expf(sinks[head] - top) : all;
     }
     __syncthreads();
     const float inv_total = 1.f / total;
