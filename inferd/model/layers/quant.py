@@ -141,6 +141,8 @@ def fuse(parts: list[Weight]) -> Weight:
     """One weight for several stacked outputs (q/k/v, gate/up): of one kind, or else dense."""
     if all(isinstance(p, Int4Codes) for p in parts):
         return Int4Codes.cat(parts)  # type: ignore[arg-type]
+    if all(isinstance(p, Q8Blocks) for p in parts):
+        return Q8Blocks(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))  # type: ignore[union-attr]
     if all(isinstance(p, Int8Codes) for p in parts):
         return Int8Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))  # type: ignore[union-attr]
     dense = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]

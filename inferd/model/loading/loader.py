@@ -75,7 +75,7 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype, weights: str = "bf16")
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
-    checkpoint = _load_hf_folder(path, dtype) if path.is_dir() else _load_gguf(path, dtype, weights)
+    checkpoint = _load_hf_folder(path, dtype, weights) if path.is_dir() else _load_gguf(path, dtype, weights)
     if weights != "bf16":
         checkpoint.tensors = quant.pack_weights(checkpoint.tensors, weights, checkpoint.stored_types,
                                                 checkpoint.config.tie_word_embeddings, checkpoint.head_blocks)
@@ -200,7 +200,7 @@ def _to_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 # --------------------------------------------------------------------------- Hugging Face folder
 
 
-def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
+def _load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "bf16") -> Checkpoint:
     from safetensors import SafetensorError, safe_open
 
     config_file = folder / "config.json"
@@ -245,8 +245,7 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype) -> Checkpoint:
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{file}: truncated or corrupt safetensors file ({e})") from None
     for base, pair in microscaled.items():
-        for short, tensor in _hf_tensors(family, config, base, lambda: _dequantize_stacked(pair, base), folder):
-            tensors[short] = tensor.to(dtype)
+        tensors |= _microscaled(family, config, base, pair, weights != "bf16", dtype, folder)
     if config.tie_word_embeddings:
         tensors.pop("lm_head", None)
     elif "lm_head" not in tensors:
@@ -263,6 +262,20 @@ def _stacked_suffix(name: str) -> str:
     """A layer tensor's name after `model.layers.N.` ("" for others)."""
     parts = name.removeprefix("model.").split(".", 2)
     return parts[2] if len(parts) == 3 and parts[0] == "layers" else ""
+
+
+def _microscaled(family: Family, config: ModelConfig, name: str, pair: dict[str, torch.Tensor], packed: bool,
+                 dtype: torch.dtype, folder: Path) -> dict[str, Any]:
+    """One MXFP4 tensor's canonical tensors: with packed weights, 8-bit blocks holding the same
+    values (mxfp4.py) where the block products serve; else dequantized."""
+    suffix = _stacked_suffix(name)
+    layer = name.removeprefix("model.").split(".", 2)[1]
+    if packed and suffix in family.microscaled and set(pair) == {"blocks", "scales"}:
+        parts = family.microscaled[suffix](pair["blocks"], pair["scales"])
+        if all(q8 is not None and quant.blocks_fit(q8.shape) for _, q8 in parts):
+            return {f"layers.{layer}.{part}": q8 for part, q8 in parts}
+    dense = _hf_tensors(family, config, name, lambda: _dequantize_stacked(pair, name), folder)
+    return {short: tensor.to(dtype) for short, tensor in dense}
 
 
 def _dequantize_stacked(pair: dict[str, torch.Tensor], name: str) -> torch.Tensor:
