@@ -154,6 +154,8 @@ def _model_name(m: dict[str, Any]) -> Text:
     aliases = [str(a) for a in m["aliases"] if a] if isinstance(m.get("aliases"), list) else []
     if aliases:
         text.append(f" ({', '.join(aliases)})", style="dim")
+    if m.get("experts"):
+        text.append(f" · MoE, {m['experts']}", style="dim")
     return text
 
 

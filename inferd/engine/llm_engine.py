@@ -139,6 +139,7 @@ class LLMEngine:
             dtype=str(self.model.dtype).removeprefix("torch."), device=str(self.model.device),
             model_path=self.config.model.path or str(default_model_path()),
             output_filter=self.config.output_filter is not None,
+            experts=(experts.num_experts, experts.top_k) if (experts := self.model_config.experts) else None,
         )
 
     # ------------------------------------------------------------------------------ requests
@@ -354,6 +355,7 @@ class LLMEngine:
             healthy=self.health.healthy, consecutive_step_failures=self.health.consecutive,
             step_failures=dict(self.health.failures), oom_events_last_minute=self.health.ooms_last_minute(),
             token_budget=scheduler.max_num_batched_tokens, tenants=scheduler.tenants_snapshot(),
+            experts_routed=tuple(tuple(m.routed.tolist()) for m in self.model.mixtures() if m is not None),
         )
 
     # ------------------------------------------------------------------------------- offline

@@ -262,6 +262,7 @@ class EngineLimits:
     device: str  # "cpu", "cuda:0"
     model_path: str  # the GGUF file or Hugging Face folder it serves
     output_filter: bool = False  # a blocklist filters the text (so logprobs' token strings would not be)
+    experts: tuple[int, int] | None = None  # a mixture-of-experts model: (experts, active per token)
 
     def priority_class(self, name: str) -> PriorityClass:
         return self.policy.lookup(name)
@@ -301,6 +302,8 @@ class EngineSnapshot:
     oom_events_last_minute: int = 0
     token_budget: int = 0  # tokens per step now (lowered after an out-of-memory step)
     tenants: tuple[TenantSnapshot, ...] = ()  # fair sharing's counters (empty under fcfs)
+    # a mixture-of-experts model: tokens routed to each expert since start, per sparse layer
+    experts_routed: tuple[tuple[int, ...], ...] = ()
 
     @property
     def kv_usage_ratio(self) -> float:

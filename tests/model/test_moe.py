@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inferd.model.families.config import Experts
+from inferd.model.layers.moe import Experts
 from inferd.model.layers import moe
 from inferd.model.layers.linear import BlockLinear, DenseLinear
 from inferd.model.layers.quant import Q8Blocks

@@ -129,6 +129,22 @@ def test_tokens_routed_per_expert_are_counted(cases: Callable[[str], Case]) -> N
     assert int(routed.sum()) == 2 * (len(fresh) + 24 - 1)
 
 
+def test_operators_see_the_experts(cases: Callable[[str], Case]) -> None:
+    """The engine's limits name the experts (/v1/models, inferd status); its snapshot carries the
+    routed counts that /metrics turns into per-expert tokens and per-layer imbalance."""
+    from inferd.api.telemetry.served_metrics import expert_metrics
+    from inferd.engine.protocol import Histogram
+
+    engine = cases("mixtral").engine
+    assert engine.limits.experts == (4, 2)
+    generate(engine, [[7, 8, 9, 10]])
+    routed = engine.snapshot(0, 0.0, Histogram(), Histogram()).experts_routed
+    assert len(routed) == 2 and all(len(layer) == 4 and sum(layer) > 0 for layer in routed)
+    tokens, imbalance = expert_metrics(routed)
+    assert sum(s.value for s in tokens.samples) == sum(map(sum, routed))
+    assert all(s.value >= 1.0 for s in imbalance.samples) and len(imbalance.samples) == 2
+
+
 def interleaved_the_other_way(model: Any) -> Any:
     """gpt-oss with its gate/up columns read as two halves instead of interleaved."""
     with torch.no_grad():

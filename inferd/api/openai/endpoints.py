@@ -26,8 +26,9 @@ def model_cards(request: web.Request) -> list[p.ModelCard]:
     cards = []
     for slot in registry.slots.values():
         spec, limits = slot.current.spec, slot.current.engine.limits
+        experts, active = limits.experts or (None, None)
         cards.append(p.ModelCard(id=slot.name, created=_STARTED, max_model_len=limits.max_model_len,
-                                 revision=spec.revision))
+                                 revision=spec.revision, experts=experts, active_experts=active))
         cards += [p.ModelCard(id=alias, created=_STARTED, max_model_len=limits.max_model_len, revision=spec.revision,
                               alias_of=slot.name) for alias in spec.aliases]
     cards += [p.ModelCard(id=name, created=_STARTED, route=route.shares()) for name, route in registry.routes.items()]

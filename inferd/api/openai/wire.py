@@ -242,6 +242,9 @@ class ModelCard(ResponseModel):
     revision: str | None = None  # the revision serving it (a model or an alias)
     alias_of: str | None = None  # an alias: the model it names
     route: dict[str, float] | None = None  # a route: its targets' shares
+    # a mixture-of-experts model: its experts per layer and how many each token goes through
+    experts: int | None = None
+    active_experts: int | None = None
 
 
 class ModelList(ResponseModel):

@@ -37,7 +37,8 @@ from inferd.api.streaming.resume import RESUMABLE, StreamRegistry
 from inferd.api.telemetry.drift import DriftMonitor
 from inferd.api.telemetry.loop_lag import LOOP_LAG, LoopLag
 from inferd.api.telemetry.request_file import REQUEST_JOURNAL
-from inferd.api.telemetry.served_metrics import buckets, drift_metrics, model_metrics, summed, tenant_metrics
+from inferd.api.telemetry.served_metrics import (buckets, drift_metrics, expert_metrics, model_metrics, summed,
+                                                 tenant_metrics)
 from inferd.engine.protocol import FAILURE_KINDS, ClassSnapshot, EngineLimits, EngineSnapshot
 from inferd.settings.policy import TIMEOUT_KINDS
 
@@ -183,6 +184,7 @@ class EngineCollector(Collector):
         stats = primary.engine.snapshot
         yield from _class_metrics(stats.classes)
         yield from _cache_metrics(stats)
+        yield from expert_metrics(stats.experts_routed)
         yield from _histograms(stats, self.state.model_name)
         yield _counter_by("inferd_preemptions", "Running requests preempted, by how.", "mode", PREEMPTION_MODES,
                           stats.preemptions)

@@ -176,3 +176,20 @@ def summed(registry: ModelRegistry, counts: Callable[[ModelSlot], Mapping[str, i
     return dict(total)
 
 
+def expert_metrics(routed: tuple[tuple[int, ...], ...]) -> Iterator[Metric]:
+    """A mixture-of-experts model's routing (EngineSnapshot.experts_routed): tokens per expert,
+    summed over its layers, and each layer's imbalance (its busiest expert's tokens over the mean;
+    1 is even). Labels: expert and layer numbers, bounded by the model."""
+    if not routed:
+        return
+    tokens = CounterMetricFamily("inferd_moe_expert_tokens", "Tokens routed to an expert, summed over the layers.",
+                                 labels=["expert"])
+    for expert, count in enumerate(map(sum, zip(*routed))):
+        tokens.add_metric([str(expert)], count)
+    yield tokens
+    imbalance = GaugeMetricFamily("inferd_moe_layer_imbalance", "Tokens routed to a layer's busiest expert over "
+                                  "the mean of its experts (1: even).", labels=["layer"])
+    for layer, counts in enumerate(routed):
+        mean = sum(counts) / len(counts)
+        imbalance.add_metric([str(layer)], max(counts) / mean if mean else 1.0)
+    yield imbalance

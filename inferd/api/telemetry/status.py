@@ -96,6 +96,10 @@ def _classes(registry: ModelRegistry) -> list[s.ClassStatus]:
     ]
 
 
+def _experts(experts: tuple[int, int] | None) -> str | None:
+    return None if experts is None else f"{experts[1]} of {experts[0]} experts"
+
+
 def model_statuses(registry: ModelRegistry) -> list[s.ModelStatus]:
     out = []
     for slot in registry.slots.values():
@@ -103,7 +107,8 @@ def model_statuses(registry: ModelRegistry) -> list[s.ModelStatus]:
         stats = served.engine.snapshot
         out.append(s.ModelStatus(
             name=slot.name, revision=served.spec.revision, aliases=list(served.spec.aliases),
-            path=served.engine.limits.model_path, healthy=served.healthy, probe_error=served.health.probe_error,
+            path=served.engine.limits.model_path, experts=_experts(served.engine.limits.experts),
+            healthy=served.healthy, probe_error=served.health.probe_error,
             fallback=served.spec.fallback, degraded=slot.degradation.use_fallback,
             degraded_reason=slot.degradation.reason, functional_level=slot.ladder.name,
             previous_revision=None if slot.previous is None else slot.previous.revision,

@@ -124,6 +124,7 @@ class ModelStatus(ResponseModel):
     revision: str
     aliases: list[str]
     path: str
+    experts: str | None = None  # a mixture-of-experts model: "top-k of E experts"
     healthy: bool
     probe_error: str | None = None
     fallback: str | None = None

@@ -7,50 +7,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inferd.text.errors import ModelLoadError
+from inferd.model.layers.moe import Experts
 from inferd.model.layers.rope import Rope
 
 # the families (inferd.model.families.registry): what a GGUF's general.architecture or a config.json's
 # model_type may say
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                            "gpt_oss")
-EXPERT_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
-SCORINGS = ("softmax_topk", "topk_softmax")
-
-
-@dataclass(frozen=True)
-class Experts:
-    """A mixture-of-experts MLP (inferd.model.layers.moe): a router picks `top_k` of `num_experts`
-    gated MLPs per token, and their outputs are summed, weighted by the router."""
-
-    num_experts: int
-    top_k: int
-    intermediate_size: int  # each expert's
-    # "softmax_topk": softmax over every expert's logit, then the k largest (Mixtral, Qwen3-MoE);
-    # "topk_softmax": the k largest logits, then a softmax over those k (gpt-oss)
-    scoring: str = "softmax_topk"
-    renormalize: bool = True  # softmax_topk: the k weights divided by their sum (Qwen3-MoE's norm_topk_prob)
-    router_bias: bool = False  # the router's product has a bias (gpt-oss)
-    expert_bias: bool = False  # each expert's gate/up and down products have biases (gpt-oss)
-    # "silu" / "gelu_tanh": act(gate) x up; "swiglu_clamped" (gpt-oss): gate capped at `limit`, up
-    # clamped to ±limit, then gate·σ(alpha·gate)·(up + 1)
-    activation: str = "silu"
-    swiglu_alpha: float = 1.702
-    swiglu_limit: float = 7.0
-    shared_intermediate_size: int = 0  # a dense MLP every token also goes through (0: none)
-    shared_gate: bool = False  # the shared MLP's output scaled by sigmoid(x · w_gate) (Qwen2-MoE style)
-    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP instead (Qwen3-MoE's mlp_only_layers)
-
-    def __post_init__(self) -> None:
-        if not 0 < self.top_k <= self.num_experts:
-            raise ModelLoadError(f"top_k {self.top_k} of {self.num_experts} experts")
-        if self.scoring not in SCORINGS:
-            raise ModelLoadError(f"unsupported router scoring {self.scoring!r} (supported: {', '.join(SCORINGS)})")
-        if self.activation not in EXPERT_ACTIVATIONS:
-            raise ModelLoadError(f"unsupported expert activation {self.activation!r} "
-                                 f"(supported: {', '.join(EXPERT_ACTIVATIONS)})")
-
-
-
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # the family (SUPPORTED_ARCHITECTURES)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from inferd.model.families.config import Experts
+from inferd.model.layers.moe import Experts
 from inferd.model.layers import mxfp4
 from inferd.model.families.family import LLAMA_LAYER_NAMES, QK_NORM_NAMES, Family, sliding_layers
 from inferd.text.errors import ModelLoadError

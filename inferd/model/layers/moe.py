@@ -19,12 +19,51 @@ all rows, with no read-back to the host.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from inferd.model.families.config import Experts
 from inferd.model.layers.linear import DenseLinear, Linear, make_linear
 from inferd.model.layers.quant import Weight, fuse
+from inferd.text.errors import ModelLoadError
+
+EXPERT_ACTIVATIONS = ("silu", "gelu_tanh", "swiglu_clamped")
+SCORINGS = ("softmax_topk", "topk_softmax")
+
+
+@dataclass(frozen=True)
+class Experts:
+    """A mixture-of-experts MLP as a model's config describes it (ModelConfig.experts): a router
+    picks `top_k` of `num_experts` gated MLPs per token, and their outputs are summed, weighted by
+    the router."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    # "softmax_topk": softmax over every expert's logit, then the k largest (Mixtral, Qwen3-MoE);
+    # "topk_softmax": the k largest logits, then a softmax over those k (gpt-oss)
+    scoring: str = "softmax_topk"
+    renormalize: bool = True  # softmax_topk: the k weights divided by their sum (Qwen3-MoE's norm_topk_prob)
+    router_bias: bool = False  # the router's product has a bias (gpt-oss)
+    expert_bias: bool = False  # each expert's gate/up and down products have biases (gpt-oss)
+    # "silu" / "gelu_tanh": act(gate) x up; "swiglu_clamped" (gpt-oss): gate capped at `limit`, up
+    # clamped to ±limit, then gate·σ(alpha·gate)·(up + 1)
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    shared_intermediate_size: int = 0  # a dense MLP every token also goes through (0: none)
+    shared_gate: bool = False  # the shared MLP's output scaled by sigmoid(x · w_gate) (Qwen2-MoE style)
+    dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP instead (Qwen3-MoE's mlp_only_layers)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelLoadError(f"top_k {self.top_k} of {self.num_experts} experts")
+        if self.scoring not in SCORINGS:
+            raise ModelLoadError(f"unsupported router scoring {self.scoring!r} (supported: {', '.join(SCORINGS)})")
+        if self.activation not in EXPERT_ACTIVATIONS:
+            raise ModelLoadError(f"unsupported expert activation {self.activation!r} "
+                                 f"(supported: {', '.join(EXPERT_ACTIVATIONS)})")
+
 
 Activation = Callable[[torch.Tensor], torch.Tensor]  # [T, 2I] (gate rows, then up rows) -> [T, I]
 
@@ -120,21 +159,24 @@ class MixtureOfExperts:
                        else None)
         shared_gate = w.get(f"{prefix}.shared_gate")
         self.shared_gate = DenseLinear(shared_gate, None) if isinstance(shared_gate, torch.Tensor) else None
-        # rows routed to each expert since start: operators watch the skew (/metrics)
-        self.routed = torch.zeros(spec.num_experts, dtype=torch.int64)
+        # rows routed to each expert since start, on the device (no read-back per step): operators
+        # watch the skew (/metrics)
+        self.routed = torch.zeros(spec.num_experts, dtype=torch.int64, device=router.device)
 
     def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:  # [T, H] -> [T, H]
         spec = self.spec
         weights, index = route(self.router(x), spec)  # [T, k] each
         slots = index.flatten()  # [T * k]: token t's j-th expert at t * k + j
         order = torch.argsort(slots, stable=True)  # slots grouped by expert, tokens ascending in each
-        counts = torch.bincount(slots, minlength=spec.num_experts)
+        # (a scatter, not bincount: bincount reads its maximum back from the device)
+        counts = torch.zeros(spec.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
+            0, slots, torch.ones_like(slots))
         rows = x[order // spec.top_k]  # [T * k, H]
         if self.stacked is not None:
             sorted_out = self.stacked(rows, counts)
         else:
             sorted_out = self._per_expert(rows, counts.tolist())
-        self.routed += counts.to(self.routed.device)
+        self.routed += counts
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out
         out = out.view(x.shape[0], spec.top_k, -1)
