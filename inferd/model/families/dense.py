@@ -6,8 +6,8 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from inferd.model.families.family import (GGUF_LAYER_NAMES, GGUF_QK_NORM_NAMES, LLAMA_LAYER_NAMES, QK_NORM_NAMES,
-                                          Family, rope_variant, sliding_layers)
+from inferd.model.families.family import (GGUF_EXPERT_NAMES, GGUF_LAYER_NAMES, GGUF_QK_NORM_NAMES, LLAMA_LAYER_NAMES, QK_NORM_NAMES,
+                                          Family, gguf_experts, rope_variant, sliding_layers)
 
 # Gemma's four norms: post_attention_layernorm is the norm *after* attention here, not the MLP's
 GEMMA_LAYER_NAMES = LLAMA_LAYER_NAMES | {
@@ -72,7 +72,8 @@ GGUF_PHI3_NAMES = {k: v for k, v in GGUF_LAYER_NAMES.items() if not k.startswith
 
 
 def _gguf_plain(key: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
-    return {}
+    # (llama.cpp writes Mixtral as a Llama with experts)
+    return {"experts": gguf_experts(key, common)} if key("expert_count", 0) else {}
 
 
 def _gguf_gemma(version: int) -> Callable[[Callable[..., Any], dict[str, Any]], dict[str, Any]]:
@@ -113,7 +114,7 @@ SILU = {"hidden_act": "silu", "mlp_bias": False}
 GEMMA = {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False}
 DENSE_FAMILIES = (
     Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), ("llama", "mistral"), _llama, refuse=SILU,
-           gguf_architecture="llama", gguf_layer_names=GGUF_LAYER_NAMES, read_gguf=_gguf_plain),
+           gguf_architecture="llama", gguf_layer_names=GGUF_LAYER_NAMES | GGUF_EXPERT_NAMES, read_gguf=_gguf_plain),
     Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), lambda c: _qwen(c, bias=True), refuse=SILU,
            gguf_architecture="qwen2", gguf_layer_names=GGUF_LAYER_NAMES,
            read_gguf=lambda key, common: {"attention_bias": True}),

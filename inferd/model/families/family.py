@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from inferd.model.layers.moe import Experts
 from inferd.text.errors import ModelLoadError
 
 Reader = Callable[[dict[str, Any]], dict[str, Any]]
@@ -89,6 +90,13 @@ GGUF_LAYER_NAMES: dict[str, str | tuple[str, ...]] = {
     "ffn_up.weight": "up",
     "ffn_down.weight": "down",
 }
+# a mixture of experts as llama.cpp's converter writes it: every expert in one [E, out, in] tensor
+GGUF_EXPERT_NAMES: dict[str, str | tuple[str, ...]] = {
+    "ffn_gate_inp.weight": "moe.router",
+    "ffn_gate_exps.weight": "moe.experts.{e}.gate",
+    "ffn_up_exps.weight": "moe.experts.{e}.up",
+    "ffn_down_exps.weight": "moe.experts.{e}.down",
+}
 GGUF_QK_NORM_NAMES = {"attn_q_norm.weight": "q_norm", "attn_k_norm.weight": "k_norm"}
 GGUF_GEMMA_NAMES = GGUF_LAYER_NAMES | {"post_attention_norm.weight": "post_attn_norm",
                                       "post_ffw_norm.weight": "post_mlp_norm"}
@@ -97,3 +105,8 @@ GGUF_PHI3_NAMES = {k: v for k, v in GGUF_LAYER_NAMES.items() if not k.startswith
 GGUF_TOP_NAMES = {"token_embd.weight": "embed", "output_norm.weight": "norm", "output.weight": "lm_head"}
 
 
+def gguf_experts(key: Callable[..., Any], common: dict[str, Any], **fields: Any) -> Experts:
+    """A GGUF's mixture of experts (llama.cpp's keys), its experts renormalised unless it says not."""
+    fields.setdefault("renormalize", bool(key("expert_weights_norm", True)))
+    return Experts(num_experts=int(key("expert_count")), top_k=int(key("expert_used_count")),
+                   intermediate_size=int(key("expert_feed_forward_length", common["intermediate_size"])), **fields)

@@ -110,6 +110,11 @@ def config_from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
     rope_scaling = None
     if scaling_type == "linear":
         rope_scaling = {"type": "linear", "factor": meta[f"{arch}.rope.scaling.factor"]}
+    elif scaling_type == "yarn":
+        rope_scaling = {"rope_type": "yarn", "factor": float(key("rope.scaling.factor")),
+                        "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+                        "beta_fast": float(meta.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+                        "beta_slow": float(meta.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0))}
     elif scaling_type not in (None, "none"):
         raise ModelLoadError(f"{source}: unsupported rope scaling type {scaling_type!r}")
     tokens = meta.get("tokenizer.ggml.tokens")
@@ -117,7 +122,8 @@ def config_from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
         architecture=family.name,
         vocab_size=int(meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0)),
         hidden_size=hidden,
-        intermediate_size=int(key("feed_forward_length")),
+        # (a mixture of experts in every layer may give only its experts' size)
+        intermediate_size=int(meta.get(f"{arch}.feed_forward_length") or key("expert_feed_forward_length")),
         num_layers=int(key("block_count")),
         num_heads=num_heads,
         num_kv_heads=int(num_kv_heads),

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from inferd.model.layers.moe import Experts
 from inferd.model.layers import mxfp4
-from inferd.model.families.family import LLAMA_LAYER_NAMES, QK_NORM_NAMES, Family, sliding_layers
+from inferd.model.families.family import (GGUF_EXPERT_NAMES, GGUF_LAYER_NAMES, GGUF_QK_NORM_NAMES, LLAMA_LAYER_NAMES,
+                                          QK_NORM_NAMES, Family, gguf_experts, sliding_layers)
 from inferd.text.errors import ModelLoadError
 
 ATTENTION_NAMES = {k: v for k, v in LLAMA_LAYER_NAMES.items() if not k.startswith("mlp.")}
@@ -114,13 +116,48 @@ GPT_OSS_MICROSCALED = {"mlp.experts.gate_up_proj": _gate_up_blocks, "mlp.experts
 GPT_OSS_STACKED = {"mlp.experts.gate_up_proj": _gate_up, "mlp.experts.gate_up_proj_bias": _gate_up_bias,
                    "mlp.experts.down_proj": _down, "mlp.experts.down_proj_bias": _down_bias}
 
+GGUF_GPT_OSS_NAMES: dict[str, str | tuple[str, ...]] = {
+    k: v for k, v in GGUF_LAYER_NAMES.items() if not k.startswith("ffn_")} | GGUF_EXPERT_NAMES | {
+    "post_attention_norm.weight": "mlp_norm",  # (the norm before gpt-oss's MLP, as llama.cpp names it)
+    "attn_output.bias": "o_bias",
+    "attn_sinks.weight": "sinks",
+    "ffn_gate_inp.bias": "moe.router_bias",
+    "ffn_gate_exps.bias": "moe.experts.{e}.gate_bias",
+    "ffn_up_exps.bias": "moe.experts.{e}.up_bias",
+    "ffn_down_exps.bias": "moe.experts.{e}.down_bias",
+}
+
+
+def _gguf_qwen3_moe(key: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
+    return {"qk_norm": True, "experts": gguf_experts(key, common)}
+
+
+def _gguf_gpt_oss(key: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any]:
+    limit = key("swiglu_clamp_exp", 7.0)  # (llama.cpp's fixed 7 unless the file gives one per layer)
+    if isinstance(limit, list):
+        if len(set(limit)) != 1:
+            raise ModelLoadError("per-layer SwiGLU limits are not supported")
+        limit = limit[0]
+    experts = gguf_experts(key, common, scoring="topk_softmax", renormalize=False, router_bias=True,
+                           expert_bias=True, activation="swiglu_clamped", swiglu_limit=float(limit))
+    rope = common["rope_scaling"]
+    layers = common["num_layers"]
+    return {"experts": experts, "attention_bias": True, "output_bias": True, "attention_sinks": True,
+            "sliding_window": int(key("attention.sliding_window", 128)),
+            "layer_types": tuple("sliding" if i % 2 == 0 else "full" for i in range(layers)),
+            # (transformers' gpt-oss: YaRN's correction range not rounded)
+            "rope_scaling": rope | {"truncate": False} if rope else None}
+
+
 SILU = {"hidden_act": "silu", "mlp_bias": False}
 SPARSE_FAMILIES = (
     Family("mixtral", ("MixtralForCausalLM",), ("mixtral",), _mixtral, layer_names=MIXTRAL_NAMES, refuse=SILU),
     Family("qwen2_moe", ("Qwen2MoeForCausalLM",), ("qwen2_moe",), lambda c: _qwen_moe(c, 2),
            layer_names=QWEN2_MOE_NAMES, refuse=SILU),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), ("qwen3_moe",), lambda c: _qwen_moe(c, 3),
-           layer_names=QWEN3_MOE_NAMES, refuse=SILU),
+           layer_names=QWEN3_MOE_NAMES, refuse=SILU, gguf_architecture="qwen3moe",
+           gguf_layer_names=GGUF_LAYER_NAMES | GGUF_QK_NORM_NAMES | GGUF_EXPERT_NAMES, read_gguf=_gguf_qwen3_moe),
     Family("gpt_oss", ("GptOssForCausalLM",), ("gpt_oss",), _gpt_oss, layer_names=GPT_OSS_NAMES,
-           stacked=GPT_OSS_STACKED, microscaled=GPT_OSS_MICROSCALED),
+           stacked=GPT_OSS_STACKED, microscaled=GPT_OSS_MICROSCALED, gguf_architecture="gpt-oss",
+           gguf_layer_names=GGUF_GPT_OSS_NAMES, read_gguf=_gguf_gpt_oss),
 )

@@ -11,6 +11,7 @@ scale 2^(e - 128): the block products' Q8 layout (quant.Q8Blocks) holds MXFP4 wi
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from inferd.model.layers.quant import Q8Blocks
@@ -50,3 +51,18 @@ def to_q8_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> Q8Blocks | None:
     scale = torch.ldexp(torch.ones(exponent.shape), exponent.float())
     rows, groups = scales.shape
     return Q8Blocks(codes(blocks).reshape(rows, groups * BLOCK), scale)
+
+
+def q8_from_gguf(raw: np.ndarray) -> Q8Blocks | None:
+    """MXFP4 as a GGUF stores it (uint8 [rows, row bytes]: per block of 32 one E8M0 byte, then 16
+    bytes whose low nibbles are values 0..15 and high nibbles 16..31) as 8-bit blocks; None where a
+    scale lies outside float16's range."""
+    rows = raw.shape[0]
+    blocks = torch.from_numpy(raw.reshape(rows, -1, 1 + BLOCK // 2).copy())  # [rows, G, 17]
+    exponent, nibbles = blocks[..., 0].to(torch.int32) - 128, blocks[..., 1:]
+    if int(exponent.min()) < -24 or int(exponent.max()) > 15:
+        return None
+    doubled = torch.tensor([2 * v for v in E2M1], dtype=torch.int8)
+    codes = torch.cat([doubled[(nibbles & 0x0F).long()], doubled[(nibbles >> 4).long()]], dim=-1)
+    scale = torch.ldexp(torch.ones(exponent.shape), exponent.float())
+    return Q8Blocks(codes.reshape(rows, -1), scale)

@@ -42,7 +42,7 @@ DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Types that gguf.quants can turn back into floats; everything else is named in the error.
 _GGUF_DEQUANTIZABLE = {
     "F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-    "IQ4_NL", "IQ4_XS",
+    "IQ4_NL", "IQ4_XS", "MXFP4",
 }
 
 
@@ -100,6 +100,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
 
     gguf = GGUFFile(path)
     config = config_from_gguf(gguf.metadata, str(path))
+    if config.experts is not None:  # (no key says which layers keep a dense MLP: those without a router)
+        dense = tuple(i for i in range(config.num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors)
+        config = replace(config, experts=replace(config.experts, dense_layers=dense))
     wanted = _gguf_names(gguf.tensors, gguf_family(gguf.metadata, str(path)), config, path)
 
     def load(name: str) -> np.ndarray:
@@ -112,8 +115,13 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
             raise ModelLoadError(f"{path}: cannot dequantize {name!r} ({info.ggml_type.name}): {e}") from None
         return array
 
-    def convert(name: str) -> list[torch.Tensor | quant.Int4Codes]:
+    def convert(name: str) -> list[Any]:
         parts, heads = wanted[name]
+        experts = ".experts." in parts[0]  # one [E, ...] tensor: a part per expert
+        if experts and weights != "bf16" and quant.is_linear(parts[0]):
+            blocks = _expert_blocks(gguf.raw(name), gguf.tensors[name].ggml_type.name)
+            if blocks is not None:  # kept as stored (or, MXFP4, in 8-bit blocks holding the same values)
+                return blocks
         codes = None
         if weights in ("auto", "int4") and len(parts) == 1 and quant.is_linear(parts[0]):
             codes = quant.int4_from_gguf(gguf.raw(name), gguf.tensors[name].ggml_type.name)
@@ -123,6 +131,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
                                           for t in (codes.codes, codes.scale, codes.minimum)))
             return [codes]
         tensor = _to_torch(_unpermute_qk(load(name), heads) if heads else load(name), dtype)
+        if experts:
+            return list(tensor.unbind(0))
         if len(parts) == 1:
             return [tensor]
         return list(tensor.split([_rows(config, p.rsplit(".", 1)[-1]) for p in parts]))  # a fused tensor (Phi-3's)
@@ -143,6 +153,19 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
                       head_blocks=head_blocks)
 
 
+def _expert_blocks(raw: np.ndarray, type_name: str) -> list[Any] | None:
+    """Each expert's weights ([E, out, row bytes] as stored) as the block products take them:
+    Q4_0 / Q4_1 as 4-bit codes, Q8_0 and MXFP4 as 8-bit blocks; None for other types."""
+    out: list[Any] = []
+    for expert in raw:
+        blocks = (quant.int4_from_gguf(expert, type_name) or quant.q8_from_gguf(expert, type_name)
+                  or (mxfp4.q8_from_gguf(expert) if type_name == "MXFP4" else None))
+        if blocks is None:
+            return None
+        out.append(blocks)
+    return out
+
+
 # tensors that are RoPE's parameters, read by _gguf_rope
 _GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -158,6 +181,8 @@ def _gguf_names(names: Any, family: Family, config: ModelConfig, path: Path) -> 
             layer = name.split(".", 2)[1]
             short = family.gguf_layer_names[rest]
             parts = (short,) if isinstance(short, str) else short
+            if "{e}" in parts[0] and config.experts is not None:  # every expert in one tensor
+                parts = tuple(parts[0].format(e=e) for e in range(config.experts.num_experts))
             heads = unpermute.get(parts[0].removesuffix("_bias"), 0) if len(parts) == 1 else 0
             wanted[name] = (tuple(f"layers.{layer}.{p}" for p in parts), heads)
         elif name in GGUF_TOP_NAMES:
