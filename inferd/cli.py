@@ -189,11 +189,17 @@ def _model_loader(settings: Settings) -> Callable[[ModelSpec], AsyncEngine]:
     from inferd.engine.config import EngineConfig
     from inferd.engine.llm_engine import LLMEngine
 
+    from inferd.api.conversation.harmony import speaks_harmony
+    from inferd.text.o200k import harmony_encoding
+
     def load(spec: ModelSpec) -> AsyncEngine:
         config = EngineConfig.from_settings(settings)
         kv = config.cache.kv_cache_memory if spec.kv_cache_memory is None else spec.kv_cache_memory
         config = config.replace(model=spec.path, dtype=spec.dtype or config.model.dtype, kv_cache_memory=kv)
-        return AsyncEngine(in_passing_thread(LLMEngine.from_config, config))
+        engine = in_passing_thread(LLMEngine.from_config, config)
+        if speaks_harmony(engine.tokenizer):  # (its vocabulary file is read now, not at the first request)
+            harmony_encoding()
+        return AsyncEngine(engine)
 
     return load
 

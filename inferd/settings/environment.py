@@ -40,10 +40,14 @@ NOTIFY_SOCKET = Variable("NOTIFY_SOCKET", "systemd's notify socket: READY=1, STA
 WATCHDOG_USEC = Variable("WATCHDOG_USEC", "systemd's watchdog period: WATCHDOG=1 every half of it.", "no watchdog")
 WATCHDOG_PID = Variable("WATCHDOG_PID", "The process the watchdog period is meant for.", "this process")
 
+TIKTOKEN_ENCODINGS_BASE = Variable(
+    "TIKTOKEN_ENCODINGS_BASE", "The folder openai_harmony reads `o200k_base.tiktoken` from (gpt-oss's chat format; "
+    "its sha256 is checked). inferd sets it, when unset, to the file `make setup` makes (inferd/text/o200k.py); "
+    "nothing is downloaded.", "the venv's share/inferd/tiktoken (set by inferd)")
 COLUMNS = Variable("COLUMNS", "The width `inferd status` draws to when its output is not a terminal.", "120")
 
 VARIABLES = (API_KEYS, API_KEY, FAULTS, KERNEL_DIR, CXX, ONEDNN_MAX_CPU_ISA, NOTIFY_SOCKET, WATCHDOG_USEC,
-             WATCHDOG_PID, COLUMNS)
+             WATCHDOG_PID, TIKTOKEN_ENCODINGS_BASE, COLUMNS)
 
 DEFAULT_ONEDNN_ISA = "AVX512_CORE_BF16"
 

@@ -65,6 +65,7 @@ class Sampling:
     frequency_penalty: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the answer besides the model's EOS (harmony's)
     ignore_eos: bool = False
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias): ids are checked at the door
     prompt_logprobs: int | None = None  # the prompt's own logprobs, top alternatives per token (echo)
@@ -116,6 +117,8 @@ class Shaped:
     # None: free text
     grammar: Grammar | Refused | None = None
     thinking: Thinking | None = None  # a thinking model's budget, if one is asked
+    # the tokens that end an answer in the model's format besides its EOS (harmony's <|call|>, <|return|>)
+    stop_token_ids: tuple[int, ...] = ()
 
 
 def build_grammar(make: Callable[[], Grammar | None]) -> Grammar | Refused | None:

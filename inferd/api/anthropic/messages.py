@@ -29,9 +29,8 @@ from inferd.api.anthropic.wire import (
 )
 from inferd.api.anthropic.errors import DIALECT
 from inferd.api.body import read_json
-from inferd.api.conversation.answer import (AnswerDecoder, AnswerFormat, Finish, Reasoning, Text, ToolCallArguments,
-                                            ToolCallStart, decode_whole)
-from inferd.api.conversation.reasoning import prompt_reasoning
+from inferd.api.conversation.answer import (AnswerFormat, Decoder, Finish, Reasoning, Text, ToolCallArguments,
+                                            ToolCallStart, answer_format, decode_whole)
 from inferd.api.conversation.reasoning_grammar import after_reasoning, thinking
 from inferd.api.conversation.render import render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
@@ -92,9 +91,24 @@ def template_kwargs(body: Prompted) -> dict[str, Any] | None:
     return {"enable_thinking": body.thinking.type == "enabled"}
 
 
+def reasoning_effort(body: Prompted) -> str | None:
+    """`thinking` as a reasoning effort (harmony's, gpt-oss's system message): disabled is low, a
+    budget under 2,048 tokens low, under 8,192 medium, else high; output_config's effort, if any,
+    otherwise; None: the model's default."""
+    thought = body.thinking
+    if thought is not None and thought.type == "disabled":
+        return "low"
+    if thought is not None and thought.type == "enabled" and thought.budget_tokens is not None:
+        budget = thought.budget_tokens
+        return "low" if budget < 2048 else "medium" if budget < 8192 else "high"
+    effort = (getattr(body, "output_config", None) or {}).get("effort")
+    return effort if effort in ("low", "medium", "high") else None
+
+
 def messages_prompt(tokenizer: Tokenizer, body: Prompted) -> list[int]:
     tools = [t.as_function() for t in body.tools or []] if body.calls_tools else []
-    return render_prompt(tokenizer, template_messages(body), tools, template_kwargs=template_kwargs(body))
+    return render_prompt(tokenizer, template_messages(body), tools, template_kwargs=template_kwargs(body),
+                         effort=reasoning_effort(body))
 
 
 def calls_grammar(body: MessagesRequest, tokenizer: Tokenizer) -> Grammar | None:
@@ -156,18 +170,19 @@ class MessagesShape:
         `thinking.budget_tokens` is its budget."""
         body = self.body
         prompt = messages_prompt(tokenizer, body)
-        reasoning = prompt_reasoning(tokenizer, prompt)
-        self.answer = AnswerFormat(reasoning, body.calls_tools, tool_use_id)
+        answer = self.answer = answer_format(tokenizer, prompt, body.calls_tools, tool_use_id)
+        reasoning = answer.reasoning
         grammar = build_grammar(lambda: after_reasoning(calls_grammar(body, tokenizer), tokenizer, reasoning))
         budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None
-        return Shaped([prompt], grammar, thinking(reasoning, budget))
+        return Shaped([prompt], grammar, thinking(reasoning, budget), answer.stop_token_ids)
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return tokenizer.decode(prompts[0])
 
     def whole(self, reply: Reply, results: dict[int, ChoiceResult]) -> dict[str, Any]:
         result = results[0]
-        answer = decode_whole(reply.tokenizer, self.answer, result.text, result.finish_reason, result.stop_reason)
+        answer = decode_whole(reply.tokenizer, self.answer, result.text, result.finish_reason, result.stop_reason,
+                              result.token_ids)
         content: list[ThinkingOut | TextOut | ToolUseOut] = []
         if answer.reasoning:
             content.append(ThinkingOut(thinking=answer.reasoning))
@@ -202,7 +217,7 @@ class StreamBlocks:
     tool_use block per call (its input as `input_json_delta` pieces), each opened and stopped in
     turn; then `message_delta` (stop reason, usage) and `message_stop`."""
 
-    def __init__(self, body: MessagesRequest, reply: Reply, decoder: AnswerDecoder) -> None:
+    def __init__(self, body: MessagesRequest, reply: Reply, decoder: Decoder) -> None:
         self.body, self.reply, self.decoder = body, reply, decoder
         self.index = -1  # the open block's, -1 before the first
         self.open: str | None = None  # its type
@@ -210,7 +225,7 @@ class StreamBlocks:
 
     def render(self, prompt: int, out: EngineOutput) -> list[Payload]:
         events: list[Payload] = []
-        for part in self.decoder.feed(out.text, out.finished, out.finish_reason, out.stop_reason):
+        for part in self.decoder.feed(out.text, out.finished, out.finish_reason, out.stop_reason, out.new_token_ids):
             if isinstance(part, Reasoning):
                 self._thinking(events, part.text)
             elif isinstance(part, Text) and not part.filler:

@@ -9,8 +9,11 @@
                 ("required", a named function), or free text whose calls are held ("auto")
     reasoning.py  a thinking model's answer split into reasoning and content, streamed or whole
     reasoning_grammar.py  a thinking model's grammar (the content's, after the reasoning) and budget
-    answer.py   the one answer decoder: a choice's text -> typed parts (reasoning, text, tool-call
-                start and arguments, finish), whole or streamed, however it is chunked
+    answer.py   the one answer decoder: a choice's text -> typed parts (parts.py: reasoning, text,
+                tool-call start and arguments, finish), whole or streamed, however it is chunked
+    harmony.py  gpt-oss's chat format through openai_harmony: the prompt rendered from the
+                messages, the answer's token ids parsed into the same parts (analysis, commentary
+                calls, final)
 
 A protocol front-end (openai/, anthropic/, responses/) turns its own messages into template dicts
 (role, content, tool_calls, tool_call_id, reasoning_content) and its tools into OpenAI-style

@@ -5,6 +5,8 @@
                                         (the template's call syntax)      ToolCallArguments
     end  ──> Finish (the engine's reason, the stop that matched, whether the answer called tools)
 
+    token ids ──> harmony's parser (gpt-oss: harmony.py) ──> the same parts
+
 The same parts whether the answer comes whole or streamed, however it is chunked (the splitter
 and the parser hold back a marker's first characters until the next chunk tells). OpenAI's chat,
 Anthropic's messages and OpenAI's responses only translate parts into their own wire events; a
@@ -17,61 +19,48 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from inferd.api.conversation.reasoning import PromptReasoning, ReasoningSplitter
+from inferd.api.conversation.harmony import HARMONY_ENDS, HarmonyDecoder, speaks_harmony
+from inferd.api.conversation.parts import Finish, Part, Reasoning, Text, ToolCallArguments, ToolCallStart
+from inferd.api.conversation.reasoning import PromptReasoning, ReasoningSplitter, prompt_reasoning
 from inferd.api.conversation.tool_formats import ToolParser, tool_parser
 from inferd.api.conversation.tools import Arguments, CallStart, Content
 from inferd.text.tokenizer import Tokenizer
 
 
-@dataclass(frozen=True, slots=True)
-class Text:
-    text: str
-    filler: bool = False  # blank text once a tool call began (the newline between calls): no content
-
-
-@dataclass(frozen=True, slots=True)
-class Reasoning:
-    text: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallStart:
-    index: int  # the call's, from 0 in the answer
-    id: str
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallArguments:
-    index: int
-    fragment: str  # the next piece of the call's arguments (JSON text)
-
-
-@dataclass(frozen=True, slots=True)
-class Finish:
-    reason: str | None  # the engine's finish reason ("stop", "length", ...)
-    stop: str | int | None  # the stop string or token that ended it
-    called: bool  # the answer called tools
-
-
-Part = Text | Reasoning | ToolCallStart | ToolCallArguments | Finish
-
-
 @dataclass(frozen=True)
 class AnswerFormat:
     """How the answers to one prompt are written: a thinking model's reasoning (None: it does not
-    reason), and whether tools were offered (their syntax follows the model's chat template)."""
+    reason), and whether tools were offered (their syntax follows the model's chat template); or
+    harmony's channels (gpt-oss: harmony.py), read from the answer's token ids."""
 
     reasoning: PromptReasoning | None = None
     tools: bool = False
     call_id: Callable[[], str] | None = None  # a protocol's own tool-call ids (Anthropic's toolu_...)
+    harmony: bool = False  # the model speaks harmony: the decoder reads token ids, not text
 
-    def decoder(self, tokenizer: Tokenizer) -> AnswerDecoder:
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Tokens that end such an answer besides the model's EOS (harmony's <|call|>, <|return|>)."""
+        return HARMONY_ENDS if self.harmony else ()
+
+    def decoder(self, tokenizer: Tokenizer) -> Decoder:
+        if self.harmony:
+            return HarmonyDecoder(tokenizer, self.tools, self.call_id)
         return AnswerDecoder(tokenizer, self)
 
 
+def answer_format(tokenizer: Tokenizer, prompt: Sequence[int], tools: bool,
+                  call_id: Callable[[], str] | None = None) -> AnswerFormat:
+    """How the model of `tokenizer` writes its answer to `prompt`: harmony's channels, or its
+    chat template's reasoning markers and tool-call syntax."""
+    if speaks_harmony(tokenizer):
+        return AnswerFormat(None, tools, call_id, harmony=True)
+    return AnswerFormat(prompt_reasoning(tokenizer, prompt), tools, call_id)
+
+
 class AnswerDecoder:
-    """One choice's text, fed as it comes; `feed` returns the parts each piece completes."""
+    """One choice's text, fed as it comes; `feed` returns the parts each piece completes (its
+    token ids are harmony's business: HarmonyDecoder takes the same call)."""
 
     def __init__(self, tokenizer: Tokenizer, answer: AnswerFormat) -> None:
         self.splitter: ReasoningSplitter | None = answer.reasoning.splitter() if answer.reasoning else None
@@ -88,7 +77,7 @@ class AnswerDecoder:
         return self.parser.calls if self.parser is not None else []
 
     def feed(self, text: str, finished: bool = False, reason: str | None = None,
-             stop: str | int | None = None) -> list[Part]:
+             stop: str | int | None = None, token_ids: Sequence[int] = ()) -> list[Part]:
         """The parts `text` completes; with `finished`, the rest held back, then Finish."""
         parts: list[Part] = []
         content = text
@@ -116,6 +105,9 @@ class AnswerDecoder:
         return parts
 
 
+Decoder = AnswerDecoder | HarmonyDecoder  # feed(text, finished, reason, stop, token_ids), called, calls
+
+
 @dataclass(frozen=True)
 class WholeAnswer:
     """A whole answer's parts gathered: what a non-streamed reply is made of."""
@@ -127,10 +119,10 @@ class WholeAnswer:
 
 
 def decode_whole(tokenizer: Tokenizer, answer: AnswerFormat, text: str, reason: str | None,
-                 stop: str | int | None = None) -> WholeAnswer:
-    """A whole answer: the decoder fed once."""
+                 stop: str | int | None = None, token_ids: Sequence[int] = ()) -> WholeAnswer:
+    """A whole answer (its text, and its token ids for harmony): the decoder fed once."""
     decoder = answer.decoder(tokenizer)
-    parts = decoder.feed(text, True, reason, stop)
+    parts = decoder.feed(text, True, reason, stop, token_ids)
     finish = parts[-1]
     assert isinstance(finish, Finish)
     return WholeAnswer(_joined(parts, Reasoning), _joined(parts, Text), decoder.calls, finish)

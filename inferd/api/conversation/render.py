@@ -6,6 +6,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
+from inferd.api.conversation import harmony
 from inferd.api.conversation.tools import history_message, tools_system_prompt
 from inferd.api.errors import bad_request
 from inferd.text.chat_template import ChatTemplateError
@@ -19,12 +20,19 @@ def takes_tools(tokenizer: Tokenizer) -> bool:
 
 def render_prompt(tokenizer: Tokenizer, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]],
                   add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None,
-                  param: str = "messages") -> list[int]:
+                  param: str = "messages", effort: str | None = None) -> list[int]:
     """The messages (template dicts: role, content, tool_calls with mapping arguments,
     tool_call_id) and the tools offered (OpenAI function dicts) as token ids. A template that takes
     `tools` renders them and earlier calls itself; for one that does not (the default model's),
     they become plain text in the Hermes format of tools.py. A template that fails on the
-    client's messages is a 400 naming `param`."""
+    client's messages is a 400 naming `param`. A model that speaks harmony (gpt-oss) is rendered
+    by openai_harmony instead (harmony.py), with the reasoning `effort` ("low", "medium", "high")."""
+    if harmony.speaks_harmony(tokenizer):
+        try:
+            effort = effort or (template_kwargs or {}).get("reasoning_effort")  # (gpt-oss's template's name)
+            return harmony.render(messages, tools, effort, add_generation_prompt)
+        except harmony.HarmonyError as e:
+            raise bad_request(f"these messages cannot be written in harmony: {e}", param=param) from None
     native = takes_tools(tokenizer)
     rendered = [dict(m) if native or not _has_tool_parts(m) else history_message(m) for m in messages]
     if tools and not native:

@@ -18,6 +18,14 @@ One grammar for the whole answer, compiled at the door like any other: the engin
 
 Llama-3's format (tool_formats.py) is one call as the whole answer: under "auto" an answer that
 starts with "{" is that call, any other is text (llama3_grammar).
+
+A model that speaks harmony (gpt-oss: harmony.py) calls in its commentary channel, one call per
+answer, ended by <|call|>; a forced call may follow its reasoning (harmony_call_grammar), and
+"auto" runs free (harmony's own parser finds the call):
+
+    start: analysis? call
+    analysis: <|channel|> "analysis" <|message|> THOUGHT <|end|> <|start|> "assistant"
+    call: <|channel|> "commentary to=functions.NAME " <|constrain|> "json" <|message|> %json <|call|>
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import json
 import re
 
 from inferd.api.admission.ask import Grammar
+from inferd.api.conversation.harmony import FUNCTIONS, speaks_harmony
 from inferd.api.conversation.render import takes_tools
 from inferd.api.conversation.tool_formats import HERMES, LLAMA3_JSON, tool_format
 from inferd.api.conversation.tools import MAX_PARALLEL_CALLS, TOOL_CALL_CLOSE, TOOL_CALL_OPEN
@@ -43,6 +52,8 @@ def tools_grammar(tokenizer: Tokenizer, tools: list[dict], *, forced: bool, name
     form = tool_format(tokenizer)
     if not (forced or tools):
         return None
+    if speaks_harmony(tokenizer):
+        return Grammar(harmony_call_grammar(tools, name), kind="tools", param=param) if forced else None
     if form == LLAMA3_JSON:  # one call, the whole answer: nothing to repeat
         return Grammar(llama3_grammar(tools, name, forced), kind="tools" if forced else "tools_auto", param=param,
                        best_effort=not forced)
@@ -63,6 +74,14 @@ def tool_call_grammar(tools: list[dict], name: str | None, parallel: bool) -> st
     One call to function `name` (any of `tools` when None); with `parallel`, one to
     MAX_PARALLEL_CALLS calls separated by "\\n". Raises ValueError when `name` is not among `tools`.
     """
+    functions = _forced(tools, name)
+    lines = [f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "start: call",
+             f"call: {json.dumps(TOOL_CALL_OPEN)} body"]
+    return "\n".join(lines + _body_rules(functions, newlines=False)) + "\n"
+
+
+def _forced(tools: list[dict], name: str | None) -> list[dict]:
+    """The functions a forced call may call: `name`, or any of `tools`."""
     functions = [tool["function"] for tool in tools]
     if name is not None:
         functions = [f for f in functions if f["name"] == name]
@@ -70,9 +89,23 @@ def tool_call_grammar(tools: list[dict], name: str | None, parallel: bool) -> st
             raise ValueError(f"tool_choice names function {name!r}, which is not in tools")
     if not functions:
         raise ValueError("tool calls are required but no tools were given")
-    lines = [f'start: call ("\\n" call){{0,{MAX_PARALLEL_CALLS - 1}}}' if parallel else "start: call",
-             f"call: {json.dumps(TOOL_CALL_OPEN)} body"]
-    return "\n".join(lines + _body_rules(functions, newlines=False)) + "\n"
+    return functions
+
+
+def harmony_call_grammar(tools: list[dict], name: str | None) -> str:
+    """An llguidance Lark grammar for a harmony model's forced call (the module's docstring): its
+    reasoning, if it reasons, then one call to function `name` (any of `tools` when None) with
+    arguments valid against its parameters, ended by <|call|> (where the engine stops)."""
+    functions = _forced(tools, name)
+    calls = " | ".join(f"call_{i}" for i in range(len(functions)))
+    lines = ["%llguidance {}", f"start: analysis? ({calls})",
+             'analysis: <|channel|> "analysis" <|message|> THOUGHT <|end|> <|start|> "assistant"',
+             "THOUGHT: /(?s:.*)/"]  # (special tokens are no text: the reasoning cannot hold <|end|>)
+    for i, function in enumerate(functions):
+        head = json.dumps(f"commentary to={FUNCTIONS}{function['name']} ")
+        lines.append(f'call_{i}: <|channel|> {head} <|constrain|> "json" <|message|> args_{i} <|call|>')
+        lines.append(f"args_{i}: %json {json.dumps(_schema(function))}")
+    return "\n".join(lines) + "\n"
 
 
 def auto_call_grammar(tools: list[dict], parallel: bool, newlines: bool = False) -> str:

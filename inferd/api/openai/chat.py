@@ -10,11 +10,11 @@ from typing import Any
 from aiohttp import web
 
 from inferd.api.body import read_json
+from inferd.api.errors import bad_request
 from inferd.api.admission.ask import Shaped, build_grammar
 from inferd.api.conversation.answer import (AnswerFormat, Finish, Part, Reasoning, Text, ToolCallArguments,
-                                            ToolCallStart, decode_whole)
-from inferd.api.conversation.reasoning import prompt_reasoning
-from inferd.api.conversation.reasoning_grammar import after_reasoning, thinking
+                                            ToolCallStart, answer_format, decode_whole)
+from inferd.api.conversation.reasoning_grammar import EFFORT_BUDGETS, after_reasoning, thinking
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.openai.ask import to_ask
 from inferd.api.openai.events import StreamEvents, with_usage
@@ -40,11 +40,12 @@ from inferd.text.tokenizer import Tokenizer
 
 
 def chat_prompt(tokenizer: Tokenizer, messages: Sequence[ChatMessage], tools: Sequence[Tool] | None,
-                add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                add_generation_prompt: bool = True, template_kwargs: dict[str, Any] | None = None,
+                effort: str | None = None) -> list[int]:
     """The messages (and the tools offered, if any) as the model's prompt (conversation/render.py)."""
     specs = [t.model_dump(exclude_none=True) for t in tools or []]
     return render_prompt(tokenizer, [_template_message(m) for m in messages], specs, add_generation_prompt,
-                         template_kwargs)
+                         template_kwargs, effort=effort)
 
 
 def _template_message(message: ChatMessage) -> dict[str, Any]:
@@ -75,14 +76,19 @@ class ChatShape:
         self.answer = AnswerFormat(tools=body.calls_tools)  # how the model writes it (set by prepare)
 
     def prepare(self, tokenizer: Tokenizer, max_prompts: int) -> Shaped:
-        body = self.body
+        body, effort = self.body, self.body.reasoning_effort
         prompt = chat_prompt(tokenizer, body.messages, body.tools if body.calls_tools else None,
-                             template_kwargs=body.chat_template_kwargs)
-        reasoning = prompt_reasoning(tokenizer, prompt)
-        self.answer = AnswerFormat(reasoning, body.calls_tools)
+                             template_kwargs=body.chat_template_kwargs, effort=effort)
+        answer = self.answer = answer_format(tokenizer, prompt, body.calls_tools)
+        reasoning = answer.reasoning
+        if effort is not None and not (answer.harmony or reasoning):
+            raise bad_request("not supported: this model does not reason", param="reasoning_effort")
         # a thinking model's grammar holds the content only, and its reasoning may have a budget
         grammar = build_grammar(lambda: after_reasoning(request_grammar(body, tokenizer), tokenizer, reasoning))
-        return Shaped([prompt], grammar, thinking(reasoning, body.thinking_token_budget))
+        budget = body.thinking_token_budget
+        if budget is None and effort is not None:
+            budget = EFFORT_BUDGETS.get(effort)
+        return Shaped([prompt], grammar, thinking(reasoning, budget), answer.stop_token_ids)
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return tokenizer.decode(prompts[0])
@@ -95,7 +101,8 @@ class ChatShape:
                                       usage=Usage(**reply.usage())).model_dump(mode="json")
 
     def _choice(self, tokenizer: Tokenizer, token_text: TokenTexts, index: int, result: ChoiceResult) -> ChatChoice:
-        answer = decode_whole(tokenizer, self.answer, result.text, result.finish_reason)
+        answer = decode_whole(tokenizer, self.answer, result.text, result.finish_reason, result.stop_reason,
+                              result.token_ids)
         message = ChatResponseMessage(content=answer.text)
         if self.answer.tools:
             calls = [ToolCallOut.model_validate(call) for call in answer.calls]
@@ -128,7 +135,8 @@ class ChatShape:
         decoders = {i: self.answer.decoder(tokenizer) for i in range(body.n)}
 
         def render(prompt: int, out: EngineOutput) -> dict[str, Any] | str:
-            parts = decoders[out.index].feed(out.text, out.finished, out.finish_reason, out.stop_reason)
+            parts = decoders[out.index].feed(out.text, out.finished, out.finish_reason, out.stop_reason,
+                                             out.new_token_ids)
             delta, finish = _delta(parts, self.answer.tools)
             if not body.logprobs:
                 return events.token_event(out.index, f'"delta":{dumps(delta)}', finish)

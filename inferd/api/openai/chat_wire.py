@@ -75,7 +75,7 @@ class NamedToolChoice(RequestModel):
 # OpenAI's chat fields with nothing behind them here: accepted when null, else a 400 naming them
 UNSUPPORTED_CHAT_FIELDS = {
     "audio": "inferd answers in text only", "prediction": "there are no predicted outputs",
-    "reasoning_effort": "this is not a reasoning model", "verbosity": "this is not a reasoning model",
+    "verbosity": "not a setting of the models served here",
     "web_search_options": "there is no web search", "functions": "use tools", "function_call": "use tool_choice",
     "metadata": "completions are not stored", "prompt_cache_key": "the prefix cache needs no key",
     "safety_identifier": "use user",
@@ -104,7 +104,9 @@ class ChatCompletionRequest(SamplingFields):
     modalities: list[Literal["text"]] | None = None
     audio: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
+    # a reasoning model's effort: harmony's (gpt-oss) in its system message; a thinking model's budget
+    # (EFFORT_BUDGETS) unless thinking_token_budget says; a model that does not reason refuses it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
     verbosity: Any = None
     web_search_options: Any = None
     functions: Any = None

@@ -65,6 +65,9 @@ async def answer(request: web.Request, ask: Ask, shape: Shape, choice: Choice, c
     prompts = shaped.prompts
     # (what the shape made for this model goes to its door as data: a fallback's is its own)
     ask = dataclasses.replace(ask, grammar=shaped.grammar, thinking=shaped.thinking)
+    if shaped.stop_token_ids:  # (the answer format's: harmony's)
+        sampling = dataclasses.replace(ask.sampling, stop_token_ids=ask.sampling.stop_token_ids + shaped.stop_token_ids)
+        ask = dataclasses.replace(ask, sampling=sampling)
     if unsure is not None:  # the cascade reads every token's logprob (not shown unless asked)
         ask = dataclasses.replace(ask, logprobs=max(ask.logprobs or 0, 0))
     principal = principal_of(request)  # (its tenant reaches admission on the Prepared)

@@ -18,8 +18,7 @@ from aiohttp import web
 
 from inferd.api.admission.ask import Ask, Grammar, Sampling, Shaped, build_grammar
 from inferd.api.body import read_json
-from inferd.api.conversation.answer import AnswerFormat, decode_whole
-from inferd.api.conversation.reasoning import prompt_reasoning
+from inferd.api.conversation.answer import AnswerFormat, answer_format, decode_whole
 from inferd.api.conversation.reasoning_grammar import EFFORT_BUDGETS, after_reasoning, thinking
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
@@ -166,11 +165,12 @@ class ResponsesShape:
         effort = body.reasoning.effort if body.reasoning else None
         kwargs = {"enable_thinking": False} if effort == "none" else None
         messages = template_messages(body, self.history)
-        prompt = render_prompt(tokenizer, messages, tools, template_kwargs=kwargs, param="input")
-        reasoning = prompt_reasoning(tokenizer, prompt)
-        self.answer = AnswerFormat(reasoning, calls_tools(body))
+        prompt = render_prompt(tokenizer, messages, tools, template_kwargs=kwargs, param="input", effort=effort)
+        answer = self.answer = answer_format(tokenizer, prompt, calls_tools(body))
+        reasoning = answer.reasoning
         held = build_grammar(lambda: after_reasoning(grammar(body, tokenizer), tokenizer, reasoning))
-        return Shaped([prompt], held, thinking(reasoning, EFFORT_BUDGETS.get(effort) if effort is not None else None))
+        budget = EFFORT_BUDGETS.get(effort) if effort is not None else None
+        return Shaped([prompt], held, thinking(reasoning, budget), answer.stop_token_ids)
 
     def prompt_text(self, tokenizer: Tokenizer, prompts: list[list[int]]) -> str:
         return tokenizer.decode(prompts[0])
@@ -203,7 +203,8 @@ class ResponsesShape:
     def whole(self, reply: Reply, results: dict[int, ChoiceResult]) -> dict[str, Any]:
         result = results[0]
         output: list[OutputItem] = []
-        answer = decode_whole(reply.tokenizer, self.answer, result.text, result.finish_reason)
+        answer = decode_whole(reply.tokenizer, self.answer, result.text, result.finish_reason, result.stop_reason,
+                              result.token_ids)
         if answer.reasoning:
             output.append(OutputReasoning(id=item_id("rs"), content=[ReasoningText(text=answer.reasoning)]))
         calls = answer.calls

@@ -92,7 +92,7 @@ class ResponseEvents:
     def render(self, prompt: int, out: EngineOutput) -> list[Payload]:
         self.started = True
         events: list[Payload] = []
-        for part in self.decoder.feed(out.text, out.finished, out.finish_reason, out.stop_reason):
+        for part in self.decoder.feed(out.text, out.finished, out.finish_reason, out.stop_reason, out.new_token_ids):
             if isinstance(part, Reasoning):
                 self._reasoning(events, part.text)
             elif isinstance(part, Text) and not part.filler:

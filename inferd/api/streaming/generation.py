@@ -8,6 +8,7 @@ cancelled client's request gives its KV blocks back at the engine's next step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import uuid
@@ -48,6 +49,7 @@ class ChoiceResult:
     """One choice, gathered for a non-streaming reply."""
 
     texts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # (what a harmony answer is read from)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or token id it ended on (finish "stop")
@@ -161,6 +163,7 @@ class Generation:
                     if out.finish_reason == "timeout" and not result.texts and not out.text:
                         raise timeout_error(out)  # nothing to show for it: an error, not a reply
                     result.texts.append(out.text)
+                    result.token_ids += out.new_token_ids
                     self.completion_tokens += len(out.new_token_ids)
                     if out.logprobs:
                         result.logprobs += out.logprobs
@@ -231,6 +234,7 @@ class Generation:
     async def _stream_outputs(self, outputs: OutputQueue, events: EventSink, render: Render,
                               keepalive: float, error_event: ErrorEvent) -> bool:
         """Write every output as it comes; False if an engine abort or failure cut the stream short."""
+        held: dict[tuple[int, int], list[int]] = {}  # (prompt, choice) -> ids of outputs not rendered yet
         while not outputs.done:
             batch = await outputs.next_batch(keepalive)
             if not batch:
@@ -243,7 +247,12 @@ class Generation:
                     return False
                 self.completion_tokens += len(out.new_token_ids)
                 if not out.text and self.segment != "token" and not out.finished and not out.logprobs:
-                    continue  # segmented: no event for a token whose text is held back
+                    # segmented: no event for a token whose text is held back; its id goes with the
+                    # next one (a harmony answer is read from its ids)
+                    held.setdefault((prompt, out.index), []).extend(out.new_token_ids)
+                    continue
+                if (prompt, out.index) in held:
+                    out = dataclasses.replace(out, new_token_ids=held.pop((prompt, out.index)) + out.new_token_ids)
                 rendered = render(prompt, out)
                 for payload in rendered if isinstance(rendered, list) else (rendered,):
                     events.add(payload)
