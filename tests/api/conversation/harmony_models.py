@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -106,10 +107,17 @@ SCRIPT = {"assistant": "<|channel|>", "<|channel|>": "final", "final": "<|messag
           "Hello": " world", " world": "<|return|>"}
 SECOND = {" world": "<|end|>"}
 SCRIPTED_ANSWER = "Hello world"
+# the same model answering with a call nothing forces (tools under "auto"), and with reasoning only:
+# a bigram table cannot say both in one answer (<|channel|> would need two successors)
+CALL_ANSWER = "<|channel|>commentary to=functions.get_time <|constrain|>json<|message|>{}<|call|>"
+THINK_ANSWER = "<|channel|>analysis<|message|>Think<|end|><|return|>"
 
 
-def write_tiny_gpt_oss(folder: Path, seed: int = 0) -> Path:
-    """A tiny scripted gpt-oss (transformers' GptOssForCausalLM, float32) saved beside the tokenizer."""
+def write_tiny_gpt_oss(folder: Path, seed: int = 0, answer: str | None = None,
+                       tokenizer_from: Path | None = None) -> Path:
+    """A tiny scripted gpt-oss (transformers' GptOssForCausalLM, float32) saved beside the tokenizer
+    (`answer`: another greedy answer, every token of it distinct; `tokenizer_from`: a folder whose
+    tokenizer files are copied rather than built again)."""
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
@@ -130,14 +138,22 @@ def write_tiny_gpt_oss(folder: Path, seed: int = 0) -> Path:
 
     with torch.no_grad():
         embed, head = model.model.embed_tokens.weight, model.lm_head.weight  # [vocab, hidden] each
-        direction = {source: k for k, source in enumerate(SCRIPT)}
-        for source, k in direction.items():
-            embed[token(source)] = torch.nn.functional.one_hot(torch.tensor(k), config.hidden_size).float()
-            head[token(SCRIPT[source])] += 20 * embed[token(source)]
-        for source, target in SECOND.items():
-            head[token(target)] += 10 * embed[token(source)]
+        if answer is None:
+            bigrams = [(token(source), token(target)) for source, target in SCRIPT.items()]
+        else:
+            ids = [token("assistant"), *encoding.encode(answer, allowed_special="all")]
+            bigrams = list(zip(ids, ids[1:]))
+        for k, (source, target) in enumerate(bigrams):
+            embed[source] = torch.nn.functional.one_hot(torch.tensor(k), config.hidden_size).float()
+            head[target] += 20 * embed[source]
+        for source_text, target_text in SECOND.items() if answer is None else ():
+            head[token(target_text)] += 10 * embed[token(source_text)]
     model.save_pretrained(folder, safe_serialization=True)
-    write_tokenizer(folder)
+    if tokenizer_from is None:
+        write_tokenizer(folder)
+    else:
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            shutil.copy(tokenizer_from / name, folder / name)
     return folder
 
 

@@ -10,12 +10,13 @@ whose arguments the parameters' schema pins (an enum, an empty object)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import anthropic
 import openai
 import pytest
 from apiserver import MODEL, serve
-from harmony_models import SCRIPTED_ANSWER, write_tiny_gpt_oss
+from harmony_models import CALL_ANSWER, SCRIPTED_ANSWER, THINK_ANSWER, write_tiny_gpt_oss
 
 from inferd.api.conversation.harmony import render
 from inferd.engine.config import EngineConfig
@@ -40,6 +41,37 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.fixture
 def llm(folder: str) -> LLMEngine:
     return LLMEngine.from_config(EngineConfig.of(model=folder, dtype="float32", kv_cache_memory=64 * 2**20))
+
+
+def scripted(folder: str, answer: str, tmp_path: Path) -> LLMEngine:
+    other = write_tiny_gpt_oss(tmp_path, answer=answer, tokenizer_from=Path(folder))
+    return LLMEngine.from_config(EngineConfig.of(model=str(other), dtype="float32", kv_cache_memory=64 * 2**20))
+
+
+async def test_a_call_nothing_forces_and_reasoning_are_separated(folder: str, tmp_path: Path) -> None:
+    """The model's own call under "auto" on every protocol; its analysis as reasoning, not content."""
+    async with serve(scripted(folder, CALL_ANSWER, tmp_path / "call")) as server:
+        client = openai.AsyncOpenAI(base_url=str(server.test_server.make_url("/v1")), api_key="unused", max_retries=0)
+        chat = await client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, max_tokens=32,  # type: ignore[arg-type]
+                                                    temperature=0, tool_choice="auto")
+        [call] = chat.choices[0].message.tool_calls or []
+        assert (call.function.name, call.function.arguments) == ("get_time", "{}")
+        assert chat.choices[0].finish_reason == "tool_calls" and not chat.choices[0].message.content
+        tools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+                 for t in TOOLS]
+        response = await client.responses.create(model=MODEL, input=ASK, tools=tools, max_output_tokens=32)  # type: ignore[arg-type]
+        assert [(i.name, i.arguments) for i in response.output if i.type == "function_call"] == [("get_time", "{}")]
+        status, message = await server.post("/v1/messages", {
+            "model": MODEL, "max_tokens": 32, "messages": [ASK[1]], "temperature": 0,
+            "tools": [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]})
+        assert status == 200 and [(b["name"], b["input"]) for b in message["content"] if b["type"] == "tool_use"] == [
+            ("get_time", {})] and message["stop_reason"] == "tool_use"
+    async with serve(scripted(folder, THINK_ANSWER, tmp_path / "think")) as server:
+        client = openai.AsyncOpenAI(base_url=str(server.test_server.make_url("/v1")), api_key="unused", max_retries=0)
+        chat = await client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=32, temperature=0,  # type: ignore[arg-type]
+                                                    reasoning_effort="low")
+        message = chat.choices[0].message
+        assert getattr(message, "reasoning_content", None) == "Think" and not message.content
 
 
 def a_call(name: str, arguments: str) -> bool:
