@@ -17,15 +17,17 @@ from inferd.engine.config import EngineConfig
 from inferd.engine.worker.cuda_graphs import DecodeGraphs
 from inferd.engine.worker.kv_cache import KVCache, auto_kv_cache_memory, host_blocks_for, num_blocks_for
 from inferd.engine.worker.runner import ModelRunner
-from inferd.kernels.ops import CudaAttention, select_attention
+from inferd.kernels.ops import CpuAttention, CudaAttention, TorchAttention, select_attention
 from inferd.text.errors import ModelLoadError
 from inferd.model.decoder import DecoderModel
 from inferd.model.loading.loader import default_model_path, load_checkpoint
+from inferd.model.models import decoder_for
 from inferd.text.tokenizer import Tokenizer
 from inferd.text.tokenizer_loader import load_tokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+CPU_MAX_HEAD_DIM = 256
 
 
 def in_passing_thread(build: Callable[..., T], *args: object) -> T:
@@ -51,7 +53,7 @@ def load_model(config: EngineConfig) -> tuple[DecoderModel, Tokenizer]:
     # (packed weights are CPU-only: resolved_weights)
     weights = {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in checkpoint.tensors.items()}
     try:
-        model = DecoderModel(checkpoint.config, weights, dtype)
+        model = decoder_for(checkpoint.config, weights, dtype)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path}: {e}") from None
     log.info("loaded %s (%s, weights %s, %s) in %.2f s", path, dtype, config.resolved_weights(), device,
@@ -85,9 +87,7 @@ def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: in
     # a CPU mode, for bfloat16 only (the default dtype, where the drift was seen): in float32 the
     # one-row path is a fast matrix-vector product that two rows would give up (-38% at batch 1)
     deterministic = config.model.deterministic and model.dtype == torch.bfloat16 and model.device.type == "cpu"
-    model.set_attention(select_attention(
-        model.device, model.dtype, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-        config.cache.block_size, config.scheduler.max_num_seqs, max_model_len, deterministic))
+    model.set_attention(_attention(model, config, max_model_len, deterministic))
     model.set_batch_invariant(deterministic)
     graphs = None
     # (a hybrid model's decode steps run eagerly: the graphs hold one block table per row)
@@ -95,3 +95,22 @@ def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: in
         graphs = DecodeGraphs(model, kv_cache, config.scheduler.max_num_seqs, max_model_len)
         graphs.capture()
     return Execution(kv_cache, ModelRunner(model, kv_cache, graphs=graphs), num_blocks, num_host_blocks)
+
+
+def _attention(model: DecoderModel, config: EngineConfig, max_model_len: int, deterministic: bool) -> TorchAttention:
+    """The device's attention backend for the model's layers. Where layers differ in K/V shape
+    (Gemma 4), the backend that serves every shape: the CPU kernel's if it covers them all, else
+    the reference (CUDA's decode scratch is sized for one head size)."""
+    cfg = model.cfg
+    shapes = sorted({cfg.kv_shape(i) for i in range(cfg.num_layers)}) or [(cfg.num_kv_heads, cfg.head_dim)]
+    backends = [select_attention(model.device, model.dtype, cfg.num_heads, kv_heads, head_dim,
+                                 config.cache.block_size, config.scheduler.max_num_seqs, max_model_len, deterministic)
+                for kv_heads, head_dim in shapes]
+    # NOTE: the CPU kernel holds heads of at most 256 (cpu_attention.cpp's kMaxDim), which
+    # cpu.supports does not check yet; Gemma 4's full layers have 512
+    too_wide = any(isinstance(b, CpuAttention) and d > CPU_MAX_HEAD_DIM for b, (_, d) in zip(backends, shapes))
+    if not too_wide and (len(backends) == 1 or (len({type(b) for b in backends}) == 1
+                                                 and not isinstance(backends[0], CudaAttention))):
+        return backends[0]
+    log.warning("[model] layers of %d K/V shapes %s: attention runs on the torch reference", len(shapes), shapes)
+    return TorchAttention(backends[0].kv_block)

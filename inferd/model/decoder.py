@@ -8,12 +8,14 @@ q/k/v and gate/up projections are fused into one matmul each.
 The switches (ModelConfig): RMSNorm as x̂·w or x̂·(1 + w); q/k norms per head; sandwich norms
 around attention and the MLP; SiLU or GELU-tanh gate; embeddings scaled; attention scale,
 logit soft-cap and sliding window per layer; a second RoPE table for sliding layers; partial
-rotary; a final-logit soft-cap.
+rotary; a final-logit soft-cap. Gemma 4 runs this model with layers of its own (inferd.model.gemma4).
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -153,15 +155,17 @@ class DecoderLayer:
 
 
 class DecoderModel:
+    """The model every family runs; Gemma 4 runs a subclass (inferd.model.gemma4) with its own layers."""
+
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> None:
-        check_shapes(cfg, weights)
+        self._check(cfg, weights)
         self.cfg = cfg
         self.dtype = dtype
         # the engine sets the device's backend (set_attention) once it knows the cache shape
         self.attention: Attention = ops.TorchAttention()
         self.shape = LayerShape(cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                cfg.rms_norm_eps, bool(cfg.norm_offset), cfg.sandwich_norms, cfg.activation,
-                                cfg.partial_rotary_factor != 1.0, cfg.qk_norm)
+                                cfg.rms_norm_eps, bool(cfg.norm_offset) or cfg.norm_float32, cfg.sandwich_norms,
+                                cfg.activation, cfg.partial_rotary_factor != 1.0, cfg.qk_norm)
         # (the ops follow the weights as loaded: a norm's dtype and device)
         self.ops_dtype = weights["layers.0.attn_norm"].dtype if cfg.num_layers else dtype
         self.ops = ops.layer_ops(self.shape, self.ops_dtype, weights["norm"].device, self.attention)
@@ -174,14 +178,20 @@ class DecoderModel:
         self.norm = Norm.of(weights["norm"], cfg.norm_offset)
         # experts stacked for grouped products on CUDA, one pair of products each on the CPU (moe.py)
         stacked = weights["norm"].device.type == "cuda"
-        self.layers = [DecoderLayer(cfg, weights, f"layers.{i}", self.attention, self.ops, i, stacked)
-                       for i in range(cfg.num_layers)]
+        self.layers = self._layers(weights, stacked)
         # Rotary tables for every position, computed once like transformers does per forward;
         # sliding layers have their own where the family gives them another RoPE (Gemma 3)
         self.rope = cfg.rope().tables(cfg.max_position_embeddings, dtype)  # cos, signed sin: [max_pos, rotary_dim]
         local = cfg.rope(local=True)
         self.local_rope = (local.tables(cfg.max_position_embeddings, dtype)
                            if cfg.has_sliding_layers and local != cfg.rope() else None)
+
+    def _check(self, cfg: ModelConfig, weights: dict[str, torch.Tensor]) -> None:
+        check_shapes(cfg, weights)
+
+    def _layers(self, weights: dict[str, torch.Tensor], stacked: bool) -> list[DecoderLayer]:
+        return [DecoderLayer(self.cfg, weights, f"layers.{i}", self.attention, self.ops, i, stacked)
+                for i in range(self.cfg.num_layers)]
 
     @property
     def device(self) -> torch.device:
@@ -226,6 +236,9 @@ class DecoderModel:
         local = rope if self.local_rope is None else (self.local_rope[0][positions], self.local_rope[1][positions])
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, local if layer.sliding else rope, kv_cache, attn)
+        return self.logits(x, logits_indices)
+
+    def logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [S, vocab]
         x = x[logits_indices]  # [S, hidden]: the final norm and head only where sampled
         x = self.ops.norm(x, self.norm.weight)
         logits = self.lm_head(x).float()
@@ -238,6 +251,10 @@ class DecoderModel:
 def check_shapes(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:
     """Every tensor the config implies is present with the implied shape, and nothing else is
     (a tensor the maths would not use means the config and the checkpoint disagree)."""
+    check_tensors(expected_shapes(cfg), w)
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     h, i = cfg.hidden_size, cfg.intermediate_size
     expected: dict[str, tuple[int, ...]] = {"embed": (cfg.vocab_size, h), "norm": (h,)}
     if not cfg.tie_word_embeddings:
@@ -264,6 +281,11 @@ def check_shapes(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:
             expected |= {f"{p}.q_norm": (cfg.head_dim,), f"{p}.k_norm": (cfg.head_dim,)}
         if cfg.sandwich_norms:
             expected |= {f"{p}.post_attn_norm": (h,), f"{p}.post_mlp_norm": (h,)}
+    return expected
+
+
+def check_tensors(expected: dict[str, tuple[int, ...]], w: dict[str, Any], ignored: Collection[str] = ()) -> None:
+    """`expected` (name -> shape) present as said, and nothing else but `ignored` names."""
     for name, shape in expected.items():
         if name not in w:
             raise ModelLoadError(f"tensor {name!r} is missing from the checkpoint")
@@ -271,7 +293,8 @@ def check_shapes(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> None:
             raise ModelLoadError(
                 f"tensor {name!r} has shape {tuple(w[name].shape)}, but the config implies {shape}"
             )
-    unused = sorted(set(w) - set(expected) - {"lm_head"})  # (a tied head's packed copy: quant.pack_weights)
+    # ("lm_head": a tied head's packed copy, quant.pack_weights)
+    unused = sorted(set(w) - set(expected) - set(ignored) - {"lm_head"})
     if unused:
         raise ModelLoadError(f"tensors the config does not use: {', '.join(unused[:5])}"
                              f"{f' and {len(unused) - 5} more' if len(unused) > 5 else ''}")

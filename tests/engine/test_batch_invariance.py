@@ -11,6 +11,8 @@ width and more, 64) and on 8 prompts.
 
 from __future__ import annotations
 
+from typing import Any
+
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -52,13 +54,13 @@ def activations(engine: LLMEngine) -> dict[str, tuple[Linear, torch.Tensor]]:
 
     names = ("qkv", "o", "gate_up", "down")
     for name in names:
-        setattr(layer, name, recorder(name, getattr(layer, name)))
+        setattr(owner(layer, name), name, recorder(name, getattr(owner(layer, name), name)))
     try:
         text = "The quick brown fox jumps over the lazy dog. " * 10
         engine.generate([text, text[:-3]], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     finally:
         for name in names:
-            setattr(layer, name, seen[name][0])
+            setattr(owner(layer, name), name, seen[name][0])
     # the head sees only the rows it samples: give it the layer's normed hidden states instead
     seen["lm_head"] = (model.lm_head, seen["gate_up"][1])
     return seen
@@ -162,3 +164,8 @@ def test_greedy_tokens_alone_equal_those_among_others(engine: LLMEngine, count: 
     together = [c.token_ids for c in engine.generate(prompts, params)]
     alone = [engine.generate([p], params)[0].token_ids for p in prompts]
     assert together == alone
+
+
+def owner(layer: Any, name: str) -> Any:
+    """Where a decoder layer keeps the product `name`: its MLP's gate_up and down, its own qkv and o."""
+    return layer.mlp if name in ("gate_up", "down") else layer

@@ -8,6 +8,8 @@ the package itself is never imported).
 
 from __future__ import annotations
 
+from typing import Any
+
 import importlib.util
 from pathlib import Path
 
@@ -50,13 +52,13 @@ def test_the_default_model_packs_its_layers_and_its_head() -> None:
     blocks = cpu.block_matmul_available()
     assert all(isinstance(op, linear.SplitLinear)
                and isinstance(op.packed, linear.BlockLinear if blocks else linear.Int4Linear)
-               for op in (layer.qkv, layer.o, layer.gate_up, layer.down))
+               for op in (layer.qkv, layer.o, layer.mlp.gate_up, layer.mlp.down))
     if blocks:
         assert isinstance(model.lm_head, linear.BlockLinear) and model.lm_head.bits == 8
         assert torch.equal(model.lm_head.dequantize().to(torch.bfloat16), model.embed)  # the same Q8_0 codes
     else:
         assert isinstance(model.lm_head, linear.DenseLinear)
-    for op in (layer.qkv, layer.gate_up, model.layers[-1].down):  # the prefill rows' copy: the same weights,
+    for op in (layer.qkv, layer.mlp.gate_up, model.layers[-1].mlp.down):  # the prefill rows' copy: the same weights,
         dense = op.dense.weight  # [N, K] bfloat16, row-major (a column-major one is slow on some CPUs)
         assert dense.is_contiguous() and torch.equal(dense, op.packed.dequantize().to(torch.bfloat16))
     float32, _ = load_model(EngineConfig.of(dtype="float32"))  # auto: dense where the packed kernels are slow
@@ -79,8 +81,8 @@ def _dequantized_reference(packed: DecoderModel) -> LLMEngine:
     engine = LLMEngine.from_config(EngineConfig.of(dtype="float32", weights="bf16", kv_cache_memory=64 * 2**20))
     for ours, theirs in zip(packed.layers, engine.model.layers):
         for name in ("qkv", "o", "gate_up", "down"):
-            layer = getattr(ours, name).packed
-            setattr(theirs, name, _ReferenceBlockLinear(layer) if isinstance(layer, linear.BlockLinear)
+            layer = getattr(owner(ours, name), name).packed
+            setattr(owner(theirs, name), name, _ReferenceBlockLinear(layer) if isinstance(layer, linear.BlockLinear)
                     else linear.DenseLinear(layer.dequantize(), None))
     engine.model.lm_head = linear.DenseLinear(packed.lm_head.dequantize(), None)
     return engine
@@ -120,7 +122,8 @@ def test_packed_products_equal_a_reference_over_the_same_weights(num_prompts: in
                "Water boils at a temperature of"][:num_prompts]
     greedy = SamplingParams(max_tokens=num_tokens, temperature=0.0, ignore_eos=True)
     errors: list[float] = []
-    packed = {(layer, name): getattr(layer, name) for layer in ours.model.layers for name in ("qkv", "o", "gate_up", "down")}
+    packed = {(owner(layer, name), name): getattr(owner(layer, name), name) for layer in ours.model.layers
+              for name in ("qkv", "o", "gate_up", "down")}
     for (layer, name), op in packed.items():
         setattr(layer, name, _Checked(op.packed, errors))
     texts = [list(ours.tokenizer.encode(p)) + c.token_ids for p, c in zip(prompts, ours.generate(prompts, greedy))]
@@ -138,7 +141,7 @@ def _packed_only(model: DecoderModel) -> DecoderModel:
     """Every row through the packed kernels (perplexity prefills: it would meet the dense copy)."""
     for layer in model.layers:
         for name in ("qkv", "o", "gate_up", "down"):
-            setattr(layer, name, getattr(layer, name).packed)
+            setattr(owner(layer, name), name, getattr(owner(layer, name), name).packed)
     return model
 
 
@@ -161,3 +164,8 @@ def test_packed_perplexity_is_within_1_percent_of_dense_on_20k_tokens_of_a_book(
         results[name] = perplexity(model, cache.layers, 16, ids, window=1024)
     assert 5 < results["dense"] < 60, results  # a sane English perplexity for a 135M model
     assert abs(results["packed"] / results["dense"] - 1) < 0.01, results
+
+
+def owner(layer: Any, name: str) -> Any:
+    """Where a decoder layer keeps the product `name`: its MLP's gate_up and down, its own qkv and o."""
+    return layer.mlp if name in ("gate_up", "down") else layer

@@ -11,6 +11,10 @@ which layers' data it is (vLLM's hybrid allocator, in spirit).
     full:     layers 5, 11                               group 0   (window None)
     sliding:  0, 1 | 2, 3 | 4, 6 | 7, 8 | 9, 10          groups 1-5 (window W)
 
+Layers whose K/V differ in shape (Gemma 4's full layers: their own head size and KV heads) never
+share a group, and a layer that reads another layer's cache (Gemma 4's KV sharing) is in none: it
+holds no block, and its place is its source's.
+
 A sliding group holds only the blocks that cover its window. A query at position p sees keys
 (p - W, p], so once `computed` tokens are in the cache every later query needs blocks from
 `first_needed_block(W, computed)` on; the entries before that point at no block of the sequence
@@ -24,7 +28,7 @@ A sliding group holds only the blocks that cover its window. A query at position
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 
@@ -39,26 +43,32 @@ def first_needed_block(window: int | None, computed: int, block_size: int) -> in
 class KVGroup:
     window: int | None  # None: full attention
     layers: tuple[int, ...]  # at most the layout's group_size; slot i of a block is layers[i]'s
+    shape: Hashable = None  # its layers' K/V shape where layers differ (worker/kv_cache.py's); None: the model's
 
 
 @dataclass(frozen=True)
 class KVLayout:
     groups: tuple[KVGroup, ...]
     group_size: int  # layers per block id: the KV tensor's first dimension
+    sources: tuple[int, ...] = ()  # per layer, the layer whose cache it reads; (): each its own
 
     @classmethod
-    def for_layers(cls, windows: Sequence[int | None]) -> KVLayout:
-        """Group layers by their window (None: full). One kind: one group of every layer (the
-        layout every model had before). Several: groups as large as the rarest kind, so no group
-        wastes more than a few slots; full groups first."""
+    def for_layers(cls, windows: Sequence[int | None], shapes: Sequence[Hashable] | None = None,
+                   sources: Sequence[int] | None = None) -> KVLayout:
+        """Group layers by their window (None: full), and by `shapes` where given. One kind: one
+        group of every layer (the layout every model had before). Several: groups as large as the
+        rarest kind, so no group wastes more than a few slots; full groups first. A layer whose
+        `sources` entry is another layer holds no place of its own."""
         if not windows:
             raise ValueError("a model with no layers")
-        kinds = sorted(set(windows), key=lambda w: (w is not None, w or 0))
-        by_kind = [tuple(i for i, w in enumerate(windows) if w == kind) for kind in kinds]
+        own = [i for i in range(len(windows)) if sources is None or sources[i] == i]
+        kind_of = {i: (windows[i], None if shapes is None else shapes[i]) for i in own}
+        kinds = sorted(set(kind_of.values()), key=lambda k: (k[0] is not None, k[0] or 0, str(k[1])))
+        by_kind = [tuple(i for i in own if kind_of[i] == kind) for kind in kinds]
         size = min(len(layers) for layers in by_kind)
-        groups = tuple(KVGroup(kind, layers[i:i + size])
-                       for kind, layers in zip(kinds, by_kind) for i in range(0, len(layers), size))
-        return cls(groups, size)
+        groups = tuple(KVGroup(window, layers[i:i + size], shape)
+                       for (window, shape), layers in zip(kinds, by_kind) for i in range(0, len(layers), size))
+        return cls(groups, size, tuple(sources) if sources is not None else ())
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -66,15 +76,15 @@ class KVLayout:
 
     @property
     def num_layers(self) -> int:
-        return sum(len(g.layers) for g in self.groups)
+        return len(self.sources) if self.sources else sum(len(g.layers) for g in self.groups)
 
     def placement(self) -> list[tuple[int, int]]:
-        """Per layer, its (group, slot in the block)."""
+        """Per layer, its (group, slot in the block): a KV-shared layer's is its source's."""
         places = [(0, 0)] * self.num_layers
         for g, group in enumerate(self.groups):
             for slot, layer in enumerate(group.layers):
                 places[layer] = (g, slot)
-        return places
+        return [places[source] for source in self.sources] if self.sources else places
 
     def blocks_held(self, num_tokens: int, block_size: int, chunk: int) -> int:
         """Blocks a sequence of `num_tokens` holds at most, when it computes up to `chunk` tokens

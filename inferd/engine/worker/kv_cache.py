@@ -2,7 +2,13 @@
 host copy space that preempted sequences are swapped out to.
 
 A block id is `group_size` layers' K/V (kv/groups.py): every layer for a model without sliding
-layers; for a hybrid one, slot i of a block is layer i of whichever KV group holds the block."""
+layers; for a hybrid one, slot i of a block is layer i of whichever KV group holds the block.
+
+Where layers differ in K/V shape (Gemma 4's full layers), each shape has its own tensor of every
+block, and a group's layers use their shape's: a block id is then `group_size` layers' K/V in every
+shape, of which the group holding it uses one (a model of one shape has one tensor, as always).
+NOTE: so such a model's blocks cost the sum of its shapes; one pool per shape would not.
+A KV-shared layer (Gemma 4) has no slot: its entry in `layers` is its source's tensors."""
 
 from __future__ import annotations
 
@@ -18,14 +24,36 @@ from inferd.kernels.tensors import device_tensor, to_device
 
 
 def kv_layout(cfg: ModelConfig) -> KVLayout:
-    """The model's KV groups: one of every layer, unless it has sliding and full layers."""
-    return KVLayout.for_layers([cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)])
+    """The model's KV groups: one of every layer, unless it has sliding and full layers (or
+    layers of several K/V shapes, or KV-shared ones)."""
+    windows = [cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)]
+    if not cfg.has_layer_shapes:
+        return KVLayout.for_layers(windows)
+    layers = range(cfg.num_layers)
+    return KVLayout.for_layers(windows, [cfg.kv_shape(i) for i in layers], [cfg.kv_source(i) for i in layers])
+
+
+def kv_shapes(cfg: ModelConfig, layout: KVLayout) -> list[tuple[int, int]]:
+    """The distinct (KV heads, head size) of the layout's groups, in order: one tensor each."""
+    shapes: list[tuple[int, int]] = []
+    for shape in kv_shapes_of_groups(cfg, layout):
+        if shape not in shapes:
+            shapes.append(shape)
+    return shapes
+
+
+def kv_shapes_of_groups(cfg: ModelConfig, layout: KVLayout) -> list[tuple[int, int]]:
+    """Each group's (KV heads, head size)."""
+    return [group.shape if group.shape is not None else (cfg.num_kv_heads, cfg.head_dim)  # type: ignore[misc]
+            for group in layout.groups]
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block: its group_size layers (all of them without sliding layers)."""
+    """K and V of one block: its group_size layers (all of them without sliding layers), in each shape."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * kv_layout(cfg).group_size * block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+    layout = kv_layout(cfg)
+    per_token = sum(heads * head_dim for heads, head_dim in kv_shapes(cfg, layout))
+    return 2 * layout.group_size * block_size * per_token * itemsize
 
 
 def available_memory(device: torch.device) -> int:
@@ -85,24 +113,23 @@ class KVCache:
         self.num_host_blocks = num_host_blocks
         self.block_size = block_size
         self.layout = layout = kv_layout(cfg)
-        # [group_size, 2 (K, V), num_blocks, block_size, n_kv_heads, head_dim]
-        shape = (layout.group_size, 2, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.storage = _zeroed(shape, dtype, device)
+        self.bytes_per_block = bytes_per_block(cfg, block_size, dtype)
+        shapes = kv_shapes(cfg, layout)
+        # per K/V shape: [group_size, 2 (K, V), num_blocks, block_size, n_kv_heads, head_dim]
+        self.storages = [_zeroed((layout.group_size, 2, num_blocks, block_size, *shape), dtype, device)
+                         for shape in shapes]
+        self.storage = self.storages[0]  # (the one tensor of a model of one shape)
         # per layer: (key_cache, value_cache), each [num_blocks, block_size, n_kv_heads, head_dim];
         # layers in the same slot of different groups share tensors (their groups' blocks differ)
+        of_group = [shapes.index(shape) for shape in kv_shapes_of_groups(cfg, layout)]
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self.storage[slot, 0], self.storage[slot, 1]) for _group, slot in layout.placement()]
-        # [group_size, 2 (K, V), num_host_blocks, block_size, n_kv_heads, head_dim] on the CPU;
-        # None when swapping is off
-        self.host_storage: torch.Tensor | None = None
+            (self.storages[of_group[group]][slot, 0], self.storages[of_group[group]][slot, 1])
+            for group, slot in layout.placement()]
+        # as storages, [group_size, 2, num_host_blocks, ...] on the CPU; None when swapping is off
+        self.host_storages: list[torch.Tensor] | None = None
         if num_host_blocks > 0:
-            host_shape = (layout.group_size, 2, num_host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-            if device.type == "cuda":
-                # NOTE: pinned (page-locked), as the copies to and from it cross PCIe; zeroed, like
-                # the device cache, because a swapped-in partial block brings its unwritten slots.
-                self.host_storage = torch.zeros(host_shape, dtype=dtype, pin_memory=True)
-            else:
-                self.host_storage = _zeroed(host_shape, dtype, torch.device("cpu"))
+            self.host_storages = [_host_zeroed((layout.group_size, 2, num_host_blocks, block_size, *shape), dtype,
+                                               device) for shape in shapes]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's contents into block dst, in every layer."""
@@ -111,34 +138,48 @@ class KVCache:
         device = self.storage.device
         src = device_tensor([s for s, _ in pairs], torch.int64, device)
         dst = device_tensor([d for _, d in pairs], torch.int64, device)
-        for key_cache, value_cache in self.storage:  # (each slot once)
-            key_cache[dst] = key_cache[src]
-            value_cache[dst] = value_cache[src]
+        for storage in self.storages:
+            for key_cache, value_cache in storage:  # (each slot once)
+                key_cache[dst] = key_cache[src]
+                value_cache[dst] = value_cache[src]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks into host blocks, all layers at once: (device_block, host_block) pairs."""
         if not pairs:
             return
-        host = self._host()
         device_idx = device_tensor([d for d, _ in pairs], torch.int64, self.storage.device)
         host_idx = torch.tensor([h for _, h in pairs])
-        # [group_size, 2, len(pairs), block_size, n_kv_heads, head_dim]
-        host[:, :, host_idx] = self.storage[:, :, device_idx].cpu()
+        for host, storage in zip(self._host(), self.storages):
+            # [group_size, 2, len(pairs), block_size, n_kv_heads, head_dim]
+            host[:, :, host_idx] = storage[:, :, device_idx].cpu()
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host blocks into device blocks, all layers at once: (host_block, device_block) pairs."""
         if not pairs:
             return
-        host = self._host()
         host_idx = torch.tensor([h for h, _ in pairs])
         device_idx = device_tensor([d for _, d in pairs], torch.int64, self.storage.device)
-        # [group_size, 2, len(pairs), block_size, n_kv_heads, head_dim]
-        self.storage[:, :, device_idx] = to_device(host[:, :, host_idx], self.storage.device)
+        for host, storage in zip(self._host(), self.storages):
+            # [group_size, 2, len(pairs), block_size, n_kv_heads, head_dim]
+            storage[:, :, device_idx] = to_device(host[:, :, host_idx], storage.device)
 
-    def _host(self) -> torch.Tensor:
-        if self.host_storage is None:
+    @property
+    def host_storage(self) -> torch.Tensor | None:
+        """The host tensor of a model of one shape (None when swapping is off)."""
+        return self.host_storages[0] if self.host_storages else None
+
+    def _host(self) -> list[torch.Tensor]:
+        if self.host_storages is None:
             raise ValueError("no host blocks: swap space is 0")
-        return self.host_storage
+        return self.host_storages
+
+
+def _host_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if device.type == "cuda":
+        # NOTE: pinned (page-locked), as the copies to and from it cross PCIe; zeroed, like the
+        # device cache, because a swapped-in partial block brings its unwritten slots.
+        return torch.zeros(shape, dtype=dtype, pin_memory=True)
+    return _zeroed(shape, dtype, torch.device("cpu"))
 
 
 def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -13,7 +13,7 @@ from inferd.model.layers.rope import Rope
 # the families (inferd.model.families.registry): what a GGUF's general.architecture or a config.json's
 # model_type may say
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
-                           "gpt_oss")
+                           "gpt_oss", "gemma4")
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # the family (SUPPORTED_ARCHITECTURES)
@@ -49,6 +49,18 @@ class ModelConfig:
     output_bias: bool = False  # attention's output projection has a bias (gpt-oss)
     attention_sinks: bool = False  # one learned logit per head joins each softmax's denominator (gpt-oss)
     experts: Experts | None = None  # a mixture of experts in place of the MLP (in every layer but its dense_layers)
+    # Gemma 4 (inferd.model.gemma4): its own decoder layer reads these
+    norm_float32: bool = False  # RMSNorm's x̂·w taken in float32, then rounded (not x̂ rounded first)
+    full_head_dim: int | None = None  # full-attention layers' head size (global_head_dim); None: head_dim
+    full_kv_heads: int | None = None  # full-attention layers' KV heads; None: num_kv_heads
+    # per layer, the layer whose KV cache it attends over: itself, or (a KV-shared layer, which
+    # holds no cache and computes only its queries) an earlier layer of its kind; (): each its own
+    kv_sources: tuple[int, ...] = ()
+    value_norm: bool = False  # values RMS-normed per head, with no weight, before the cache
+    keys_as_values: bool = False  # full layers have no v projection: values are the k projection's output
+    double_wide_mlp: bool = False  # KV-shared layers' MLP is 2 x intermediate_size wide
+    per_layer_input_size: int = 0  # per-layer embeddings: each layer's width (0: none)
+    per_layer_vocab_size: int = 0  # and their vocabulary
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -65,6 +77,18 @@ class ModelConfig:
             raise ModelLoadError(f"unsupported activation {self.activation!r} (supported: silu, gelu_tanh)")
         for local in (False, True):
             self.rope(local).check(self.name or self.architecture)
+        self._check_kv_sources()
+
+    def _check_kv_sources(self) -> None:
+        if not self.kv_sources:
+            return
+        if len(self.kv_sources) != self.num_layers:
+            raise ModelLoadError(f"{len(self.kv_sources)} KV sources for {self.num_layers} layers")
+        for layer, source in enumerate(self.kv_sources):
+            if not (source == layer or (source < layer and self.kv_sources[source] == source
+                                        and self.kv_shape(source) == self.kv_shape(layer)
+                                        and self.is_sliding(source) == self.is_sliding(layer))):
+                raise ModelLoadError(f"layer {layer} cannot read layer {source}'s KV cache")
 
     @property
     def q_size(self) -> int:
@@ -82,6 +106,29 @@ class ModelConfig:
         """The layer's MLP is a mixture of experts."""
         return self.experts is not None and layer not in self.experts.dense_layers
 
+    def head_dim_of(self, layer: int) -> int:
+        return self.full_head_dim if self.full_head_dim and not self.is_sliding(layer) else self.head_dim
+
+    def kv_heads_of(self, layer: int) -> int:
+        return self.full_kv_heads if self.full_kv_heads and not self.is_sliding(layer) else self.num_kv_heads
+
+    def kv_shape(self, layer: int) -> tuple[int, int]:
+        """(KV heads, head size) of the layer's cache."""
+        return self.kv_heads_of(layer), self.head_dim_of(layer)
+
+    @property
+    def has_layer_shapes(self) -> bool:
+        """Layers differ in KV shape, or some read another's cache (Gemma 4): the KV layout says so."""
+        return bool(self.kv_sources) or any(self.kv_shape(i) != self.kv_shape(0) for i in range(self.num_layers))
+
+    def kv_source(self, layer: int) -> int:
+        return self.kv_sources[layer] if self.kv_sources else layer
+
+    def intermediate_of(self, layer: int) -> int:
+        """The dense MLP's width: twice as wide in KV-shared layers with double_wide_mlp (Gemma 4)."""
+        wide = self.double_wide_mlp and self.kv_source(layer) != layer
+        return self.intermediate_size * (2 if wide else 1)
+
     def is_sliding(self, layer: int) -> bool:
         return bool(self.layer_types) and self.layer_types[layer] == "sliding"
 
@@ -91,7 +138,8 @@ class ModelConfig:
 
     def rope(self, local: bool = False) -> Rope:
         """The RoPE of full layers, or (`local`) of sliding ones where the family gives them their own."""
-        rotary_dim = int(self.head_dim * self.partial_rotary_factor)
+        head_dim = self.head_dim if local else self.full_head_dim or self.head_dim
+        rotary_dim = int(head_dim * self.partial_rotary_factor)
         rotary_dim -= rotary_dim % 2
         if local and self.local_rope_theta is not None:
             return Rope(self.local_rope_theta, rotary_dim, self.local_rope_scaling, self.max_position_embeddings)

@@ -49,6 +49,7 @@ class Family:
     # tensor and the config giving (canonical suffix, tensor) pairs. (layer_names may name one
     # expert's tensor with "{e}" for its index: "block_sparse_moe.experts.{e}.w1.weight".)
     stacked: dict[str, Callable[[Any, Any], list[tuple[str, Any]]]] = field(default_factory=dict)
+    top_names: dict[str, str] = field(default_factory=dict)  # the family's own tensors outside the layers
     # the same tensors stored in MXFP4 (NAME_blocks + NAME_scales), kept packed: HF suffix -> a
     # function of (blocks, scales) giving (canonical suffix, quant.Q8Blocks or None: dequantize)
     microscaled: dict[str, Callable[[Any, Any], list[tuple[str, Any]]]] = field(default_factory=dict)

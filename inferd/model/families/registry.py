@@ -14,6 +14,8 @@ sliding-window layers, per-layer RoPE, partial rotary. A family says
   tensor names and metadata keys, and the converter's own conventions (Gemma's norms stored as
   1 + w, Llama's q/k rows interleaved for its RoPE, Phi-3's fused tensors).
 
+Gemma 4 (families/gemma4.py) also runs layers of its own (inferd.model.gemma4).
+
 Adding a family: a `Family(...)` entry below; a new switch goes into ModelConfig, the decoder
 and every attention backend (inferd.kernels.ops), with a test that fails with it off.
 """
@@ -25,12 +27,13 @@ from typing import Any
 from inferd.model.families.config import ModelConfig
 from inferd.model.families.dense import DENSE_FAMILIES
 from inferd.model.families.family import GGUF_TOP_NAMES, TOP_NAMES, Family, rope_variant
+from inferd.model.families.gemma4 import GEMMA4
 from inferd.model.families.sparse import SPARSE_FAMILIES
 from inferd.text.errors import ModelLoadError
 
 __all__ = ["GGUF_TOP_NAMES", "TOP_NAMES", "Family", "config_from_gguf", "config_from_hf", "family_of", "gguf_family"]
 
-FAMILIES = DENSE_FAMILIES + SPARSE_FAMILIES
+FAMILIES = DENSE_FAMILIES + SPARSE_FAMILIES + (GEMMA4,)
 BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
 BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -72,8 +75,10 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
             name=cfg.get("_name_or_path", "") or source,
         )
         fields |= family.read(cfg)
-        if fields["rope_scaling"] is not None and "partial_rotary_factor" in fields["rope_scaling"]:
-            fields["partial_rotary_factor"] = float(fields["rope_scaling"]["partial_rotary_factor"])
+        scaling = fields["rope_scaling"]
+        # (proportional RoPE reads its own factor: rope.py)
+        if scaling is not None and "partial_rotary_factor" in scaling and scaling.get("rope_type") != "proportional":
+            fields["partial_rotary_factor"] = float(scaling["partial_rotary_factor"])
     except KeyError as e:
         raise ModelLoadError(f"{source}: config.json lacks {e.args[0]!r}") from None
     try:

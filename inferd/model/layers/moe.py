@@ -1,4 +1,4 @@
-"""The MLPs of a decoder layer: one gated MLP, or a mixture of experts (Mixtral, Qwen3-MoE, gpt-oss).
+"""The MLPs of a decoder layer: one gated MLP, or a mixture of experts (Mixtral, Qwen3-MoE, gpt-oss, Gemma 4).
 
 A mixture routes each token to `top_k` of its experts and sums their outputs, weighted by the
 router (the variants are data, ModelConfig's `Experts`):
@@ -54,6 +54,10 @@ class Experts:
     shared_intermediate_size: int = 0  # a dense MLP every token also goes through (0: none)
     shared_gate: bool = False  # the shared MLP's output scaled by sigmoid(x · w_gate) (Qwen2-MoE style)
     dense_layers: tuple[int, ...] = ()  # layers that keep a dense MLP instead (Qwen3-MoE's mlp_only_layers)
+    # Gemma 4: the router's input RMS-normed with this eps (no weight), then times a learned scale
+    # [hidden] and hidden^-0.5; None: the router reads its input as it is
+    router_norm_eps: float | None = None
+    expert_scale: bool = False  # the top-k weights times a learned scale per expert (Gemma 4)
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
@@ -149,7 +153,10 @@ class MixtureOfExperts:
         self.spec = spec
         router = w[f"{prefix}.router"]
         assert isinstance(router, torch.Tensor)
-        self.router = DenseLinear(router, w.get(f"{prefix}.router_bias"))  # type: ignore[arg-type]
+        # (in float32: a few rows of a bf16 product this small cost oneDNN ~80 µs a call, and
+        # the experts picked are those of exact logits)
+        bias = w.get(f"{prefix}.router_bias")
+        self.router = DenseLinear(router.float(), None if bias is None else bias.float())  # type: ignore[union-attr]
         # (packed experts keep no dense copy for long prompts: that would undo the packing of most
         # of the model's bytes)
         self.experts = [GatedMLP.load(w, f"{prefix}.experts.{e}", dtype, activate, spec.expert_bias, split=False)
@@ -159,13 +166,23 @@ class MixtureOfExperts:
                        else None)
         shared_gate = w.get(f"{prefix}.shared_gate")
         self.shared_gate = DenseLinear(shared_gate, None) if isinstance(shared_gate, torch.Tensor) else None
+        # Gemma 4: the router's input normed and scaled ([hidden]), the weights scaled per expert ([E])
+        self.router_scale = w[f"{prefix}.router_scale"] if spec.router_norm_eps is not None else None
+        self.expert_scale = w[f"{prefix}.expert_scale"] if spec.expert_scale else None
         # rows routed to each expert since start, on the device (no read-back per step): operators
         # watch the skew (/metrics)
         self.routed = torch.zeros(spec.num_experts, dtype=torch.int64, device=router.device)
 
-    def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:  # [T, H] -> [T, H]
+    def __call__(self, x: torch.Tensor, dense_rows: int = 0,
+                 router_input: torch.Tensor | None = None) -> torch.Tensor:  # [T, H] -> [T, H]
+        """`router_input` [T, H]: what the router reads, where it is not `x` (Gemma 4's residual)."""
         spec = self.spec
-        weights, index = route(self.router(x), spec)  # [T, k] each
+        routed = x if router_input is None else router_input
+        if self.router_scale is not None:
+            routed = self._normed(routed)
+        weights, index = route(self.router(routed.float()), spec)  # [T, k] each
+        if self.expert_scale is not None:
+            weights = weights * self.expert_scale[index]
         slots = index.flatten()  # [T * k]: token t's j-th expert at t * k + j
         order = torch.argsort(slots, stable=True)  # slots grouped by expert, tokens ascending in each
         # (a scatter, not bincount: bincount reads its maximum back from the device)
@@ -179,17 +196,23 @@ class MixtureOfExperts:
         self.routed += counts
         out = torch.empty_like(sorted_out)
         out[order] = sorted_out
-        out = out.view(x.shape[0], spec.top_k, -1)
-        acc = out[:, 0].float() * weights[:, :1]
-        for j in range(1, spec.top_k):  # the token's own order: the same sum whatever the batch
-            acc += out[:, j].float() * weights[:, j:j + 1]
-        result = acc.to(x.dtype)
+        # Σ_j weight_j · y_j, one small product per token: the same sum whatever the batch
+        combined = torch.bmm(weights[:, None, :], out.view(x.shape[0], spec.top_k, -1).float())  # [T, 1, H]
+        result = combined[:, 0].to(x.dtype)
         if self.shared is not None:
             shared = self.shared(x, dense_rows)
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_gate(x))
             result = result + shared
         return result
+
+    def _normed(self, x: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's router input: RMS-normed in float32 with no weight, times its scale and
+        hidden^-0.5 (transformers' Gemma4TextRouter, operation for operation)."""
+        assert self.spec.router_norm_eps is not None and self.router_scale is not None
+        xf = x.float()
+        normed = (xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + self.spec.router_norm_eps, -0.5)).to(x.dtype)
+        return normed * self.router_scale * x.shape[-1] ** -0.5
 
     def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         sorted_out = torch.empty_like(rows)
@@ -211,6 +234,10 @@ def expected_tensors(spec: Experts, prefix: str, hidden: int) -> dict[str, tuple
     shapes: dict[str, tuple[int, ...]] = {f"{prefix}.router": (e, hidden)}
     if spec.router_bias:
         shapes[f"{prefix}.router_bias"] = (e,)
+    if spec.router_norm_eps is not None:
+        shapes[f"{prefix}.router_scale"] = (hidden,)
+    if spec.expert_scale:
+        shapes[f"{prefix}.expert_scale"] = (e,)
     for n in range(e):
         p = f"{prefix}.experts.{n}"
         shapes |= {f"{p}.gate": (i, hidden), f"{p}.up": (i, hidden), f"{p}.down": (hidden, i)}

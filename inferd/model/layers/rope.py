@@ -12,6 +12,8 @@ float32, because the token-exact tests compare against it:
     yarn      YaRN: interpolated and extrapolated frequencies ramped by dimension, cos/sin scaled
     longrope  Phi-3: per-frequency divisors (short or long factors), cos/sin scaled
     factors   per-frequency divisors stored in a GGUF's rope_freqs tensor
+    proportional  Gemma 4's full layers: the first partial_rotary_factor of the head's frequencies
+              (of 1 / theta^(2i/head_dim)) turn, the rest are 0 (those pairs pass unrotated), / factor
 
 `rotary_dim` < head_dim is partial rotary (Phi-4-mini: 0.75 of each head); the rest of the head
 passes through unrotated.
@@ -27,7 +29,7 @@ import torch
 
 from inferd.text.errors import ModelLoadError
 
-VARIANTS = ("default", "linear", "llama3", "yarn", "longrope", "factors")
+VARIANTS = ("default", "linear", "llama3", "yarn", "longrope", "factors", "proportional")
 # keys of a variant that change nothing in the maths (or are read elsewhere)
 _IGNORED_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
 _KNOWN_KEYS = {
@@ -38,6 +40,7 @@ _KNOWN_KEYS = {
              "mscale_all_dim", "truncate"},
     "longrope": {"short_factor", "long_factor", "original_max_position_embeddings", "factor", "attention_factor"},
     "factors": {"factors"},
+    "proportional": {"factor"},  # (and its partial_rotary_factor, read here, not as partial rotary)
 }
 
 
@@ -83,6 +86,10 @@ class Rope:
             return _llama3(base, s), 1.0
         if kind == "factors":
             return base / torch.tensor(s["factors"], dtype=torch.float32), 1.0
+        if kind == "proportional":  # (rotary_dim is the whole head here)
+            turning = int(float(s.get("partial_rotary_factor", 1.0)) * dim // 2)
+            base = torch.cat((base[:turning], torch.zeros(dim // 2 - turning)))
+            return base / float(s.get("factor", 1.0)), 1.0
         if kind == "yarn":
             return _yarn(self.theta, dim, s, self.max_position_embeddings)
         return _longrope(self.theta, dim, s, self.max_position_embeddings, self.long)

@@ -15,6 +15,8 @@ tensor name the family does not know is refused, never dropped:
     layers.{i}.down             [hidden, intermediate]
     norm                        [hidden]
     lm_head                     [vocab, hidden]   (absent when tied to embed)
+
+and a family's own (Gemma 4's per-layer embeddings and MoE block: inferd.model.families.gemma4).
 """
 
 from __future__ import annotations
@@ -321,6 +323,8 @@ def _hf_tensors(family: Family, config: ModelConfig, name: str, read: Any, file:
         return []
     if short in TOP_NAMES:
         return [(TOP_NAMES[short], read())]
+    if short in family.top_names:
+        return [(family.top_names[short], read())]
     if short.startswith("layers."):
         _, layer, rest = short.split(".", 2)
         if rest in family.layer_names:

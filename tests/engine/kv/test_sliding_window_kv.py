@@ -49,6 +49,17 @@ def test_layout_groups_layers_by_window() -> None:
     assert gemma3.blocks_held(8192, 16, 512) == 512 + 5 * (-(-1536 // 16) + 2)
 
 
+def test_layout_keeps_kv_shapes_apart_and_places_a_shared_layer_at_its_source() -> None:
+    """Gemma 4 shaped: full layers with their own K/V shape, the last two layers reading layers 1 and 2."""
+    small, wide = (2, 16), (1, 32)
+    gemma4 = KVLayout.for_layers([W, W, None, W, None], shapes=[small, small, wide, small, wide], sources=[0, 1, 2, 1, 2])
+    assert [(g.window, g.layers, g.shape) for g in gemma4.groups] == [(None, (2,), wide), (W, (0,), small),
+                                                                       (W, (1,), small)]
+    assert gemma4.num_layers == 5 and gemma4.placement() == [(1, 0), (2, 0), (0, 0), (2, 0), (0, 0)]
+    mixed = KVLayout.for_layers([None] * 4, shapes=[small, wide, small, wide])  # one window, two shapes
+    assert [(g.layers, g.shape) for g in mixed.groups] == [((1, 3), wide), ((0, 2), small)]
+
+
 def test_blocks_behind_the_window_go_back_to_the_pool_as_decode_passes() -> None:
     bm = BlockManager(16, BS, windows=HYBRID)
     tokens = prompt(5)

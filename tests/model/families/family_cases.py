@@ -37,7 +37,9 @@ def build(folder: Path, make: Callable[[int], Any], seed: int = 0,
     vocab = tm.train_sentencepiece(folder)
     torch.manual_seed(seed)
     model = make(vocab)
-    model = prepare(tm.randomize(model, seed, norm_centre=0.0 if model.config.model_type.startswith("gemma") else 1.0))
+    # (Gemma 2/3's norms are x̂·(1 + w); Gemma 4's, like Llama's, x̂·w)
+    offset_norms = model.config.model_type.startswith("gemma") and not model.config.model_type.startswith("gemma4")
+    model = prepare(tm.randomize(model, seed, norm_centre=0.0 if offset_norms else 1.0))
     if model.config.tie_word_embeddings:
         model.tie_weights()
     model.save_pretrained(folder, safe_serialization=True)

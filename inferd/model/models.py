@@ -1,0 +1,15 @@
+"""The decoder a checkpoint runs: the DecoderModel every family shares (inferd.model.decoder), or
+Gemma 4's, which has layers of its own (inferd.model.gemma4)."""
+
+from __future__ import annotations
+
+import torch
+
+from inferd.model.decoder import DecoderModel
+from inferd.model.families.config import ModelConfig
+from inferd.model.gemma4 import Gemma4Model
+
+
+def decoder_for(cfg: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype) -> DecoderModel:
+    model = Gemma4Model if cfg.architecture == "gemma4" else DecoderModel
+    return model(cfg, weights, dtype)
