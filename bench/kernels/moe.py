@@ -23,6 +23,7 @@ import torch
 
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import LLMEngine
+from inferd.kernels import ops
 from inferd.model.layers import moe, mxfp4
 from inferd.model.layers.linear import BlockLinear, make_linear
 from inferd.model.layers.quant import quantize_int4
@@ -102,16 +103,14 @@ def grouping_overhead(batches: list[int], rounds: int) -> None:
     w = {name: quantize_int4(0.02 * torch.randn(shape, generator=gen)) if name.rsplit(".", 1)[-1] in ("gate", "up", "down")
          else (0.02 * torch.randn(shape, generator=gen)).bfloat16() for name, shape in shapes.items()}
 
-    def gated(gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
-
+    shape = ops.LayerShape(1024, 192, 64, 16, 4, 1e-6, False, False, "silu", False, False)
+    gated = ops.layer_ops(shape, torch.bfloat16, torch.device("cpu"), ops.TorchAttention()).gated  # (the decoder's)
     layer = moe.MixtureOfExperts(spec, w, "m", torch.bfloat16, gated)  # type: ignore[arg-type]
     print("\n| rows | mixture µs | its expert products alone µs | grouping overhead |")
     print("|---:|---:|---:|---:|")
     for n in batches:
         x = torch.randn(n, 1024, generator=gen).bfloat16()
-        _, index = moe.route(layer.router(x), spec)
+        _, index = moe.route(layer.router(x.float()), spec)
         counts = torch.bincount(index.flatten(), minlength=64).tolist()
         rows = [x[:1].expand(c, -1).contiguous() for c in counts]
 
@@ -134,26 +133,31 @@ def _time(fn: object, rounds: int) -> float:
 
 
 def mxfp4_products(batches: list[int], rounds: int) -> None:
-    """One gpt-oss-20b expert product (2,880 -> 2,880) three ways: MXFP4 converted at load to 8-bit
+    """gpt-oss-20b expert products (2,880 -> 2,880) three ways: MXFP4 converted at load to 8-bit
     blocks on the block products (what inferd does), MXFP4 read as stored (dequantized at each call,
-    then a bf16 product: no kernel of ours reads e2m1 directly), and dense bf16."""
+    then a bf16 product: no kernel of ours reads e2m1 directly), and dense bf16. Eight experts in
+    turn, so that the weights come from memory, not the cache, as a model's do."""
     gen = torch.Generator().manual_seed(0)
     n = k = 2880
-    blocks = torch.randint(0, 256, (n, k // 32, 16), generator=gen, dtype=torch.uint8)
-    scales = torch.randint(118, 124, (n, k // 32), generator=gen, dtype=torch.uint8)
-    q8 = mxfp4.to_q8_blocks(blocks, scales)
-    assert q8 is not None
-    converted = make_linear(q8, None, torch.bfloat16)
-    dense = mxfp4.dequantize(blocks, scales, torch.bfloat16)
-    stored_bytes, converted_bytes = blocks.nbytes + scales.nbytes, getattr(converted, "weight", dense).nbytes
+    stored = [(torch.randint(0, 256, (n, k // 32, 16), generator=gen, dtype=torch.uint8),
+               torch.randint(118, 124, (n, k // 32), generator=gen, dtype=torch.uint8)) for _ in range(8)]
+    converted = [make_linear(mxfp4.to_q8_blocks(b, s), None, torch.bfloat16) for b, s in stored]  # type: ignore[arg-type]
+    dense = [mxfp4.dequantize(b, s, torch.bfloat16) for b, s in stored]
+    stored_bytes = stored[0][0].nbytes + stored[0][1].nbytes
+    converted_bytes = getattr(converted[0], "weight", dense[0]).nbytes
+    turn = iter(range(10**9))
+
+    def each(fn: object) -> object:
+        return lambda: fn(next(turn) % 8)  # type: ignore[operator]
+
     print(f"\n| rows | MXFP4 as 8-bit blocks µs ({converted_bytes / n / k:.2f} B/weight) | MXFP4 as stored, "
           f"dequantized per call µs ({stored_bytes / n / k:.2f} B/weight) | bf16 µs (2 B/weight) |")
     print("|---:|---:|---:|---:|")
     for m in batches:
         x = torch.randn(m, k, generator=gen).bfloat16()
-        a = _time(lambda: converted(x), rounds)
-        b = _time(lambda: torch.nn.functional.linear(x, mxfp4.dequantize(blocks, scales, torch.bfloat16)), rounds)
-        c = _time(lambda: torch.nn.functional.linear(x, dense), rounds)
+        a = _time(each(lambda i: converted[i](x)), rounds)
+        b = _time(each(lambda i: torch.nn.functional.linear(x, mxfp4.dequantize(*stored[i], torch.bfloat16))), rounds)
+        c = _time(each(lambda i: torch.nn.functional.linear(x, dense[i])), rounds)
         print(f"| {m} | {a:.0f} | {b:.0f} | {c:.0f} |", flush=True)
 
 

@@ -17,7 +17,7 @@ from inferd.engine.config import EngineConfig
 from inferd.engine.worker.cuda_graphs import DecodeGraphs
 from inferd.engine.worker.kv_cache import KVCache, auto_kv_cache_memory, host_blocks_for, num_blocks_for
 from inferd.engine.worker.runner import ModelRunner
-from inferd.kernels.ops import CpuAttention, CudaAttention, TorchAttention, select_attention
+from inferd.kernels.ops import CudaAttention, TorchAttention, select_attention
 from inferd.text.errors import ModelLoadError
 from inferd.model.decoder import DecoderModel
 from inferd.model.loading.loader import default_model_path, load_checkpoint
@@ -27,7 +27,6 @@ from inferd.text.tokenizer_loader import load_tokenizer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-CPU_MAX_HEAD_DIM = 256
 
 
 def in_passing_thread(build: Callable[..., T], *args: object) -> T:
@@ -106,11 +105,7 @@ def _attention(model: DecoderModel, config: EngineConfig, max_model_len: int, de
     backends = [select_attention(model.device, model.dtype, cfg.num_heads, kv_heads, head_dim,
                                  config.cache.block_size, config.scheduler.max_num_seqs, max_model_len, deterministic)
                 for kv_heads, head_dim in shapes]
-    # NOTE: the CPU kernel holds heads of at most 256 (cpu_attention.cpp's kMaxDim), which
-    # cpu.supports does not check yet; Gemma 4's full layers have 512
-    too_wide = any(isinstance(b, CpuAttention) and d > CPU_MAX_HEAD_DIM for b, (_, d) in zip(backends, shapes))
-    if not too_wide and (len(backends) == 1 or (len({type(b) for b in backends}) == 1
-                                                 and not isinstance(backends[0], CudaAttention))):
+    if len(backends) == 1 or (len({type(b) for b in backends}) == 1 and not isinstance(backends[0], CudaAttention)):
         return backends[0]
     log.warning("[model] layers of %d K/V shapes %s: attention runs on the torch reference", len(shapes), shapes)
     return TorchAttention(backends[0].kv_block)

@@ -23,7 +23,7 @@ from inferd.kernels import ops
 from inferd.kernels.ops import Attention, AttentionPlan, LayerOps, LayerShape
 from inferd.model.families.config import ModelConfig
 from inferd.model.layers.linear import DenseLinear, Linear, make_linear
-from inferd.model.layers.moe import GatedMLP, MixtureOfExperts, expected_tensors, swiglu_clamped
+from inferd.model.layers.moe import GatedMLP, MixtureOfExperts, expected_tensors, plain_gated, swiglu_clamped
 from inferd.model.layers.quant import fuse
 from inferd.text.errors import ModelLoadError
 
@@ -105,8 +105,10 @@ class DecoderLayer:
         spec = self.cfg.experts
         if spec is None or not self.cfg.is_sparse(self.index):
             return GatedMLP.load(w, prefix, dtype, gated)  # type: ignore[arg-type]
-        activate = (swiglu_clamped(spec.swiglu_alpha, spec.swiglu_limit) if spec.activation == "swiglu_clamped"
-                    else gated)
+        if spec.activation == "swiglu_clamped":
+            activate = swiglu_clamped(spec.swiglu_alpha, spec.swiglu_limit)
+        else:  # (the fused CPU kernel takes widths of whole 16s)
+            activate = gated if spec.intermediate_size % 16 == 0 else plain_gated(spec.activation)
         return MixtureOfExperts(spec, w, f"{prefix}.moe", dtype, activate, stacked)  # type: ignore[arg-type]
 
     def __call__(

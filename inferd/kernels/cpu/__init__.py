@@ -46,8 +46,11 @@ def kernels() -> Any:
     return torch.ops.inferd_cpu
 
 
+MAX_HEAD_DIM = 256  # cpu_attention.cpp's kMaxDim: a row of scores and its sum live on the stack
+
+
 def supports(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
-    return head_dim % HEAD_SIZE_MULTIPLE == 0 and num_heads % num_kv_heads == 0
+    return head_dim % HEAD_SIZE_MULTIPLE == 0 and head_dim <= MAX_HEAD_DIM and num_heads % num_kv_heads == 0
 
 
 def block_matmul_available() -> bool:

@@ -84,6 +84,17 @@ def route(logits: torch.Tensor, spec: Experts) -> tuple[torch.Tensor, torch.Tens
     return top, index
 
 
+def plain_gated(activation: str) -> Activation:
+    """act(gate) x up in torch ops: experts whose width the fused CPU kernel does not take."""
+
+    def activate(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = torch.nn.functional.silu(gate) if activation == "silu" else torch.nn.functional.gelu(gate, approximate="tanh")
+        return act * up
+
+    return activate
+
+
 def swiglu_clamped(alpha: float, limit: float) -> Activation:
     """gpt-oss's gate: gate capped above at `limit`, up clamped to ±limit, gate·σ(alpha·gate)·(up + 1)."""
 
@@ -188,14 +199,13 @@ class MixtureOfExperts:
         # (a scatter, not bincount: bincount reads its maximum back from the device)
         counts = torch.zeros(spec.num_experts, dtype=torch.int64, device=x.device).scatter_add_(
             0, slots, torch.ones_like(slots))
-        rows = x[order // spec.top_k]  # [T * k, H]
+        rows = x.index_select(0, order // spec.top_k)  # [T * k, H]
         if self.stacked is not None:
             sorted_out = self.stacked(rows, counts)
         else:
             sorted_out = self._per_expert(rows, counts.tolist())
         self.routed += counts
-        out = torch.empty_like(sorted_out)
-        out[order] = sorted_out
+        out = torch.empty_like(sorted_out).index_copy_(0, order, sorted_out)
         # Σ_j weight_j · y_j, one small product per token: the same sum whatever the batch
         combined = torch.bmm(weights[:, None, :], out.view(x.shape[0], spec.top_k, -1).float())  # [T, 1, H]
         result = combined[:, 0].to(x.dtype)
@@ -215,13 +225,12 @@ class MixtureOfExperts:
         return normed * self.router_scale * x.shape[-1] ** -0.5
 
     def _per_expert(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        sorted_out = torch.empty_like(rows)
-        start = 0
+        outs, start = [], 0
         for expert, n in zip(self.experts, counts):
             if n:
-                sorted_out[start:start + n] = expert(rows[start:start + n])
+                outs.append(expert(rows[start:start + n]))
             start += n
-        return sorted_out
+        return torch.cat(outs)
 
     def linears(self) -> list[Linear]:
         mlps = self.experts + ([self.shared] if self.shared is not None else [])

@@ -163,6 +163,8 @@ def pack(weight: Weight, mode: str) -> Weight:
         return weight
     if mode == "int4" and packable(tuple(weight.shape)):
         return quantize_int4(weight)
+    if weight.shape[-1] % 16:  # (torch's int8 product crashes on such inputs from two rows on)
+        return weight
     return quantize_int8(weight)
 
 
