@@ -190,12 +190,27 @@ def attention_planned(
     q = query.view(n, q_len, n_heads, head_dim).transpose(1, 2)  # [N, H, Q, D]
     if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True)
-    else:  # (SDPA has neither soft-cap nor sinks: the scores written out, as transformers' eager attention does)
+    elif softcap is None and q.device.type == "cpu":
+        out = _flash_attention_with_sinks(q, k, v, plan.mask, scale, sinks)  # type: ignore[arg-type]
+    else:  # (SDPA has no soft-cap: the scores written out, as transformers' eager attention does)
         out = _eager_attention(q, k, v, plan.mask, scale, softcap, sinks)
     out = out.transpose(1, 2).reshape(n * q_len, n_heads, head_dim)  # [N * Q, H, D]
     if plan.pad_index is not None:
         out = out[plan.pad_index]
     return out
+
+
+def _flash_attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+                                sinks: torch.Tensor) -> torch.Tensor:
+    """Sinks without writing the scores out: torch's CPU flash attention also returns each row's
+    log-sum-exp, and the sink only rescales the row, by Z / (Z + e^sink) = sigmoid(lse - sink)."""
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    additive = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=additive,
+                                                                         scale=scale)[:2]
+    share = torch.sigmoid(lse.float() - sinks.float().view(1, -1, 1))  # [N, H, Q]
+    return (out.float() * share[..., None]).to(q.dtype)
 
 
 def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,

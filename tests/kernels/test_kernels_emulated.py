@@ -142,8 +142,9 @@ def test_reshape_and_cache_is_bit_exact(kernels, dtype: torch.dtype) -> None:
     assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
 
 
-# Gemma 2 (the default tier's) takes every path the Llama case does, and the window and soft-cap too
-@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.soak), "gemma2"])
+# Gemma 2 (the default tier's) takes every path the Llama case does, and the window and soft-cap too;
+# gpt-oss adds attention sinks (in the split kernel's reduce too) and the experts, Gemma 4 KV-shared layers
+@pytest.mark.parametrize("family", [pytest.param("llama", marks=pytest.mark.soak), "gemma2", "gpt_oss", "gemma4"])
 def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path, family: str) -> None:
     """The CUDA attention backend end to end (strided K/V into reshape_and_cache, int32 decode
     plans, the split kernel for a context past 512 tokens), inside the engine on the CPU: greedy
@@ -165,6 +166,8 @@ def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path, fam
                  max_position_embeddings=1024)
     if family == "llama":
         model = tm.tiny_llama(vocab_size, **shape)
+    elif family in ("gpt_oss", "gemma4"):
+        model = _newer_family(family, vocab_size, shape)
     else:
         from transformers import Gemma2Config, Gemma2ForCausalLM
 
@@ -179,9 +182,33 @@ def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path, fam
     engine.model.set_attention(CudaAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 8, engine.max_model_len,
                                              torch.device("cpu")))
     prompts = [engine.tokenizer.encode(p) for p in tm.PROMPTS[:3]]
-    prompts.append(engine.tokenizer.encode(" ".join(tm.PROMPTS) * 30)[:530])  # the split kernel's range
+    if family in ("llama", "gemma2"):  # (sinks in the split kernel: tests/kernels/test_sinks.py)
+        prompts.append(engine.tokenizer.encode(" ".join(tm.PROMPTS) * 30)[:530])  # the split kernel's range
     with tm.torch_threads(1):
         expected = tm.greedy_reference(model, prompts, 8)
     completions = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [c.token_ids for c in completions] == expected
     assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
+
+
+def _newer_family(family: str, vocab_size: int, shape: dict[str, int]) -> torch.nn.Module:
+    """gpt-oss (sinks, a window of 40 and a full layer, 4 experts) or Gemma 4 (two of four layers
+    reading earlier layers' caches), in the shape the compiled decode specialization takes."""
+    import tiny_models as tm
+    import transformers as t
+
+    torch.manual_seed(0)
+    if family == "gpt_oss":
+        model = t.GptOssForCausalLM(t.GptOssConfig(
+            vocab_size=vocab_size, num_hidden_layers=2, head_dim=64, sliding_window=40, num_local_experts=4,
+            num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], **shape))
+        model = tm.randomize(model, 0)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.mul_(10).add_(1.0)  # (sinks that matter)
+        return model
+    sliding, full = "sliding_attention", "full_attention"
+    return tm.randomize(t.Gemma4ForCausalLM(t.Gemma4TextConfig(
+        vocab_size=vocab_size, num_hidden_layers=4, head_dim=64, global_head_dim=64, num_global_key_value_heads=1,
+        sliding_window=40, layer_types=[sliding, full, sliding, full], num_kv_shared_layers=2,
+        hidden_size_per_layer_input=0, tie_word_embeddings=False, **shape)), 0)
