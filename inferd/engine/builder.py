@@ -92,7 +92,11 @@ def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: in
     # (a hybrid model's decode steps run eagerly: the graphs hold one block table per row)
     if config.model.cuda_graphs and isinstance(model.attention, CudaAttention) and len(kv_cache.layout.groups) == 1:
         graphs = DecodeGraphs(model, kv_cache, config.scheduler.max_num_seqs, max_model_len)
-        graphs.capture()
+        try:
+            graphs.capture()
+        except RuntimeError as e:  # (an op of a newer family that cannot be captured: the steps still run)
+            log.warning("decode steps run without CUDA graphs: capturing them failed (%s)", e)
+            graphs = None
     return Execution(kv_cache, ModelRunner(model, kv_cache, graphs=graphs), num_blocks, num_host_blocks)
 
 

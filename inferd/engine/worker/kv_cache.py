@@ -87,7 +87,11 @@ def auto_kv_cache_memory(cfg: ModelConfig, dtype: torch.dtype, device: torch.dev
     itemsize = torch.empty((), dtype=dtype).element_size()
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     # one layer's live tensors per token: residual, norm, qkv, q copy, attention out, gate|up, silu*up
-    per_token = (3 * cfg.hidden_size + 3 * q + 2 * kv + 3 * cfg.intermediate_size) * itemsize
+    # (a mixture of experts: each token's top-k rows through its experts, gathered and put back)
+    experts = cfg.experts
+    mlp = (cfg.intermediate_size if experts is None else
+           max(cfg.intermediate_size, experts.top_k * experts.intermediate_size + 2 * experts.top_k * cfg.hidden_size))
+    per_token = (3 * cfg.hidden_size + 3 * q + 2 * kv + 3 * mlp) * itemsize
     logits = max_num_seqs * cfg.vocab_size * 4 * 4  # float32 logits and the sampler's temporaries
     # a prefill chunk gathers its whole context (K and V) and masks it per query token
     gather = 2 * max_model_len * kv * itemsize + max_num_batched_tokens * max_model_len
