@@ -66,6 +66,11 @@ async def test_a_call_nothing_forces_and_reasoning_are_separated(folder: str, tm
             "tools": [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in TOOLS]})
         assert status == 200 and [(b["name"], b["input"]) for b in message["content"] if b["type"] == "tool_use"] == [
             ("get_time", {})] and message["stop_reason"] == "tool_use"
+        status, models = await server.get("/v1/models")  # operators see the experts
+        assert status == 200 and (models["data"][0]["experts"], models["data"][0]["active_experts"]) == (4, 2)
+        async with server.session.get("/metrics") as r:
+            metrics = await r.text()
+        assert 'inferd_moe_expert_tokens_total{expert="3"}' in metrics and "inferd_moe_layer_imbalance" in metrics
     async with serve(scripted(folder, THINK_ANSWER, tmp_path / "think")) as server:
         client = openai.AsyncOpenAI(base_url=str(server.test_server.make_url("/v1")), api_key="unused", max_retries=0)
         chat = await client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=32, temperature=0,  # type: ignore[arg-type]
