@@ -20,6 +20,7 @@ from inferd.engine.worker.runner import ModelRunner
 from inferd.kernels.ops import CudaAttention, TorchAttention, select_attention
 from inferd.text.errors import ModelLoadError
 from inferd.model.decoder import DecoderModel
+from inferd.model.layers.mxfp4 import Mxfp4Weight
 from inferd.model.loading.loader import default_model_path, load_checkpoint
 from inferd.model.models import decoder_for
 from inferd.text.tokenizer import Tokenizer
@@ -47,10 +48,12 @@ def load_model(config: EngineConfig) -> tuple[DecoderModel, Tokenizer]:
     path = Path(config.model.path) if config.model.path else default_model_path()
     device, dtype = config.resolved_device(), config.resolved_dtype()
     start = time.perf_counter()
-    checkpoint = load_checkpoint(path, dtype, config.resolved_weights())
+    # (a GPU keeps MXFP4 experts as stored: gpt-oss-120b's fit one H200 only so)
+    checkpoint = load_checkpoint(path, dtype, config.resolved_weights(), keep_mxfp4=device.type == "cuda")
     tokenizer = load_tokenizer(path, gguf_metadata=checkpoint.gguf_metadata)
-    # (packed weights are CPU-only: resolved_weights)
-    weights = {name: t.to(device) if isinstance(t, torch.Tensor) else t for name, t in checkpoint.tensors.items()}
+    # (packed weights are CPU-only: resolved_weights; MXFP4 ones move with the rest)
+    weights = {name: t.to(device) if isinstance(t, torch.Tensor | Mxfp4Weight) else t
+               for name, t in checkpoint.tensors.items()}
     try:
         model = decoder_for(checkpoint.config, weights, dtype)
     except ModelLoadError as e:

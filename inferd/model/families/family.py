@@ -51,8 +51,8 @@ class Family:
     stacked: dict[str, Callable[[Any, Any], list[tuple[str, Any]]]] = field(default_factory=dict)
     top_names: dict[str, str] = field(default_factory=dict)  # the family's own tensors outside the layers
     # the same tensors stored in MXFP4 (NAME_blocks + NAME_scales), kept packed: HF suffix -> a
-    # function of (blocks, scales) giving (canonical suffix, quant.Q8Blocks or None: dequantize)
-    microscaled: dict[str, Callable[[Any, Any], list[tuple[str, Any]]]] = field(default_factory=dict)
+    # function of (blocks, scales, keep) giving (canonical suffix, keep(one matrix's blocks, scales))
+    microscaled: dict[str, Callable[[Any, Any, Any], list[tuple[str, Any]]]] = field(default_factory=dict)
 
 
 def sliding_layers(cfg: dict[str, Any], all_sliding: bool) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from typing import Any
 import torch
 
 from inferd.model.layers.moe import Experts
-from inferd.model.layers import mxfp4
 from inferd.model.families.family import (GGUF_EXPERT_NAMES, GGUF_LAYER_NAMES, GGUF_QK_NORM_NAMES, LLAMA_LAYER_NAMES,
                                           QK_NORM_NAMES, Family, gguf_experts, sliding_layers)
 from inferd.text.errors import ModelLoadError
@@ -102,16 +101,17 @@ def _down_bias(t: torch.Tensor, cfg: Any) -> list[tuple[str, Any]]:
     return [(f"moe.experts.{e}.down_bias", t[e]) for e in range(t.shape[0])]
 
 
-def _gate_up_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> list[tuple[str, Any]]:
+def _gate_up_blocks(blocks: torch.Tensor, scales: torch.Tensor, keep: Keep) -> list[tuple[str, Any]]:
     # MXFP4 rows are outputs ([E, 2I, G, 16]): gate and up interleaved along them
-    return [(f"moe.experts.{e}.{name}", mxfp4.to_q8_blocks(blocks[e, half::2], scales[e, half::2]))
+    return [(f"moe.experts.{e}.{name}", keep(blocks[e, half::2], scales[e, half::2]))
             for e in range(blocks.shape[0]) for half, name in ((0, "gate"), (1, "up"))]
 
 
-def _down_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> list[tuple[str, Any]]:
-    return [(f"moe.experts.{e}.down", mxfp4.to_q8_blocks(blocks[e], scales[e])) for e in range(blocks.shape[0])]
+def _down_blocks(blocks: torch.Tensor, scales: torch.Tensor, keep: Keep) -> list[tuple[str, Any]]:
+    return [(f"moe.experts.{e}.down", keep(blocks[e], scales[e])) for e in range(blocks.shape[0])]
 
 
+Keep = Callable[[torch.Tensor, torch.Tensor], Any]  # one matrix's MXFP4 blocks and scales -> how it is kept
 GPT_OSS_MICROSCALED = {"mlp.experts.gate_up_proj": _gate_up_blocks, "mlp.experts.down_proj": _down_blocks}
 GPT_OSS_STACKED = {"mlp.experts.gate_up_proj": _gate_up, "mlp.experts.gate_up_proj_bias": _gate_up_bias,
                    "mlp.experts.down_proj": _down, "mlp.experts.down_proj_bias": _down_bias}

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from inferd.kernels import ops
+from inferd.model.layers.mxfp4 import Mxfp4Weight
 from inferd.model.layers.quant import GROUP, Int4Codes, Int8Codes, Q8Blocks, Weight, blocks_fit
 
 
@@ -173,7 +174,22 @@ class SplitLinear:
         return torch.cat([self.dense(x[:p]), self.packed(x[p:])])
 
 
-Linear = DenseLinear | Int4Linear | Int8Linear | BlockLinear | SplitLinear
+class Mxfp4Linear:
+    """A product over weights kept in MXFP4 (a GPU's gpt-oss experts): dequantized into the
+    activations' dtype at each call, then a dense product; only the experts a step routes to pay it."""
+
+    def __init__(self, weight: Mxfp4Weight, bias: torch.Tensor | None) -> None:
+        self.weight = weight
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
+        return F.linear(x, self.weight.dequantize(x.dtype), self.bias)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.dequantize()
+
+
+Linear = DenseLinear | Int4Linear | Int8Linear | BlockLinear | SplitLinear | Mxfp4Linear
 
 
 def make_linear(weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, split: bool = False,
@@ -182,6 +198,8 @@ def make_linear(weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, s
     `wide_inputs`: the block products take this layer's inputs at 16 bits where its weights are 4."""
     if isinstance(weight, torch.Tensor):
         return DenseLinear(weight, bias)
+    if isinstance(weight, Mxfp4Weight):
+        return Mxfp4Linear(weight, bias)
     packed: Int4Linear | Int8Linear | BlockLinear
     if isinstance(weight, Int4Codes | Q8Blocks) and BlockLinear.fits(weight.shape):
         activation_bits = 16 if wide_inputs and isinstance(weight, Int4Codes) else 8

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from inferd.model.layers.linear import DenseLinear, Linear, make_linear
+from inferd.model.layers.mxfp4 import Mxfp4Weight
 from inferd.model.layers.quant import Weight, fuse
 from inferd.text.errors import ModelLoadError
 
@@ -118,7 +119,9 @@ class GatedMLP:
              bias: bool = False, split: bool = True) -> GatedMLP:
         """`{prefix}.gate/up/down` (and `_bias`) as a split (or plain) pair of products."""
         gate_up_bias = torch.cat([w[f"{prefix}.gate_bias"], w[f"{prefix}.up_bias"]]) if bias else None
-        gate_up = make_linear(fuse([w[f"{prefix}.gate"], w[f"{prefix}.up"]]), gate_up_bias, dtype, split=split)
+        gate, up = w[f"{prefix}.gate"], w[f"{prefix}.up"]
+        fused = Mxfp4Weight.cat([gate, up]) if isinstance(gate, Mxfp4Weight) else fuse([gate, up])  # type: ignore[list-item]
+        gate_up = make_linear(fused, gate_up_bias, dtype, split=split)
         down = make_linear(w[f"{prefix}.down"], w[f"{prefix}.down_bias"] if bias else None, dtype, split=split,
                            wide_inputs=True)
         return cls(gate_up, down, activate)  # type: ignore[arg-type]
@@ -172,7 +175,9 @@ class MixtureOfExperts:
         # of the model's bytes)
         self.experts = [GatedMLP.load(w, f"{prefix}.experts.{e}", dtype, activate, spec.expert_bias, split=False)
                         for e in range(spec.num_experts)]
-        self.stacked = StackedExperts(self.experts, activate) if stacked else None
+        # (stacked only over dense weights: MXFP4 experts stay one by one, dequantized when routed to)
+        dense = all(isinstance(op, DenseLinear) for e in self.experts for op in e.linears())
+        self.stacked = StackedExperts(self.experts, activate) if stacked and dense else None
         self.shared = (GatedMLP.load(w, f"{prefix}.shared", dtype, activate) if spec.shared_intermediate_size
                        else None)
         shared_gate = w.get(f"{prefix}.shared_gate")

@@ -71,13 +71,15 @@ def default_model_path() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
 
 
-def load_checkpoint(path: str | Path, dtype: torch.dtype, weights: str = "bf16") -> Checkpoint:
+def load_checkpoint(path: str | Path, dtype: torch.dtype, weights: str = "bf16", keep_mxfp4: bool = False) -> Checkpoint:
     """`weights` (inferd.model.layers.quant): "bf16" every tensor dense in `dtype`; otherwise the linear
-    layers' weights (and the head) packed as that mode says."""
+    layers' weights (and the head) packed as that mode says. `keep_mxfp4`: MXFP4 experts stay as
+    stored (mxfp4.Mxfp4Weight: a GPU's way), whatever `weights` says."""
     path = Path(path)
     if not path.exists():
         raise ModelLoadError(f"{path}: no such file or directory")
-    checkpoint = _load_hf_folder(path, dtype, weights) if path.is_dir() else _load_gguf(path, dtype, weights)
+    checkpoint = (_load_hf_folder(path, dtype, "mxfp4" if keep_mxfp4 else weights) if path.is_dir()
+                  else _load_gguf(path, dtype, weights))
     if weights != "bf16":
         checkpoint.tensors = quant.pack_weights(checkpoint.tensors, weights, checkpoint.stored_types,
                                                 checkpoint.config.tie_word_embeddings, checkpoint.head_blocks)
@@ -272,7 +274,9 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "bf16") -> 
         except (SafetensorError, OSError, RuntimeError) as e:
             raise ModelLoadError(f"{file}: truncated or corrupt safetensors file ({e})") from None
     for base, pair in microscaled.items():
-        tensors |= _microscaled(family, config, base, pair, weights != "bf16", dtype, folder)
+        tensors |= _microscaled(family, config, base, pair, weights, dtype, folder)
+    if weights == "mxfp4":
+        weights = "bf16"  # (the rest dense)
     if config.tie_word_embeddings:
         tensors.pop("lm_head", None)
     elif "lm_head" not in tensors:
@@ -291,16 +295,18 @@ def _stacked_suffix(name: str) -> str:
     return parts[2] if len(parts) == 3 and parts[0] == "layers" else ""
 
 
-def _microscaled(family: Family, config: ModelConfig, name: str, pair: dict[str, torch.Tensor], packed: bool,
+def _microscaled(family: Family, config: ModelConfig, name: str, pair: dict[str, torch.Tensor], weights: str,
                  dtype: torch.dtype, folder: Path) -> dict[str, Any]:
-    """One MXFP4 tensor's canonical tensors: with packed weights, 8-bit blocks holding the same
-    values (mxfp4.py) where the block products serve; else dequantized."""
+    """One MXFP4 tensor's canonical tensors: as stored ("mxfp4"); with packed weights, 8-bit blocks
+    holding the same values (mxfp4.py) where the block products serve; else dequantized."""
     suffix = _stacked_suffix(name)
     layer = name.removeprefix("model.").split(".", 2)[1]
-    if packed and suffix in family.microscaled and set(pair) == {"blocks", "scales"}:
-        parts = family.microscaled[suffix](pair["blocks"], pair["scales"])
-        if all(q8 is not None and quant.blocks_fit(q8.shape) for _, q8 in parts):
-            return {f"layers.{layer}.{part}": q8 for part, q8 in parts}
+    if weights != "bf16" and suffix in family.microscaled and set(pair) == {"blocks", "scales"}:
+        keep = ((lambda b, s: mxfp4.Mxfp4Weight(b.contiguous(), s.contiguous())) if weights == "mxfp4"
+                else mxfp4.to_q8_blocks)
+        parts = family.microscaled[suffix](pair["blocks"], pair["scales"], keep)
+        if weights == "mxfp4" or all(q8 is not None and quant.blocks_fit(q8.shape) for _, q8 in parts):
+            return {f"layers.{layer}.{part}": kept for part, kept in parts}
     dense = _hf_tensors(family, config, name, lambda: _dequantize_stacked(pair, name), folder)
     return {short: tensor.to(dtype) for short, tensor in dense}
 

@@ -131,3 +131,22 @@ def test_packed_weights_keep_mxfp4_experts_as_eight_bit_blocks(tmp_path: Path) -
     blocks, scales = stored["model.layers.0.mlp.experts.down_proj_blocks"], stored["model.layers.0.mlp.experts.down_proj_scales"]
     assert torch.equal(experts[1].down.dequantize(), mxfp4.dequantize(blocks[1], scales[1]))
     assert len(generate(engine, [[5, 6, 7]])[0]) == NEW_TOKENS
+
+
+def test_a_gpu_keeps_mxfp4_experts_as_stored(tmp_path: Path) -> None:
+    """What load_model does on CUDA (keep_mxfp4), run here on the CPU: the experts stay MXFP4 bytes,
+    dequantized when a step routes to them, and the tokens are transformers' still."""
+    from inferd.model.layers.linear import Mxfp4Linear
+    from inferd.model.loading.loader import load_checkpoint
+    from inferd.model.models import decoder_for
+    from inferd.text.tokenizer_loader import load_tokenizer
+
+    _, prompts, reference = write_mxfp4_folder(tmp_path)
+    checkpoint = load_checkpoint(tmp_path, torch.float32, "bf16", keep_mxfp4=True)
+    experts = [t for name, t in checkpoint.tensors.items() if ".experts." in name and not name.endswith("_bias")]
+    assert experts and all(isinstance(t, mxfp4.Mxfp4Weight) for t in experts)
+    model = decoder_for(checkpoint.config, checkpoint.tensors, torch.float32)
+    assert all(isinstance(op, Mxfp4Linear) for e in model.mixtures()[0].experts for op in e.linears())
+    engine = LLMEngine(model, load_tokenizer(tmp_path), EngineConfig.of(model=str(tmp_path), dtype="float32",
+                                                                         kv_cache_memory=16 * 2**20))
+    assert generate(engine, prompts) == reference
