@@ -3,7 +3,7 @@ names most families share, and the pieces of config.json every family reads the 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,10 @@ class Family:
     gguf_architecture: str | None = None
     gguf_layer_names: dict[str, str | tuple[str, ...]] = field(default_factory=dict)
     read_gguf: Callable[[Callable[..., Any], dict[str, Any]], dict[str, Any]] | None = None
+    gguf_top_names: dict[str, str] = field(default_factory=dict)  # the family's own tensors outside the layers
+    # the config as the file's tensor names complete it (those only their presence tells: Gemma 4's
+    # missing v projections); (config, names) -> config
+    gguf_tensors: Callable[[Any, Collection[str]], Any] | None = None
     # tensors holding every expert at once (gpt-oss's [E, ...]): HF suffix -> a function of the
     # tensor and the config giving (canonical suffix, tensor) pairs. (layer_names may name one
     # expert's tensor with "{e}" for its index: "block_sparse_moe.experts.{e}.w1.weight".)

@@ -106,11 +106,10 @@ def config_from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
 
     num_heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
-    num_kv_heads = key("attention.head_count_kv", num_heads)
-    if isinstance(num_kv_heads, list):  # per-layer counts: only uniform ones are supported
-        if len(set(num_kv_heads)) != 1:
-            raise ModelLoadError(f"{source}: per-layer KV head counts are not supported")
-        num_kv_heads = num_kv_heads[0]
+    # per-layer arrays: their one value, or None where layers differ (the family's reader must say)
+    num_kv_heads = _uniform(key("attention.head_count_kv", num_heads))
+    ffn = meta.get(f"{arch}.feed_forward_length")
+    per_layer_ffn = isinstance(ffn, list) and _uniform(ffn) is None
     scaling_type = meta.get(f"{arch}.rope.scaling.type")
     rope_scaling = None
     if scaling_type == "linear":
@@ -128,10 +127,10 @@ def config_from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
         vocab_size=int(meta.get(f"{arch}.vocab_size") or (len(tokens) if tokens else 0)),
         hidden_size=hidden,
         # (a mixture of experts in every layer may give only its experts' size)
-        intermediate_size=int(meta.get(f"{arch}.feed_forward_length") or key("expert_feed_forward_length")),
+        intermediate_size=None if per_layer_ffn else int(_uniform(ffn) or key("expert_feed_forward_length")),
         num_layers=int(key("block_count")),
         num_heads=num_heads,
-        num_kv_heads=int(num_kv_heads),
+        num_kv_heads=None if num_kv_heads is None else int(num_kv_heads),
         head_dim=int(meta.get(f"{arch}.attention.key_length") or meta.get(f"{arch}.rope.dimension_count")
                      or hidden // num_heads),
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon")),
@@ -143,6 +142,18 @@ def config_from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
     )
     assert family.read_gguf is not None
     try:
-        return ModelConfig(**(common | family.read_gguf(key, common)))
+        fields = common | family.read_gguf(key, common)
+        for name, field in (("attention.head_count_kv", "num_kv_heads"), ("feed_forward_length", "intermediate_size")):
+            if fields[field] is None:
+                raise ModelLoadError(f"per-layer {arch}.{name} {meta[f'{arch}.{name}']} is not supported for "
+                                     f"{family.name} (only one value for every layer)")
+        return ModelConfig(**fields)
     except ModelLoadError as e:
         raise ModelLoadError(f"{source}: {e}") from None
+
+
+def _uniform(value: Any) -> Any:
+    """A GGUF value that may be a per-layer array: the value, the array's one value, or None."""
+    if isinstance(value, list):
+        return value[0] if value and len(set(value)) == 1 else None
+    return value

@@ -103,11 +103,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
     from inferd.text.gguf_file import GGUFFile
 
     gguf = GGUFFile(path)
-    config = config_from_gguf(gguf.metadata, str(path))
-    if config.experts is not None:  # (no key says which layers keep a dense MLP: those without a router)
-        dense = tuple(i for i in range(config.num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors)
-        config = replace(config, experts=replace(config.experts, dense_layers=dense))
-    wanted = _gguf_names(gguf.tensors, gguf_family(gguf.metadata, str(path)), config, path)
+    family = gguf_family(gguf.metadata, str(path))
+    config = _gguf_config(gguf.metadata, gguf.tensors, family, path)
+    wanted = _gguf_names(gguf.tensors, family, config, path)
 
     def load(name: str) -> np.ndarray:
         info = gguf.tensors[name]
@@ -121,9 +119,10 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
 
     def convert(name: str) -> list[Any]:
         parts, heads = wanted[name]
-        experts = ".experts." in parts[0]  # one [E, ...] tensor: a part per expert
+        experts = ".experts." in parts[0]  # one [E, ...] tensor: a part per expert (or, fused, several)
+        per_expert = len(parts) // config.experts.num_experts if experts and config.experts is not None else 1
         if experts and weights != "bf16" and quant.is_linear(parts[0]):
-            blocks = _expert_blocks(gguf.raw(name), gguf.tensors[name].ggml_type.name)
+            blocks = _expert_blocks(gguf.raw(name), gguf.tensors[name].ggml_type.name, per_expert)
             if blocks is not None:  # kept as stored (or, MXFP4, in 8-bit blocks holding the same values)
                 return blocks
         codes = None
@@ -135,8 +134,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
                                           for t in (codes.codes, codes.scale, codes.minimum)))
             return [codes]
         tensor = _to_torch(_unpermute_qk(load(name), heads) if heads else load(name), dtype)
-        if experts:
-            return list(tensor.unbind(0))
+        if experts:  # (a fused expert's parts: its rows in equal shares, Gemma 4's gate then up)
+            return [part for expert in tensor.unbind(0) for part in expert.chunk(per_expert, 0)]
         if len(parts) == 1:
             return [tensor]
         return list(tensor.split([_rows(config, p.rsplit(".", 1)[-1]) for p in parts]))  # a fused tensor (Phi-3's)
@@ -145,7 +144,8 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         converted = dict(zip(wanted, pool.map(convert, wanted)))
     tensors = {part: t for name, ts in converted.items() for part, t in zip(wanted[name][0], ts)}
-    config = replace(_gguf_rope(config, gguf.metadata, gguf.tensors, load), tie_word_embeddings="lm_head" not in tensors)
+    config = replace(_gguf_rope(config, gguf.metadata, gguf.tensors, load, path),
+                     tie_word_embeddings="lm_head" not in tensors)
     stored = {part: gguf.tensors[name].ggml_type.name for name, (parts, _) in wanted.items() for part in parts}
     head_blocks = None
     head_part = "lm_head" if "lm_head" in tensors else "embed"  # (a tied head is the embedding)
@@ -157,16 +157,30 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
                       head_blocks=head_blocks)
 
 
-def _expert_blocks(raw: np.ndarray, type_name: str) -> list[Any] | None:
-    """Each expert's weights ([E, out, row bytes] as stored) as the block products take them:
-    Q4_0 / Q4_1 as 4-bit codes, Q8_0 and MXFP4 as 8-bit blocks; None for other types."""
+def _gguf_config(meta: dict[str, Any], names: Any, family: Family, path: Path) -> ModelConfig:
+    """The metadata's config, completed by what only the tensors' presence says."""
+    config = config_from_gguf(meta, str(path))
+    if config.experts is not None:  # (no key says which layers keep a dense MLP: those without a router)
+        dense = tuple(i for i in range(config.num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names)
+        config = replace(config, experts=replace(config.experts, dense_layers=dense))
+    try:
+        return config if family.gguf_tensors is None else family.gguf_tensors(config, names)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path}: {e}") from None
+
+
+def _expert_blocks(raw: np.ndarray, type_name: str, per_expert: int = 1) -> list[Any] | None:
+    """Each expert's weights ([E, out, row bytes] as stored; a fused one's rows in `per_expert`
+    equal parts) as the block products take them: Q4_0 / Q4_1 as 4-bit codes, Q8_0 and MXFP4 as
+    8-bit blocks; None for other types."""
     out: list[Any] = []
     for expert in raw:
-        blocks = (quant.int4_from_gguf(expert, type_name) or quant.q8_from_gguf(expert, type_name)
-                  or (mxfp4.q8_from_gguf(expert) if type_name == "MXFP4" else None))
-        if blocks is None:
-            return None
-        out.append(blocks)
+        for rows in np.split(expert, per_expert):
+            blocks = (quant.int4_from_gguf(rows, type_name) or quant.q8_from_gguf(rows, type_name)
+                      or (mxfp4.q8_from_gguf(rows) if type_name == "MXFP4" else None))
+            if blocks is None:
+                return None
+            out.append(blocks)
     return out
 
 
@@ -186,11 +200,11 @@ def _gguf_names(names: Any, family: Family, config: ModelConfig, path: Path) -> 
             short = family.gguf_layer_names[rest]
             parts = (short,) if isinstance(short, str) else short
             if "{e}" in parts[0] and config.experts is not None:  # every expert in one tensor
-                parts = tuple(parts[0].format(e=e) for e in range(config.experts.num_experts))
+                parts = tuple(p.format(e=e) for e in range(config.experts.num_experts) for p in parts)
             heads = unpermute.get(parts[0].removesuffix("_bias"), 0) if len(parts) == 1 else 0
             wanted[name] = (tuple(f"layers.{layer}.{p}" for p in parts), heads)
-        elif name in GGUF_TOP_NAMES:
-            wanted[name] = ((GGUF_TOP_NAMES[name],), 0)
+        elif name in GGUF_TOP_NAMES or name in family.gguf_top_names:
+            wanted[name] = (((GGUF_TOP_NAMES | family.gguf_top_names)[name],), 0)
         elif name not in _GGUF_ROPE_TENSORS:
             raise ModelLoadError(f"{path}: tensor {name!r} is not part of a {family.name} GGUF as inferd "
                                  "reads it (refused rather than dropped: the model would run without it)")
@@ -202,10 +216,15 @@ def _rows(config: ModelConfig, part: str) -> int:
     return {"q": config.q_size, "k": config.kv_size, "v": config.kv_size}.get(part, config.intermediate_size)
 
 
-def _gguf_rope(config: ModelConfig, meta: dict[str, Any], names: Any, load: Any) -> ModelConfig:
-    """RoPE parameters stored as tensors: Llama 3.1's scaled factors, Phi-3's LongRoPE factors."""
+def _gguf_rope(config: ModelConfig, meta: dict[str, Any], names: Any, load: Any, path: Path) -> ModelConfig:
+    """RoPE parameters stored as tensors: Llama 3.1's scaled factors (and Gemma 4's full layers':
+    1 for the pairs that turn, 1e30 for the rest, its proportional RoPE), Phi-3's LongRoPE factors."""
     if "rope_freqs.weight" in names:
         factors = load("rope_freqs.weight").astype(np.float32).tolist()
+        pairs = config.rope().rotary_dim // 2
+        if len(factors) != pairs:
+            raise ModelLoadError(f"{path}: tensor 'rope_freqs.weight' holds {len(factors)} factors, but the config's "
+                                 f"RoPE turns {pairs} pairs")
         return replace(config, rope_scaling={"rope_type": "factors", "factors": factors})
     if "rope_factors_short.weight" in names:
         arch = meta.get("general.architecture")
