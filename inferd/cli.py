@@ -190,6 +190,7 @@ def _model_loader(settings: Settings) -> Callable[[ModelSpec], AsyncEngine]:
     from inferd.engine.llm_engine import LLMEngine
 
     from inferd.api.conversation.harmony import speaks_harmony
+    from inferd.text.errors import ModelLoadError
     from inferd.text.o200k import harmony_encoding
 
     def load(spec: ModelSpec) -> AsyncEngine:
@@ -199,6 +200,9 @@ def _model_loader(settings: Settings) -> Callable[[ModelSpec], AsyncEngine]:
         engine = in_passing_thread(LLMEngine.from_config, config)
         if speaks_harmony(engine.tokenizer):  # (its vocabulary file is read now, not at the first request)
             harmony_encoding()
+            if config.output_filter is not None:  # (harmony answers are parsed from token ids, not the filtered text)
+                raise ModelLoadError(f"{spec.path or spec.name}: [output_filter] does not cover gpt-oss's harmony "
+                                     "answers yet: serve this model without it")
         return AsyncEngine(engine)
 
     return load

@@ -145,3 +145,20 @@ async def test_anthropic_messages(llm: LLMEngine) -> None:
             streamed = await stream.get_final_message()
         [again] = [b for b in streamed.content if b.type == "tool_use"]
         assert (again.name, again.input) == (use.name, use.input) and streamed.stop_reason == "tool_use"
+
+
+async def test_a_blocklist_is_refused_for_a_harmony_model_at_load(folder: str, tmp_path: Path) -> None:
+    """harmony answers are parsed from token ids, which the output filter does not see: refused at
+    load, never served unfiltered."""
+    from inferd.api.routing.served import ModelSpec
+    from inferd.cli import _model_loader
+    from inferd.settings.config import load_settings
+    from inferd.text.errors import ModelLoadError
+
+    blocklist = tmp_path / "blocklist.txt"
+    blocklist.write_text("spoon\n")
+    settings = load_settings(None, {"output_filter": {"blocklist_file": str(blocklist)},
+                                    "model": {"dtype": "float32"}, "cache": {"kv_cache_memory": 16 * 2**20}},
+                             environ={})
+    with pytest.raises(ModelLoadError, match="output_filter"):
+        _model_loader(settings)(ModelSpec(name="gpt-oss", path=folder))
