@@ -193,3 +193,46 @@ def same(model: Any) -> Any:
 def test_each_feature_matters(family: str, feature: str, other: Callable[[int], Any], after: Callable[[Any], Any],
                               cases: Callable[[str], Case]) -> None:
     assert switched_off(cases(family), other, after), f"{family}: switching off {feature} changes nothing here"
+
+
+# config.json of the released checkpoints, as their repositories ship them (written out here: the
+# tests fetch nothing), read into the switches they set
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0, "eos_token_id": 200002,
+    "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "intermediate_size": 2880, "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072, "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4,
+    "num_hidden_layers": 24, "num_key_value_heads": 8, "num_local_experts": 32, "pad_token_id": 199999,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+    "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                            "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                            "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "decoder_sparse_step": 1, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 6144, "max_position_embeddings": 40960,
+    "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06, "rope_scaling": None,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": None, "tie_word_embeddings": False,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+
+
+def test_the_released_configs_are_read_into_their_switches() -> None:
+    from inferd.model.families.registry import config_from_hf
+
+    oss = config_from_hf(GPT_OSS_20B, "gpt-oss-20b")
+    assert oss.experts is not None and (oss.experts.num_experts, oss.experts.top_k) == (32, 4)
+    assert (oss.experts.scoring, oss.experts.router_bias, oss.experts.expert_bias, oss.experts.swiglu_limit) == (
+        "topk_softmax", True, True, 7.0)
+    assert oss.attention_sinks and oss.output_bias and oss.sliding_window == 128 and oss.layer_types[:2] == (
+        "sliding", "full")
+    assert oss.rope_scaling is not None and oss.rope_scaling["truncate"] is False and oss.rope_theta == 150000
+    qwen = config_from_hf(QWEN3_30B_A3B, "Qwen3-30B-A3B")
+    assert qwen.experts is not None and (qwen.experts.num_experts, qwen.experts.top_k, qwen.experts.intermediate_size,
+                                         qwen.experts.renormalize, qwen.experts.dense_layers) == (128, 8, 768, True, ())
+    assert qwen.qk_norm and not qwen.layer_types
