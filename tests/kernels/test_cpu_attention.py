@@ -15,7 +15,7 @@ def built() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 64), (32, 8, 128), (4, 1, 16)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 64), (32, 8, 128), (4, 1, 16), (8, 2, 512)])
 def test_decode_matches_the_reference(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> None:
     torch.manual_seed(heads * head_dim)
     block_size, num_blocks = 16, 200

@@ -46,7 +46,7 @@ def kernels() -> Any:
     return torch.ops.inferd_cpu
 
 
-MAX_HEAD_DIM = 256  # cpu_attention.cpp's kMaxDim: a row of scores and its sum live on the stack
+MAX_HEAD_DIM = 512  # cpu_attention.cpp's kMaxDim: a row of scores and its sum live on the stack
 
 
 def supports(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:

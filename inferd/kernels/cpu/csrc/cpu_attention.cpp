@@ -38,7 +38,7 @@ namespace {
 constexpr int64_t kLanes = 16;
 constexpr int64_t kSpan = 512;     // positions per task: a short context is one task per KV head
 constexpr int64_t kMaxGroup = 8;   // query heads per KV head held in registers; more go in passes
-constexpr int64_t kMaxDim = 256;
+constexpr int64_t kMaxDim = 512;  // (Gemma 4's full layers)
 
 // exp(x) for x <= 0 (scores less their maximum), Cephes' expf polynomial: x = n ln2 + r,
 // |r| <= ln2 / 2, e^r by a degree-6 polynomial, 2^n put in the exponent bits; relative error
@@ -175,6 +175,7 @@ void attend_span_any(const float* q, int64_t group, const T* const* keys, const 
     case 32: return attend_span<T, 2>(q, group, keys, values, len, s, scores, part);
     case 16: return attend_span<T, 1>(q, group, keys, values, len, s, scores, part);
     case 256: return attend_span<T, 16>(q, group, keys, values, len, s, scores, part);
+    case 512: return attend_span<T, 32>(q, group, keys, values, len, s, scores, part);
     default: break;
   }
 #endif
