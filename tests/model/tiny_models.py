@@ -361,6 +361,33 @@ def gguf_writer(path: Path, arch: str, cfg: Any, head_dim: int, rope_theta: floa
     return w
 
 
+def write_spm_vocab(w: Any, spm: dict[str, Any]) -> None:
+    """A SentencePiece vocabulary ({"tokens", "scores", "types"}) into a GGUFWriter, as llama.cpp's
+    converter writes one (tokenizer model "llama")."""
+    w.add_tokenizer_model("llama")
+    w.add_token_list(spm["tokens"])
+    w.add_token_types(spm["types"])
+    w.add_token_scores(spm["scores"])
+
+
+def write_tensors(w: Any, tensors: dict[str, np.ndarray], qtype_of: Any) -> dict[str, np.ndarray]:
+    """Each tensor in the type `qtype_of(name, array)` gives, then the file written and closed;
+    returns what the file holds, each tensor dequantized back to float32."""
+    import gguf
+
+    held = {}
+    for name, array in tensors.items():
+        t = qtype_of(name, array)
+        data = array.astype(np.float32) if t == gguf.GGMLQuantizationType.F32 else gguf.quants.quantize(array, t)
+        w.add_tensor(name, data, raw_dtype=t)
+        held[name] = gguf.quants.dequantize(data, t).reshape(array.shape)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return held
+
+
 def write_llama_gguf(
     path: Path,
     model: Any,

@@ -71,3 +71,29 @@ def switched_off(case: Case, make: Callable[[int], Any], after: Callable[[Any], 
     other.eval()
     ids = [t for p in case.prompts for t in p] + case.reference[0]  # past the window
     return not torch.equal(greedy_argmax(case.model, ids), greedy_argmax(other, ids))
+
+
+def lazily_built(tmp_path_factory: Any, families: dict[str, Callable[[int], Any]],
+                 prepare: Callable[[Any], Any] = lambda model: model) -> Callable[[str], Case]:
+    """Each family's case, built on first use (what a module-scoped `cases` fixture returns)."""
+    built: dict[str, Case] = {}
+
+    def get(family: str) -> Case:
+        if family not in built:
+            built[family] = build(tmp_path_factory.mktemp(family), families[family], prepare=prepare)
+        return built[family]
+
+    return get
+
+
+def assert_alone_and_batched(case: Case) -> None:
+    """Greedy tokens equal transformers' for every prompt alone, then for all in one ragged batch."""
+    for prompt, expected in zip(case.prompts, case.reference):
+        assert generate(case.engine, [prompt]) == [expected]
+    assert generate(case.engine, case.prompts) == case.reference
+
+
+def chunked_engine(case: Case) -> LLMEngine:
+    """The case's model with prefill chunks of 5 tokens."""
+    return LLMEngine.from_config(EngineConfig.of(model=str(case.folder), dtype="float32", kv_cache_memory=16 * 2**20,
+                                                 max_num_batched_tokens=5))

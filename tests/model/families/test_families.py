@@ -23,8 +23,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
 
 import tiny_models as tm  # noqa: E402 - after the skips
-from family_cases import (NEW_TOKENS, SMALL, WINDOW, Case, build, generate,  # noqa: E402
-                          switched_off)
+from family_cases import (NEW_TOKENS, SMALL, WINDOW, Case, assert_alone_and_batched, build,  # noqa: E402
+                          chunked_engine, generate, lazily_built, switched_off)
 
 from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
@@ -88,14 +88,7 @@ FAMILIES: dict[str, Callable[[int], Any]] = {"qwen3": qwen3, "mistral": mistral,
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
     """Each family's case, built once for the module on first use."""
-    built: dict[str, Case] = {}
-
-    def get(family: str) -> Case:
-        if family not in built:
-            built[family] = build(tmp_path_factory.mktemp(family), FAMILIES[family])
-        return built[family]
-
-    return get
+    return lazily_built(tmp_path_factory, FAMILIES)
 
 
 @pytest.fixture(params=list(FAMILIES))
@@ -105,15 +98,11 @@ def case(request: pytest.FixtureRequest, cases: Callable[[str], Case]) -> Case:
 
 def test_greedy_alone_and_in_a_ragged_batch_match_transformers(case: Case) -> None:
     assert min(len(p) for p in case.prompts) + NEW_TOKENS > WINDOW + 16  # the window's edge is crossed
-    for prompt, expected in zip(case.prompts, case.reference):
-        assert generate(case.engine, [prompt]) == [expected]
-    assert generate(case.engine, case.prompts) == case.reference
+    assert_alone_and_batched(case)
 
 
 def test_small_prefill_chunks_match_transformers(case: Case) -> None:
-    engine = LLMEngine.from_config(EngineConfig.of(model=str(case.folder), dtype="float32", kv_cache_memory=16 * 2**20,
-                                                max_num_batched_tokens=5))
-    assert generate(engine, case.prompts) == case.reference
+    assert generate(chunked_engine(case), case.prompts) == case.reference
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])  # sliding and full layers; sliding only

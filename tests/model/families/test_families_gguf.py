@@ -102,29 +102,14 @@ def write_gguf(path: Path, arch: str, model: Any, spm: dict[str, Any]) -> None:
     if arch == "gemma2":
         w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(spm["tokens"])
-    w.add_token_types(spm["types"])
-    w.add_token_scores(spm["scores"])
+    tm.write_spm_vocab(w, spm)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
     w.add_pad_token_id(0)
-    for name, array in converted(arch, model).items():
-        qtype = gguf.GGMLQuantizationType.Q8_0 if array.ndim == 2 else gguf.GGMLQuantizationType.F32
-        w.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    types = gguf.GGMLQuantizationType
+    tm.write_tensors(w, converted(arch, model), lambda name, array: types.Q8_0 if array.ndim == 2 else types.F32)
 
-
-@pytest.fixture(scope="module")
-def spm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    folder = tmp_path_factory.mktemp("spm")
-    tm.train_sentencepiece(folder)
-    tokens, scores, types = tm.sentencepiece_vocab(folder / "tokenizer.model")
-    return {"tokens": tokens, "scores": scores, "types": types, "folder": folder}
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma2", "gemma3", "phi3"])

@@ -29,7 +29,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
 
 import tiny_models as tm  # noqa: E402 - after the skips
-from family_cases import NEW_TOKENS, SMALL, WINDOW, Case, build, generate, switched_off  # noqa: E402
+from family_cases import (NEW_TOKENS, SMALL, WINDOW, Case, assert_alone_and_batched, chunked_engine,  # noqa: E402
+                          generate, lazily_built, switched_off)
 
 from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
@@ -83,14 +84,7 @@ FAMILIES: dict[str, Callable[[int], Any]] = {"dense": dense, "moe": moe}
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
-    built: dict[str, Case] = {}
-
-    def get(name: str) -> Case:
-        if name not in built:
-            built[name] = build(tmp_path_factory.mktemp(name), FAMILIES[name], prepare=strengthen)
-        return built[name]
-
-    return get
+    return lazily_built(tmp_path_factory, FAMILIES, prepare=strengthen)
 
 
 @pytest.fixture(params=list(FAMILIES))
@@ -100,15 +94,11 @@ def case(request: pytest.FixtureRequest, cases: Callable[[str], Case]) -> Case:
 
 def test_greedy_alone_and_in_a_ragged_batch_match_transformers(case: Case) -> None:
     assert min(len(p) for p in case.prompts) + NEW_TOKENS > WINDOW + 16  # the window's edge is crossed
-    for prompt, expected in zip(case.prompts, case.reference):
-        assert generate(case.engine, [prompt]) == [expected]
-    assert generate(case.engine, case.prompts) == case.reference
+    assert_alone_and_batched(case)
 
 
 def test_small_prefill_chunks_match_transformers(case: Case) -> None:
-    engine = LLMEngine.from_config(EngineConfig.of(model=str(case.folder), dtype="float32", kv_cache_memory=16 * 2**20,
-                                                   max_num_batched_tokens=5))
-    assert generate(engine, case.prompts) == case.reference
+    assert generate(chunked_engine(case), case.prompts) == case.reference
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

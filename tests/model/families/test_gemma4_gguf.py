@@ -141,21 +141,8 @@ def write(path: Path, model: Any, spm: dict[str, Any], hparams: dict[str, Any],
     w.add_name("tiny-random-gemma4")
     for method, value in meta.items():
         getattr(w, method)(value)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(spm["tokens"])
-    w.add_token_types(spm["types"])
-    w.add_token_scores(spm["scores"])
-    held = {}
-    for name, array in tensors.items():
-        t = qtype(name, array)
-        data = gguf.quants.quantize(array, t)
-        w.add_tensor(name, data, raw_dtype=t)
-        held[name] = gguf.quants.dequantize(data, t).reshape(array.shape)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return held
+    tm.write_spm_vocab(w, spm)
+    return tm.write_tensors(w, tensors, qtype)
 
 
 def load_held(model: Any, held: dict[str, np.ndarray]) -> Any:
@@ -166,13 +153,6 @@ def load_held(model: Any, held: dict[str, np.ndarray]) -> Any:
             params[name].copy_(torch.from_numpy(held[gguf_name].copy()).reshape(params[name].shape))
     return model
 
-
-@pytest.fixture(scope="module")
-def spm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    folder = tmp_path_factory.mktemp("spm")
-    tm.train_sentencepiece(folder)
-    tokens, scores, types = tm.sentencepiece_vocab(folder / "tokenizer.model")
-    return {"tokens": tokens, "scores": scores, "types": types, "folder": folder}
 
 
 def tiny(name: str, vocab: int) -> Any:

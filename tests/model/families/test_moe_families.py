@@ -20,7 +20,8 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
 
 import tiny_models as tm  # noqa: E402 - after the skips
-from family_cases import SMALL, WINDOW, Case, build, generate, switched_off  # noqa: E402
+from family_cases import (SMALL, WINDOW, Case, assert_alone_and_batched, generate, lazily_built,  # noqa: E402
+                          switched_off)
 
 from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
@@ -88,14 +89,7 @@ FAMILIES: dict[str, Callable[[int], Any]] = {"mixtral": mixtral, "qwen2_moe": qw
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
-    built: dict[str, Case] = {}
-
-    def get(family: str) -> Case:
-        if family not in built:
-            built[family] = build(tmp_path_factory.mktemp(family), FAMILIES[family], prepare=strengthen)
-        return built[family]
-
-    return get
+    return lazily_built(tmp_path_factory, FAMILIES, prepare=strengthen)
 
 
 @pytest.fixture(params=list(FAMILIES))
@@ -104,9 +98,7 @@ def case(request: pytest.FixtureRequest, cases: Callable[[str], Case]) -> Case:
 
 
 def test_greedy_alone_and_in_a_ragged_batch_match_transformers(case: Case) -> None:
-    for prompt, expected in zip(case.prompts, case.reference):
-        assert generate(case.engine, [prompt]) == [expected]
-    assert generate(case.engine, case.prompts) == case.reference
+    assert_alone_and_batched(case)
 
 
 def test_small_prefill_chunks_and_preemption_match_transformers(case: Case) -> None:

@@ -109,21 +109,8 @@ def write(path: Path, family: str, model: Any, spm: dict[str, Any]) -> dict[str,
         w.add_rope_scaling_factor(YARN["factor"])
         w.add_rope_scaling_orig_ctx_len(YARN["original_max_position_embeddings"])
         w.add_swiglu_clamp_exp([cfg.swiglu_limit] * cfg.num_hidden_layers)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(spm["tokens"])
-    w.add_token_types(spm["types"])
-    w.add_token_scores(spm["scores"])
-    held = {}
-    for name, array in gguf_tensors(family, model).items():
-        t = qtype(family, name, array)
-        data = gguf.quants.quantize(array, t) if t != gguf.GGMLQuantizationType.F32 else array.astype(np.float32)
-        w.add_tensor(name, data, raw_dtype=t)
-        held[name] = gguf.quants.dequantize(data, t).reshape(array.shape)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return held
+    tm.write_spm_vocab(w, spm)
+    return tm.write_tensors(w, gguf_tensors(family, model), lambda name, array: qtype(family, name, array))
 
 
 def load_held(family: str, model: Any, held: dict[str, np.ndarray]) -> Any:
@@ -176,13 +163,6 @@ def _assign_expert(family: str, block: Any, rest: str, value: torch.Tensor) -> N
         size = experts.gate_up_proj.shape[1] // 2
         experts.gate_up_proj[:, (0 if kind == "ffn_gate" else size):][:, :size] = value
 
-
-@pytest.fixture(scope="module")
-def spm(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    folder = tmp_path_factory.mktemp("spm")
-    tm.train_sentencepiece(folder)
-    tokens, scores, types = tm.sentencepiece_vocab(folder / "tokenizer.model")
-    return {"tokens": tokens, "scores": scores, "types": types, "folder": folder}
 
 
 @pytest.mark.parametrize("family", list(ARCH))
