@@ -93,8 +93,7 @@ class DecoderLayer:
         self.mlp = self._mlp(w, prefix, dtype, stacked)
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_softcap
-        # (passed only where set: every backend takes sinks, as a keyword)
-        self.sinks = {"sinks": w[f"{prefix}.sinks"].float()} if cfg.attention_sinks else {}
+        self.sinks = w[f"{prefix}.sinks"].float() if cfg.attention_sinks else None  # [heads]
 
     def _mlp(self, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
              stacked: bool) -> GatedMLP | MixtureOfExperts:
@@ -132,10 +131,10 @@ class DecoderLayer:
         parts = []
         if prefill is not None:
             parts.append(self.attention.prefill(q[:p], key_cache, value_cache, prefill, self.scale, self.softcap,
-                                                **self.sinks))
+                                                self.sinks))
         if decode is not None:
             parts.append(self.attention.decode(q[p:], key_cache, value_cache, decode, self.scale, self.softcap,
-                                               **self.sinks))
+                                               self.sinks))
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = self.o(out.reshape(t, cfg.q_size), d)
         if self.post_attn_norm is not None:

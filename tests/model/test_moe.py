@@ -74,7 +74,7 @@ def reference(spec: Experts, w: dict[str, torch.Tensor], x: torch.Tensor) -> tor
 def test_the_layer_equals_the_formula(family: str, stacked: bool) -> None:
     spec = SPECS[family]
     w = weights(spec)
-    layer = moe.MixtureOfExperts(spec, w, "m", torch.float32, activation(spec), stacked=stacked)
+    layer = moe.MixtureOfExperts(spec, dict(w), "m", torch.float32, activation(spec), stacked=stacked)
     x = torch.randn(23, HIDDEN, generator=torch.Generator().manual_seed(2))
     torch.testing.assert_close(layer(x), reference(spec, w, x), rtol=1e-5, atol=1e-5)
     assert int(layer.routed.sum()) == 23 * spec.top_k

@@ -135,18 +135,20 @@ class GatedMLP:
 
 class StackedExperts:
     """Every expert's weights in one tensor per product: a grouped matmul over rows sorted by
-    expert (CUDA's path; it runs on the CPU too, where tests check it against the per-expert one)."""
+    expert (CUDA's path; it runs on the CPU too, where tests check it against the per-expert one).
+    The experts' own products are left as views into the stacks: the weights are held once."""
 
     def __init__(self, experts: list[GatedMLP], activate: Activation) -> None:
-        def stack(ops: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-            dense = [op if isinstance(op, DenseLinear) else None for op in ops]
-            assert all(d is not None for d in dense), "stacked experts take dense weights"
-            weight = torch.stack([d.weight.t() for d in dense if d is not None]).contiguous()  # [E, in, out]
-            biases = [d.bias for d in dense if d is not None and d.bias is not None]
-            return weight, torch.stack(biases) if biases else None
+        def stack(ops: list[DenseLinear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+            weight = torch.stack([op.weight.t() for op in ops]).contiguous()  # [E, in, out]
+            bias = torch.stack([op.bias for op in ops]) if ops[0].bias is not None else None  # type: ignore[misc]
+            for e, op in enumerate(ops):
+                op.weight, op.bias = weight[e].t(), None if bias is None else bias[e]
+            return weight, bias
 
-        self.gate_up, self.gate_up_bias = stack([e.gate_up for e in experts])
-        self.down, self.down_bias = stack([e.down for e in experts])
+        assert all(isinstance(op, DenseLinear) for e in experts for op in e.linears()), "stacked experts are dense"
+        self.gate_up, self.gate_up_bias = stack([e.gate_up for e in experts])  # type: ignore[misc]
+        self.down, self.down_bias = stack([e.down for e in experts])  # type: ignore[misc]
         self.activate = activate
 
     def __call__(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -178,6 +180,10 @@ class MixtureOfExperts:
         # (stacked only over dense weights: MXFP4 experts stay one by one, dequantized when routed to)
         dense = all(isinstance(op, DenseLinear) for e in self.experts for op in e.linears())
         self.stacked = StackedExperts(self.experts, activate) if stacked and dense else None
+        if self.stacked is not None:  # (the checkpoint's copies go now, not when the whole model is built)
+            for name in expected_tensors(spec, prefix, router.shape[1]):
+                if ".experts." in name:
+                    w.pop(name)
         self.shared = (GatedMLP.load(w, f"{prefix}.shared", dtype, activate) if spec.shared_intermediate_size
                        else None)
         shared_gate = w.get(f"{prefix}.shared_gate")
