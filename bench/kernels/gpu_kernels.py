@@ -261,6 +261,51 @@ def reference_section(say: Callable[[str], None], copy_gbps: float, scale: float
     return failed
 
 
+def linear_attention_section(say: Callable[[str], None], copy_gbps: float) -> bool:
+    """Gated DeltaNet (Qwen3.5-4B's layer: 16 key heads, 32 value heads, heads of 128, conv width 4,
+    bfloat16): our two kernels (conv + delta rule) against the torch reference, decode at batch 1
+    and 32 and one prefill of 2048 tokens. Decode's bandwidth counts the states read and written.
+    True if a shape failed."""
+    from inferd.kernels import ops
+    from inferd.kernels.linear_attention import StatePlan
+
+    Hk, Hv, dk, dv, K, dtype = 16, 32, 128, 128, 4, torch.bfloat16
+    C = 2 * Hk * dk + Hv * dv
+    kernels, reference = ops.linear_attention_ops(torch.device("cuda"), dtype), ops.reference_linear_attention()
+    say(f"Linear attention (Gated DeltaNet, Hk={Hk}, Hv={Hv}, dk=dv={dk}, conv {K}, bfloat16): conv + delta rule, "
+        f"our kernels ({kernels.backend}) against the torch reference")
+    say()
+    say("| step | kernels µs | reference µs | speed-up | state GB/s (% of copy) |")
+    say("|---|---|---|---|---|")
+    failed = False
+    for label, lens, num_decode in (("decode × 1", [], 1), ("decode × 32", [], 32), ("prefill 1 × 2048", [2048], 0)):
+        try:
+            lens = lens + [1] * num_decode
+            n, T = len(lens), sum(lens)
+            plan = StatePlan.build(lens, list(range(n)), [num_decode == 0] * n, [], num_decode, torch.device("cuda"))
+            x = torch.randn(T, C, device="cuda", dtype=dtype)
+            weight = torch.randn(C, K, device="cuda", dtype=dtype)
+            conv_states = torch.randn(n, K - 1, C, device="cuda", dtype=dtype)
+            q, k = (torch.randn(T, Hk, dk, device="cuda", dtype=dtype) for _ in range(2))
+            v = torch.randn(T, Hv, dv, device="cuda", dtype=dtype)
+            g = -torch.rand(T, Hv, device="cuda")
+            beta = torch.rand(T, Hv, device="cuda")
+            states = torch.randn(n, Hv, dk, dv, device="cuda") * 0.1
+
+            def step(bound: ops.LinearAttentionOps) -> Callable[[], None]:
+                return lambda: (bound.conv(x, weight, conv_states, plan), bound.delta(q, k, v, g, beta, states, plan))
+
+            ours = median_ms(step(kernels), trials=5, per_trial=20) * 1e3
+            theirs = median_ms(step(reference), trials=3, per_trial=3) * 1e3
+            state_gbps = 2 * n * Hv * dk * dv * 4 / ours / 1e3
+            bandwidth = f"{state_gbps:.0f} ({100 * state_gbps / copy_gbps:.0f}%)" if num_decode else ""
+            say(f"| {label} | {ours:.1f} | {theirs:.0f} | {theirs / ours:.1f}x | {bandwidth} |")
+        except Exception as e:
+            failed = True
+            say(f"| {label} | error: {type(e).__name__}: {e} | | | |")
+    return failed
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", help="also write the markdown report to this file")
@@ -304,6 +349,8 @@ def main() -> int:
     failed |= reference_section(say, copy_gbps, scale)
     say()
     failed |= prefill_section(say, scale)
+    say()
+    failed |= linear_attention_section(say, copy_gbps)
     if args.out:
         with open(args.out, "w") as f:
             f.write("\n".join(lines) + "\n")

@@ -11,7 +11,8 @@ on the hot path. The ops:
 - a decoder layer's small ops (`LayerOps`): RMSNorm, residual add + RMSNorm, the gated
   activation, RoPE + the KV cache write;
 - attention over the paged cache (`Attention` backends), each over its own kind of `AttentionPlan`;
-- products over block-quantized weights (`block_matmul`).
+- products over block-quantized weights (`block_matmul`);
+- linear attention's short convolution and gated delta rule (`LinearAttentionOps`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inferd.kernels import cpu, reference
+from inferd.kernels import cpu, linear_attention, reference
 from inferd.kernels.cuda import launch as cuda
 from inferd.kernels.tensors import device_tensor
 
@@ -274,3 +275,59 @@ def block_products_available() -> bool:
 # (M rows of x's dtype, uint8 weights as linear.BlockLinear packs them, bits 4 | 8, activation bits 8 | 16)
 # -> [M, N] in x's dtype: the CPU room's kernel, the only one there is
 block_matmul = cpu.block_matmul
+
+
+# ------------------------------------------------------------------------------ linear attention
+
+# (x [T, C], weight [C, K], conv_states [S, K-1, C], plan) -> y [T, C]: linear_attention.causal_conv
+ConvOp = Callable[[Tensor, Tensor, Tensor, linear_attention.StatePlan], Tensor]
+# (q, k [T, Hk, dk], v [T, Hv, dv], g, beta [T, Hv] float32, states [S, Hv, dk, dv] float32, plan)
+# -> o [T, Hv, dv]: linear_attention.gated_delta
+DeltaOp = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, linear_attention.StatePlan], Tensor]
+
+
+@dataclass(frozen=True)
+class LinearAttentionOps:
+    """A Gated DeltaNet layer's two ops, bound to one backend (their spec: linear_attention.py)."""
+
+    backend: str  # "cpu" | "cuda" | "reference"
+    conv: ConvOp
+    delta: DeltaOp
+
+
+def linear_attention_ops(device: torch.device, dtype: torch.dtype, *, key_head_dim: int = 128,
+                         value_head_dim: int = 128, conv_size: int = 4) -> LinearAttentionOps:
+    """On the CPU, our decode-step kernels for the one-token rows (the hot path) and the
+    reference's chunked torch for prefill segments (matmuls over 64-token chunks, which torch
+    already runs well); on CUDA, our kernels over every segment; the reference elsewhere, and for
+    shapes no kernel covers (the head sizes and conv width default to Qwen3.5's)."""
+    if device.type == "cpu" and cpu.available():
+        if key_head_dim % 16 == 0 and max(key_head_dim, value_head_dim) <= 256 and 2 <= conv_size <= 8:
+            kernels = cpu.kernels()
+            return LinearAttentionOps(
+                "cpu",
+                conv=lambda x, weight, conv_states, plan: linear_attention.causal_conv(
+                    x, weight, conv_states, plan, kernels.conv_step),
+                delta=lambda q, k, v, g, beta, states, plan: linear_attention.gated_delta(
+                    q, k, v, g, beta, states, plan, kernels.delta_step),
+            )
+        log.warning("no CPU linear-attention kernel for head sizes %d/%d, conv width %d: decode runs on the torch "
+                    "reference", key_head_dim, value_head_dim, conv_size)
+    if device.type == "cuda":
+        if cuda.is_available() and cuda.linear_attention_supports(dtype, key_head_dim, value_head_dim, conv_size):
+            return LinearAttentionOps(
+                "cuda",
+                conv=lambda x, weight, conv_states, plan: cuda.causal_conv(
+                    x, weight, conv_states, plan.cu_seqlens, plan.slots, plan.fresh, plan.save_rows,
+                    plan.save_slots),
+                delta=lambda q, k, v, g, beta, states, plan: cuda.gated_delta(
+                    q, k, v, g, beta, states, plan.cu_seqlens, plan.slots, plan.fresh, plan.save_rows,
+                    plan.save_slots),
+            )
+        log.warning("no CUDA linear-attention kernel here (CuPy missing, or %s with head sizes %d/%d, conv width "
+                    "%d): it runs on the torch reference", dtype, key_head_dim, value_head_dim, conv_size)
+    return reference_linear_attention()
+
+
+def reference_linear_attention() -> LinearAttentionOps:
+    return LinearAttentionOps("reference", conv=linear_attention.causal_conv, delta=linear_attention.gated_delta)

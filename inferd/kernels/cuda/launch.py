@@ -25,7 +25,7 @@ import torch
 
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = ("reshape_and_cache.cu", "paged_attention.cu")
+SOURCES = ("reshape_and_cache.cu", "paged_attention.cu", "linear_attention.cu")
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_SIZES = (64, 128, 256)
@@ -93,6 +93,12 @@ def covering_specializations() -> dict[str, list[str]]:
             *(decode_kernel_name(dt, hd, bs, 4) for dt in DTYPES for hd in HEAD_SIZES for bs in BLOCK_SIZES),
             *(decode_kernel_name(torch.bfloat16, 64, 16, g) for g in (1, 3, 8)),
             *(reduce_kernel_name(dt, hd) for dt in DTYPES for hd in HEAD_SIZES),
+        ],
+        "linear_attention.cu": [
+            *(name for dt in DTYPES for name in conv_kernel_names(dt, 4)),
+            *conv_kernel_names(torch.bfloat16, 2),
+            *(delta_kernel_name(dt, dk, dv) for dt in DTYPES for dk, dv in ((128, 128), (64, 64))),
+            delta_kernel_name(torch.bfloat16, 128, 64), delta_kernel_name(torch.bfloat16, 64, 32),
         ],
     }
 
@@ -271,3 +277,106 @@ def decode_attention(
     _launch(reduce, query.device, (num_heads, n),
             (_ptr(out), *parts, _ptr(seq_lens), np.int32(num_partitions), np.int32(partition_size), sink))
     return out
+
+
+# ------------------------------------------------------------------------------ linear attention
+
+LINEAR_HEAD_SIZES = (32, 64, 128)  # value heads: one column per thread of a 128-thread CTA
+MAX_STATE_PER_THREAD = 128  # DK * DV / 128 floats of the state held in each thread's registers
+MAX_CONV_SIZE = 8
+
+
+def linear_attention_supports(dtype: torch.dtype, key_head_dim: int, value_head_dim: int, conv_size: int) -> bool:
+    """Whether linear_attention.cu covers a Gated DeltaNet layer of this shape."""
+    groups = THREADS // value_head_dim if value_head_dim in LINEAR_HEAD_SIZES else 0
+    return (dtype in DTYPES and groups > 0 and key_head_dim % groups == 0
+            and key_head_dim * value_head_dim <= MAX_STATE_PER_THREAD * THREADS and 2 <= conv_size <= MAX_CONV_SIZE)
+
+
+def conv_kernel_names(dtype: torch.dtype, conv_size: int) -> tuple[str, str]:
+    """(the outputs' kernel, the states' kernel)."""
+    return (f"causal_conv_rows<{_CTYPE[dtype]}, {conv_size}>", f"causal_conv_states<{_CTYPE[dtype]}, {conv_size}>")
+
+
+def delta_kernel_name(dtype: torch.dtype, key_head_dim: int, value_head_dim: int) -> str:
+    return f"gated_delta<{_CTYPE[dtype]}, {key_head_dim}, {value_head_dim}>"
+
+
+CONV_ROWS = 8  # rows per CTA of causal_conv_rows (kConvRows)
+
+
+def causal_conv(
+    x: torch.Tensor,  # [T, C], rows may be strided
+    weight: torch.Tensor,  # [C, K] contiguous
+    conv_states: torch.Tensor,  # [S, K-1, C] contiguous, x's dtype
+    cu_seqlens: torch.Tensor,  # [N + 1] int64
+    slots: torch.Tensor,  # [N] int64
+    fresh: torch.Tensor,  # [N] bool
+    save_rows: torch.Tensor,  # [M] int64, ascending
+    save_slots: torch.Tensor,  # [M] int64
+) -> torch.Tensor:  # [T, C]
+    """The short convolution + SiLU over a step's segments, the slots updated (spec:
+    linear_attention.causal_conv). Two launches: the outputs (every row at once, reading the
+    old histories), then the histories; no host sync."""
+    num_rows, channels = x.shape
+    conv_size = weight.shape[1]
+    if x.stride(1) != 1 or not (weight.is_contiguous() and conv_states.is_contiguous()):
+        raise ValueError("x needs dense rows, weight and conv_states must be contiguous")
+    if not (x.dtype == weight.dtype == conv_states.dtype) or conv_states.shape[1:] != (conv_size - 1, channels):
+        raise ValueError(f"conv_states must be [S, {conv_size - 1}, {channels}] of x's dtype")
+    y = torch.empty(num_rows, channels, dtype=x.dtype, device=x.device)
+    num_seqs = slots.shape[0]
+    if num_rows == 0 or num_seqs == 0:
+        return y
+    index = x.device.index or 0
+    rows_kernel, states_kernel = (_kernel("linear_attention.cu", name, index)
+                                  for name in conv_kernel_names(x.dtype, conv_size))
+    blocks = -(-channels // THREADS)
+    plan = (_ptr(cu_seqlens), _ptr(slots), _ptr(fresh))
+    _launch(rows_kernel, x.device, (blocks, -(-num_rows // CONV_ROWS)),
+            (_ptr(x), np.int64(x.stride(0)), _ptr(weight), _ptr(conv_states), _ptr(y), *plan, np.int32(num_seqs),
+             np.int32(num_rows), np.int32(channels)))
+    _launch(states_kernel, x.device, (blocks, num_seqs),
+            (_ptr(x), np.int64(x.stride(0)), _ptr(conv_states), *plan, _ptr(save_rows), _ptr(save_slots),
+             np.int32(save_rows.shape[0]), np.int32(channels)))
+    return y
+
+
+def gated_delta(
+    q: torch.Tensor,  # [T, Hk, dk], rows may be strided, heads dense
+    k: torch.Tensor,  # [T, Hk, dk], likewise
+    v: torch.Tensor,  # [T, Hv, dv], likewise
+    g: torch.Tensor,  # [T, Hv] float32, dense rows
+    beta: torch.Tensor,  # [T, Hv] float32, dense rows
+    states: torch.Tensor,  # [S, Hv, dk, dv] float32 contiguous
+    cu_seqlens: torch.Tensor,  # [N + 1] int64
+    slots: torch.Tensor,  # [N] int64
+    fresh: torch.Tensor,  # [N] bool
+    save_rows: torch.Tensor,  # [M] int64, ascending
+    save_slots: torch.Tensor,  # [M] int64
+) -> torch.Tensor:  # [T, Hv, dv] in v's dtype
+    """The gated delta rule over a step's segments, one CTA per (sequence, value head), the slots'
+    states updated (spec: linear_attention.gated_delta); no host sync."""
+    num_rows, key_heads, key_dim = q.shape
+    _, value_heads, value_dim = v.shape
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
+            raise ValueError(f"{name}: heads and dims must be dense, got strides {t.stride()}")
+    if not (q.dtype == k.dtype == v.dtype) or k.shape != q.shape or value_heads % key_heads:
+        raise ValueError("q and k [T, Hk, dk], v [T, Hv, dv] of one dtype, Hv a multiple of Hk")
+    if g.dtype != torch.float32 or beta.dtype != torch.float32 or g.stride(1) != 1 or beta.stride(1) != 1:
+        raise ValueError("g and beta must be float32 with dense rows")
+    if (states.dtype != torch.float32 or not states.is_contiguous()
+            or states.shape[1:] != (value_heads, key_dim, value_dim)):
+        raise ValueError(f"states must be float32 [S, {value_heads}, {key_dim}, {value_dim}], contiguous")
+    o = torch.empty(num_rows, value_heads, value_dim, dtype=v.dtype, device=v.device)
+    num_seqs = slots.shape[0]
+    if num_rows == 0 or num_seqs == 0:
+        return o
+    kernel = _kernel("linear_attention.cu", delta_kernel_name(v.dtype, key_dim, value_dim), v.device.index or 0)
+    _launch(kernel, v.device, (value_heads, num_seqs),
+            (_ptr(o), _ptr(states), _ptr(q), _ptr(k), _ptr(v), _ptr(g), _ptr(beta), np.int64(q.stride(0)),
+             np.int64(k.stride(0)), np.int64(v.stride(0)), np.int64(g.stride(0)), np.int64(beta.stride(0)),
+             np.int32(key_heads), _ptr(cu_seqlens), _ptr(slots), _ptr(fresh), _ptr(save_rows), _ptr(save_slots),
+             np.int32(save_rows.shape[0])))
+    return o

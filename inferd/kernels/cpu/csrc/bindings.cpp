@@ -19,6 +19,12 @@ TORCH_LIBRARY(inferd_cpu, m) {
         "Tensor slot_mapping, int num_heads, int num_kv_heads) -> Tensor");
   m.impl("rope_write_kv", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::rope_write_kv));
 
+  m.def("conv_step(Tensor x, Tensor weight, Tensor(a!) conv_states, Tensor slots, Tensor fresh) -> Tensor");
+  m.impl("conv_step", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::conv_step));
+  m.def("delta_step(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor(a!) states, Tensor slots, "
+        "Tensor fresh) -> Tensor");
+  m.impl("delta_step", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::delta_step));
+
   m.def("block_matmul(Tensor x, Tensor weight, int format, int activation_bits=8) -> Tensor");
   m.impl("block_matmul", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::block_matmul));
   m.def("block_matmul_available() -> bool", [] { return inferd_cpu::block_matmul_available(); });

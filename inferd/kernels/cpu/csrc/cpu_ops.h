@@ -1,5 +1,6 @@
 // The CPU kernels' entry points, one declaration each: defined in cpu_attention.cpp,
-// cpu_layer_ops.cpp and cpu_matmul.cpp, registered as torch ops (inferd_cpu::*) in bindings.cpp.
+// cpu_layer_ops.cpp, cpu_linear_attention.cpp and cpu_matmul.cpp, registered as torch ops
+// (inferd_cpu::*) in bindings.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -21,6 +22,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up);
 at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& signed_sin,
                          at::Tensor& key_cache, at::Tensor& value_cache, const at::Tensor& slot_mapping,
                          int64_t num_heads, int64_t num_kv_heads);
+
+// linear attention's decode step, one token per sequence, states updated in place (cpu_linear_attention.cpp)
+at::Tensor conv_step(const at::Tensor& x, const at::Tensor& weight, at::Tensor& conv_states, const at::Tensor& slots,
+                     const at::Tensor& fresh);
+at::Tensor delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                      const at::Tensor& beta, at::Tensor& states, const at::Tensor& slots, const at::Tensor& fresh);
 
 // products over block-quantized weights on AVX-512 VNNI (cpu_matmul.cpp)
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t activation_bits);
