@@ -30,7 +30,7 @@ def compiler() -> str | None:
 
 def build(names: list[str], cache_dir: Path) -> ctypes.CDLL:
     """A library that can launch each kernel specialization in `names` (CuPy name expressions)."""
-    driver = ['#include "reshape_and_cache.cu"', '#include "paged_attention.cu"', "#include <string.h>", "#include <utility>",
+    driver = [*(f'#include "{source}"' for source in cuda.SOURCES), "#include <string.h>", "#include <utility>",
               "",
               "template <typename... A, size_t... I>",
               "void run(void (*k)(A...), dim3 g, dim3 b, void** p, std::index_sequence<I...>) {",

@@ -5,10 +5,6 @@ slots, GQA, strided rows. Shapes are small: the emulated threads take turns on o
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import subprocess
-from pathlib import Path
 
 import cuda_emulator
 import pytest
@@ -26,43 +22,11 @@ CASES = [(torch.float32, 16, 32, 4), (torch.bfloat16, 32, 64, 4), (torch.float16
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-def build(names: list[str], cache_dir: Path) -> ctypes.CDLL:
-    """cuda_emulator.build's library, for linear_attention.cu's kernels (its driver includes the
-    attention sources only)."""
-    driver = ['#include "linear_attention.cu"', "#include <string.h>", "#include <utility>", "",
-              "template <typename... A, size_t... I>",
-              "void run(void (*k)(A...), dim3 g, dim3 b, void** p, std::index_sequence<I...>) {",
-              "    emu::launch(g, b, k, *static_cast<A*>(p[I])...);",
-              "}",
-              ('extern "C" int emu_launch(const char* name, unsigned gx, unsigned gy, unsigned gz, unsigned bx, '
-               "void** params) {"),
-              "    const dim3 g{gx, gy, gz}, b{bx, 1, 1};"]
-    for name in names:
-        driver.append(f'    if (!strcmp(name, "{name}")) {{ run(&{name}, g, b, params, '
-                      f"std::make_index_sequence<{_arity(name)}>{{}}); return 0; }}")
-    driver += ["    return 1;", "}"]
-    source = "\n".join(driver) + "\n"
-    inputs = source + "".join((d / f).read_text() for d in (cuda_emulator.EMU, cuda.CSRC)
-                              for f in sorted(p.name for p in d.iterdir()) if f.endswith((".h", ".cuh", ".cu")))
-    library = cache_dir / f"linear-{hashlib.sha256(inputs.encode()).hexdigest()[:16]}.so"
-    if not library.exists():
-        unit = cache_dir / "driver.cpp"
-        unit.write_text(source)
-        subprocess.run([cuda_emulator.compiler() or "g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-x", "c++",
-                        "-include", str(cuda_emulator.EMU / "cuda_emu.h"), f"-I{cuda_emulator.EMU}",
-                        f"-I{cuda.CSRC}", str(unit), "-o", str(library)], check=True, capture_output=True, text=True)
-    return ctypes.CDLL(str(library))
-
-
-def _arity(name: str) -> int:
-    return {"causal_conv_rows": 11, "causal_conv_states": 10, "gated_delta": 19}[name.split("<")[0]]
-
-
 @pytest.fixture(scope="module")
 def emulated(tmp_path_factory: pytest.TempPathFactory):
     names = [n for dt, _, _, K in CASES for n in cuda.conv_kernel_names(dt, K)]
     names += [cuda.delta_kernel_name(dt, dk, dv) for dt, dk, dv, _ in CASES]
-    return build(names, tmp_path_factory.mktemp("linear_emulator"))
+    return cuda_emulator.build(names, tmp_path_factory.mktemp("linear_emulator"))
 
 
 @pytest.fixture
