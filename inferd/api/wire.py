@@ -11,6 +11,10 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+# content parts that are no text: every model inferd serves reads text only (a multimodal
+# checkpoint, Qwen3.5's, runs as its language model without the vision tower)
+MEDIA_PARTS = ("image", "image_url", "input_image", "input_audio", "audio", "video", "video_url", "file", "input_file")
+
 
 class RequestModel(BaseModel):
     """A request body or part of one: strict, and an unknown field is a 400."""
@@ -31,6 +35,17 @@ class ErrorDetail(ResponseModel):
 
 class ErrorResponse(ResponseModel):
     error: ErrorDetail
+
+
+def refuse_media(content: Any) -> Any:
+    """A message content's validator (mode="before"): an image (audio, video, file) part is a 400
+    that says why, rather than one that lists the part types a text part may have."""
+    for part in content if isinstance(content, list) else ():
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in MEDIA_PARTS:
+            raise ValueError(f"{kind} content is not supported: inferd serves the model for text only (a "
+                             "multimodal checkpoint runs without its vision tower)")
+    return content
 
 
 def dump(model: BaseModel) -> dict[str, Any]:

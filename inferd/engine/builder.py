@@ -15,7 +15,8 @@ import torch
 
 from inferd.engine.config import EngineConfig
 from inferd.engine.worker.cuda_graphs import DecodeGraphs
-from inferd.engine.worker.kv_cache import KVCache, auto_kv_cache_memory, host_blocks_for, num_blocks_for
+from inferd.engine.worker.kv_cache import (KVCache, auto_kv_cache_memory, available_memory, host_blocks_for,
+                                           num_blocks_for, state_bytes_per_slot, state_slots_for)
 from inferd.engine.worker.runner import ModelRunner
 from inferd.kernels.ops import CudaAttention, TorchAttention, select_attention
 from inferd.text.errors import ModelLoadError
@@ -71,6 +72,9 @@ class Execution:
     runner: ModelRunner
     num_blocks: int  # on the device
     num_host_blocks: int  # for swapped-out blocks (0: swapping off)
+    num_state_slots: int = 0  # a hybrid model's state slots (kv/state_slots.py), working and checkpoints
+    num_working_slots: int = 0  # of which this many sequences may hold one at once (caps max_num_seqs)
+    num_host_state_slots: int = 0
 
 
 def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: int) -> Execution:
@@ -80,12 +84,21 @@ def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: in
     if memory is None:
         memory = auto_kv_cache_memory(cfg, model.dtype, model.device, config.scheduler.max_num_batched_tokens,
                                       config.scheduler.max_num_seqs, max_model_len)
-    num_blocks = num_blocks_for(memory, cfg, config.cache.block_size, model.dtype, model.device)
-    num_host_blocks = 0
+    budget = memory * available_memory(model.device) if memory <= 1 else memory
+    max_num_seqs, per_slot = config.scheduler.max_num_seqs, state_bytes_per_slot(cfg, model.dtype)
+    # a hybrid model's state slots first, the blocks from the rest
+    num_slots, working = state_slots_for(budget, cfg, model.dtype, max_num_seqs)
+    num_blocks = num_blocks_for(budget - num_slots * per_slot, cfg, config.cache.block_size, model.dtype, model.device)
+    num_host_blocks = num_host_slots = 0
     if config.policy.preemption_mode == "swap":
-        num_host_blocks = host_blocks_for(config.cache.swap_space, cfg, config.cache.block_size, model.dtype)
+        swap = config.cache.swap_space
+        num_host_slots = min(max_num_seqs, int(swap / 2 // per_slot)) if per_slot else 0
+        num_host_blocks = host_blocks_for(swap - num_host_slots * per_slot, cfg, config.cache.block_size, model.dtype)
+    if working and working < max_num_seqs:
+        log.warning("[cache] the state slots of %d sequences (%.1f MiB each) fit half of kv_cache_memory: "
+                    "max_num_seqs lowered from %d", working, per_slot / 2**20, max_num_seqs)
     kv_cache = KVCache(cfg, num_blocks, config.cache.block_size, model.dtype, model.device,
-                       num_host_blocks=num_host_blocks)
+                       num_host_blocks=num_host_blocks, num_state_slots=num_slots, num_host_state_slots=num_host_slots)
     # a CPU mode, for bfloat16 only (the default dtype, where the drift was seen): in float32 the
     # one-row path is a fast matrix-vector product that two rows would give up (-38% at batch 1)
     deterministic = config.model.deterministic and model.dtype == torch.bfloat16 and model.device.type == "cpu"
@@ -93,14 +106,16 @@ def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: in
     model.set_batch_invariant(deterministic)
     graphs = None
     # (a hybrid model's decode steps run eagerly: the graphs hold one block table per row)
-    if config.model.cuda_graphs and isinstance(model.attention, CudaAttention) and len(kv_cache.layout.groups) == 1:
+    if (config.model.cuda_graphs and isinstance(model.attention, CudaAttention) and len(kv_cache.layout.groups) == 1
+            and not kv_cache.layout.linear):
         graphs = DecodeGraphs(model, kv_cache, config.scheduler.max_num_seqs, max_model_len)
         try:
             graphs.capture()
         except RuntimeError as e:  # (an op of a newer family that cannot be captured: the steps still run)
             log.warning("decode steps run without CUDA graphs: capturing them failed (%s)", e)
             graphs = None
-    return Execution(kv_cache, ModelRunner(model, kv_cache, graphs=graphs), num_blocks, num_host_blocks)
+    return Execution(kv_cache, ModelRunner(model, kv_cache, graphs=graphs), num_blocks, num_host_blocks, num_slots,
+                     working, num_host_slots)
 
 
 def _attention(model: DecoderModel, config: EngineConfig, max_model_len: int, deterministic: bool) -> TorchAttention:

@@ -22,6 +22,7 @@ from inferd.engine.builder import build_execution, load_model
 from inferd.engine.config import EngineConfig
 from inferd.engine.health import EngineHealth
 from inferd.engine.kv.block_manager import BlockManager
+from inferd.engine.kv.state_slots import StateSlots
 from inferd.engine.output.blocklist import CONTENT_FILTER, output_filter
 from inferd.engine.output.processor import OutputProcessor
 from inferd.engine.protocol import (
@@ -33,6 +34,7 @@ from inferd.engine.protocol import (
     EngineSnapshot,
     Histogram,
     RequestMetrics,
+    StateSlotsSnapshot,
     StepOutputs,
     TokenLogprob,
 )
@@ -94,12 +96,16 @@ class LLMEngine:
                                  model.cfg.max_position_embeddings)
         execution = build_execution(model, config, self.max_model_len)
         self.kv_cache, self.runner = execution.kv_cache, execution.runner
+        # (a hybrid model runs as many sequences at once as it has working state slots)
+        self.max_num_seqs = min(config.scheduler.max_num_seqs, execution.num_working_slots or config.scheduler.max_num_seqs)
+        state = (StateSlots(execution.num_state_slots, execution.num_host_state_slots, self.max_num_seqs)
+                 if execution.num_state_slots else None)
         self.block_manager = BlockManager(execution.num_blocks, config.cache.block_size,
                                           num_host_blocks=execution.num_host_blocks,
                                           enable_prefix_caching=config.cache.prefix_caching,
-                                          windows=self.kv_cache.layout.windows)
+                                          windows=self.kv_cache.layout.windows, state=state)
         self.policy = config.policy
-        self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    config.policy)
         self.outputs = OutputProcessor(tokenizer, output_filter(config.output_filter))
         self.executor = StepExecutor(self.runner)
@@ -131,7 +137,7 @@ class LLMEngine:
         num_blocks, bs = self.block_manager.pool.num_blocks, self.config.cache.block_size
         return EngineLimits(
             max_model_len=self.max_model_len, vocab_size=self.model_config.vocab_size,
-            max_num_seqs=self.config.scheduler.max_num_seqs, block_size=bs, num_kv_blocks=num_blocks,
+            max_num_seqs=self.max_num_seqs, block_size=bs, num_kv_blocks=num_blocks,
             class_kv_tokens={c.name: self.kv_cache.layout.max_tokens(num_blocks - self.scheduler.reserve_blocks(c), bs,
                                                                      self.config.scheduler.max_num_batched_tokens)
                              for c in self.policy.classes},
@@ -148,7 +154,7 @@ class LLMEngine:
         """Queue a group of n choices sharing one prompt (checked at the door already)."""
         prompt_ids, n = request.prompt_ids, request.n
         assert request.group_id not in self._groups, f"group id {request.group_id} is in use"
-        assert 0 < len(prompt_ids) < self.max_model_len and 1 <= n <= self.config.scheduler.max_num_seqs, \
+        assert 0 < len(prompt_ids) < self.max_model_len and 1 <= n <= self.max_num_seqs, \
             f"a request the door refuses: {len(prompt_ids)} prompt tokens, n={n}"
         cls = self.policy.lookup(request.priority_class)
         arrival = request.arrival_time if request.arrival_time is not None else self.scheduler.clock()
@@ -356,7 +362,17 @@ class LLMEngine:
             step_failures=dict(self.health.failures), oom_events_last_minute=self.health.ooms_last_minute(),
             token_budget=scheduler.max_num_batched_tokens, tenants=scheduler.tenants_snapshot(),
             experts_routed=tuple(tuple(m.routed.tolist()) for m in self.model.mixtures() if m is not None),
+            state_slots=self._state_snapshot(),
         )
+
+    def _state_snapshot(self) -> StateSlotsSnapshot | None:
+        state = self.block_manager.state
+        if state is None:
+            return None
+        stats = state.stats
+        return StateSlotsSnapshot(state.num_slots, state.num_working, state.num_checkpoints,
+                                  self.kv_cache.state_bytes_per_slot, stats.checkpoint_hits, stats.checkpoint_hit_tokens,
+                                  stats.checkpoints_filed, stats.evictions)
 
     # ------------------------------------------------------------------------------- offline
 

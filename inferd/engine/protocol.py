@@ -274,6 +274,24 @@ class DeviceMemory:
     total_bytes: int
 
 
+@dataclass(frozen=True, slots=True)
+class StateSlotsSnapshot:
+    """A hybrid model's state slots (engine/kv/state_slots.py)."""
+
+    total: int
+    working: int  # held by running sequences
+    checkpoints: int  # prefix-cache checkpoints filed (evictable)
+    bytes_per_slot: int
+    checkpoint_hits: int  # prompts that resumed from a checkpoint, since start
+    checkpoint_hit_tokens: int  # prompt tokens they resumed past
+    checkpoints_filed: int
+    checkpoint_evictions: int
+
+    @property
+    def checkpoint_bytes(self) -> int:
+        return self.checkpoints * self.bytes_per_slot
+
+
 @dataclass(frozen=True)
 class EngineSnapshot:
     """The engine's state as published after a step (read from any thread, never mutated)."""
@@ -304,6 +322,7 @@ class EngineSnapshot:
     tenants: tuple[TenantSnapshot, ...] = ()  # fair sharing's counters (empty under fcfs)
     # a mixture-of-experts model: tokens routed to each expert since start, per sparse layer
     experts_routed: tuple[tuple[int, ...], ...] = ()
+    state_slots: StateSlotsSnapshot | None = None  # a hybrid model's (linear-attention layers)
 
     @property
     def kv_usage_ratio(self) -> float:

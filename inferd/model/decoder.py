@@ -8,7 +8,9 @@ q/k/v and gate/up projections are fused into one matmul each.
 The switches (ModelConfig): RMSNorm as x̂·w or x̂·(1 + w); q/k norms per head; sandwich norms
 around attention and the MLP; SiLU or GELU-tanh gate; embeddings scaled; attention scale,
 logit soft-cap and sliding window per layer; a second RoPE table for sliding layers; partial
-rotary; a final-logit soft-cap. Gemma 4 runs this model with layers of its own (inferd.model.gemma4).
+rotary; a final-logit soft-cap; an output gate on attention. Gemma 4 runs this model with layers of
+its own (inferd.model.gemma4), Qwen3-Next and Qwen3.5 with Gated DeltaNet layers among these
+(inferd.model.hybrid).
 """
 
 from __future__ import annotations
@@ -20,8 +22,10 @@ from typing import Any
 import torch
 
 from inferd.kernels import ops
+from inferd.kernels.linear_attention import StatePlan
 from inferd.kernels.ops import Attention, AttentionPlan, LayerOps, LayerShape
 from inferd.model.families.config import ModelConfig
+from inferd.model.layers.gated_deltanet import expected_tensors as linear_tensors
 from inferd.model.layers.linear import DenseLinear, Linear, make_linear
 from inferd.model.layers.moe import GatedMLP, MixtureOfExperts, expected_tensors, plain_gated, swiglu_clamped
 from inferd.model.layers.quant import fuse
@@ -47,6 +51,8 @@ class StepAttention:
     # tokens [0, dense_rows) multiply by packed layers' dense copies (linear.SplitLinear): the
     # prefill rows of long prompts, which the runner puts first
     dense_rows: int = 0
+    # the linear-attention layers' segments over the state slots (a hybrid model's; None otherwise)
+    state: StatePlan | None = None
 
 
 @dataclass
@@ -69,28 +75,36 @@ class DecoderLayer:
         self.ops = ops
         self.index = index
         self.sliding = cfg.is_sliding(index)
-
-        def norm(name: str) -> Norm:
-            return Norm.of(w[f"{prefix}.{name}"], cfg.norm_offset)
-
-        self.attn_norm, self.mlp_norm = norm("attn_norm"), norm("mlp_norm")
-        self.q_norm, self.k_norm = (norm("q_norm"), norm("k_norm")) if cfg.qk_norm else (None, None)
-        self.post_attn_norm, self.post_mlp_norm = ((norm("post_attn_norm"), norm("post_mlp_norm"))
+        self.attn_norm, self.mlp_norm = self._norm(w, f"{prefix}.attn_norm"), self._norm(w, f"{prefix}.mlp_norm")
+        self.post_attn_norm, self.post_mlp_norm = ((self._norm(w, f"{prefix}.post_attn_norm"),
+                                                    self._norm(w, f"{prefix}.post_mlp_norm"))
                                                    if cfg.sandwich_norms else (None, None))
+        dtype = w[f"{prefix}.attn_norm"].dtype
+        self._load_attention(w, prefix, dtype)
+        self.mlp = self._mlp(w, prefix, dtype, stacked)
+
+    def _norm(self, w: dict[str, torch.Tensor], name: str) -> Norm:
+        return Norm.of(w[name], self.cfg.norm_offset)
+
+    def _load_attention(self, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> None:
+        cfg = self.cfg
+        self.q_norm, self.k_norm = ((self._norm(w, f"{prefix}.q_norm"), self._norm(w, f"{prefix}.k_norm"))
+                                    if cfg.qk_norm else (None, None))
         bias = (
             torch.cat([w[f"{prefix}.q_bias"], w[f"{prefix}.k_bias"], w[f"{prefix}.v_bias"]])
             if cfg.attention_bias
             else None
         )  # [q+2kv] or None
-        dtype = w[f"{prefix}.attn_norm"].dtype
         parts = [w[f"{prefix}.{name}"] for name in ("q", "k", "v")]
         # packed weights: long prompts' prefill rows on a dense copy, the rest packed (linear.SplitLinear).
         # qkv's and down's inputs (the normed residual, SiLU(gate) x up) have outliers inside their
         # blocks of 32: on 8-bit codes each costs the default model ~0.5% of perplexity on the book,
         # so they take 16-bit ones (+0.42% in all, against +1.39%; bench/RESULTS.md, issue 30)
         self.qkv = make_linear(fuse(parts), bias, dtype, split=True, wide_inputs=True)  # [q+2kv, hidden]
+        # Qwen3-Next / Qwen3.5: attention's output times σ(gate), the gate q_proj's every other head
+        # (split off at load); a product of its own, so that packed q/k/v stay packed (it stays dense)
+        self.gate = make_linear(w[f"{prefix}.q_gate"], None, dtype, split=True) if cfg.attn_output_gate else None
         self.o = make_linear(w[f"{prefix}.o"], w.get(f"{prefix}.o_bias"), dtype, split=True)  # [hidden, q]
-        self.mlp = self._mlp(w, prefix, dtype, stacked)
         self.scale = cfg.attention_scale
         self.softcap = cfg.attn_softcap
         self.sinks = w[f"{prefix}.sinks"].float() if cfg.attention_sinks else None  # [heads]
@@ -117,11 +131,23 @@ class DecoderLayer:
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # 2 x [num_blocks, block_size, n_kv, head_dim]
         attn: StepAttention,
     ) -> torch.Tensor:
-        cfg, ops = self.cfg, self.ops
-        t = x.shape[0]
+        ops, d = self.ops, attn.dense_rows
         # attention
-        p, d = attn.num_prefill_tokens, attn.dense_rows
-        qkv = self.qkv(ops.norm(x, self.attn_norm.weight), d)  # [T, q + 2 kv]
+        out = self._attend(ops.norm(x, self.attn_norm.weight), rope, kv_cache, attn)
+        if self.post_attn_norm is not None:
+            out = ops.head_norm(out, self.post_attn_norm.weight)
+        # mlp: x + out, in place, and the MLP's norm of it
+        out = self.mlp(ops.add_norm_(x, out, self.mlp_norm.weight), d)
+        if self.post_mlp_norm is not None:
+            out = ops.head_norm(out, self.post_mlp_norm.weight)
+        return x + out
+
+    def _attend(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                kv_cache: tuple[torch.Tensor, torch.Tensor], attn: StepAttention) -> torch.Tensor:
+        """The normed input [T, hidden] -> attention's output [T, hidden], the new K/V written."""
+        cfg, ops = self.cfg, self.ops
+        t, p, d = h.shape[0], attn.num_prefill_tokens, attn.dense_rows
+        qkv = self.qkv(h, d)  # [T, q + 2 kv]
         if self.q_norm is not None:
             qkv = self._norm_heads(qkv)
         key_cache, value_cache = kv_cache
@@ -135,15 +161,14 @@ class DecoderLayer:
         if decode is not None:
             parts.append(self.attention.decode(q[p:], key_cache, value_cache, decode, self.scale, self.softcap,
                                                self.sinks))
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        out = self.o(out.reshape(t, cfg.q_size), d)
-        if self.post_attn_norm is not None:
-            out = ops.head_norm(out, self.post_attn_norm.weight)
-        # mlp: x + out, in place, and the MLP's norm of it
-        out = self.mlp(ops.add_norm_(x, out, self.mlp_norm.weight), d)
-        if self.post_mlp_norm is not None:
-            out = ops.head_norm(out, self.post_mlp_norm.weight)
-        return x + out
+        out = (parts[0] if len(parts) == 1 else torch.cat(parts)).reshape(t, cfg.q_size)
+        if self.gate is not None:
+            out = out * torch.sigmoid(self.gate(h, d))
+        return self.o(out, d)
+
+    def linears(self) -> list[Linear]:
+        gate = [self.gate] if self.gate is not None else []
+        return [self.qkv, *gate, self.o, *self.mlp.linears()]
 
     def _norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:  # [T, q + 2 kv] -> the same, q and k heads normed
         """Each q and k head RMS-normed before RoPE (Qwen3, Gemma 3)."""
@@ -215,7 +240,7 @@ class DecoderModel:
                     dense.min_rows = self.min_rows
 
     def linears(self) -> list[Linear]:
-        return [op for layer in self.layers for op in (layer.qkv, layer.o, *layer.mlp.linears())] + [self.lm_head]
+        return [op for layer in self.layers for op in layer.linears()] + [self.lm_head]
 
     def mixtures(self) -> list[MixtureOfExperts | None]:
         """Each layer's mixture of experts, None where its MLP is dense."""
@@ -262,26 +287,37 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         expected["lm_head"] = (cfg.vocab_size, h)
     for n in range(cfg.num_layers):
         p = f"layers.{n}"
-        expected |= {
-            f"{p}.attn_norm": (h,), f"{p}.mlp_norm": (h,),
-            f"{p}.q": (cfg.q_size, h), f"{p}.k": (cfg.kv_size, h), f"{p}.v": (cfg.kv_size, h),
-            f"{p}.o": (h, cfg.q_size),
-        }
+        expected |= {f"{p}.attn_norm": (h,), f"{p}.mlp_norm": (h,)}
+        if cfg.is_linear(n):
+            assert cfg.linear_attention is not None
+            expected |= linear_tensors(cfg.linear_attention, f"{p}.linear", h)
+        else:
+            expected |= attention_shapes(cfg, p)
         if cfg.is_sparse(n):
             assert cfg.experts is not None
             expected |= expected_tensors(cfg.experts, f"{p}.moe", h)
         else:
             expected |= {f"{p}.gate": (i, h), f"{p}.up": (i, h), f"{p}.down": (h, i)}
-        if cfg.output_bias:
-            expected[f"{p}.o_bias"] = (h,)
-        if cfg.attention_sinks:
-            expected[f"{p}.sinks"] = (cfg.num_heads,)
-        if cfg.attention_bias:
-            expected |= {f"{p}.q_bias": (cfg.q_size,), f"{p}.k_bias": (cfg.kv_size,), f"{p}.v_bias": (cfg.kv_size,)}
-        if cfg.qk_norm:
-            expected |= {f"{p}.q_norm": (cfg.head_dim,), f"{p}.k_norm": (cfg.head_dim,)}
         if cfg.sandwich_norms:
             expected |= {f"{p}.post_attn_norm": (h,), f"{p}.post_mlp_norm": (h,)}
+    return expected
+
+
+def attention_shapes(cfg: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """One attention layer's tensors (`p`: its prefix) and their shapes."""
+    h = cfg.hidden_size
+    expected = {f"{p}.q": (cfg.q_size, h), f"{p}.k": (cfg.kv_size, h), f"{p}.v": (cfg.kv_size, h),
+                f"{p}.o": (h, cfg.q_size)}
+    if cfg.attn_output_gate:
+        expected[f"{p}.q_gate"] = (cfg.q_size, h)
+    if cfg.output_bias:
+        expected[f"{p}.o_bias"] = (h,)
+    if cfg.attention_sinks:
+        expected[f"{p}.sinks"] = (cfg.num_heads,)
+    if cfg.attention_bias:
+        expected |= {f"{p}.q_bias": (cfg.q_size,), f"{p}.k_bias": (cfg.kv_size,), f"{p}.v_bias": (cfg.kv_size,)}
+    if cfg.qk_norm:
+        expected |= {f"{p}.q_norm": (cfg.head_dim,), f"{p}.k_norm": (cfg.head_dim,)}
     return expected
 
 

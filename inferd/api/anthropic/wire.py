@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from inferd.api.wire import RequestModel, ResponseModel
+from inferd.api.wire import RequestModel, ResponseModel, refuse_media
 
 # Sent by Claude Code and the SDK, and meaningless here: cache breakpoints (the prefix cache
 # finds shared prefixes by itself), a service tier, beta context editing, output effort, MCP
@@ -70,6 +70,8 @@ class Message(RequestModel):
     # "system" inside messages: Claude Code sends one; read as a system turn
     role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
+
+    _media = field_validator("content", mode="before")(refuse_media)
 
 
 class Tool(CacheHinted):

@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationInfo, field_validator
 
 from inferd.api.openai.wire import SamplingFields, Usage
-from inferd.api.wire import RequestModel, ResponseModel
+from inferd.api.wire import RequestModel, ResponseModel, refuse_media
 
 
 
@@ -42,6 +42,8 @@ class ChatMessage(RequestModel):
     audio: None = None
     function_call: None = None
     annotations: None = None
+
+    _media = field_validator("content", mode="before")(refuse_media)
 
     def text(self) -> str:
         if self.content is None:

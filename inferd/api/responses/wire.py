@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag
+from pydantic import Discriminator, Field, Tag, field_validator
 
-from inferd.api.wire import RequestModel, ResponseModel
+from inferd.api.wire import RequestModel, ResponseModel, refuse_media
 
 
 class TextPart(RequestModel):
@@ -27,6 +27,8 @@ class MessageItem(RequestModel):
     status: str | None = None
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[TextPart]
+
+    _media = field_validator("content", mode="before")(refuse_media)
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

@@ -31,24 +31,23 @@ filled; the first sequence that appends to a *shared* partial block gets a fresh
     parent [7, 2, 5]   child [7, 2, 4]
 
 Prefix caching: once a block is full and computed, `commit` files it in the prefix cache under a
-key that hashes its tokens and every token before them. `allocate` with the prompt's token ids
-reuses the leading cached blocks, and the caller computes from the first position they miss:
+key that hashes its tokens and every token before them (prefix_cache.py draws it). `allocate`
+with the prompt's token ids reuses the leading cached blocks and returns how many tokens they
+hold; the caller computes from there. A freed block that is still cached stays *evictable*
+(see block_pool.py for the three states).
 
-    block_size = 4     a: [1 2 3 4 | 5 6 7 8 | 9 .  .  . ]   committed: both full blocks cached
-                       b: [1 2 3 4 | 5 6 7 8 | 9 9 .  . ]   allocate(b, 10, token_ids=b) -> 8
-                           ^ same block ^ same block  ^ fresh block, computed from position 8
+KV groups (kv/groups.py): a sequence has one table per group, all of one length, over the one
+pool. A sliding group's blocks before its window go back as `commit` learns they are computed
+(their entries then say 0), and a prefix hit takes a sliding group's blocks for the window at
+its end only.
 
-A freed block that is still cached stays *evictable* (see block_pool.py for the three states).
+State slots (kv/state_slots.py): with `state` given (a hybrid model's linear layers), every
+sequence also holds a working slot, a prefix hit is cut back to the longest one that ends at a
+state checkpoint, and `commit` files the checkpoints a chunk wrote under its blocks' keys.
 
-KV groups (kv/groups.py): a hybrid model's sequence has one table per group, all of the same
-length, over the one pool. A sliding group's blocks before its window go back to the pool as
-`commit` learns that they are computed (their table entries then say 0: no block of the
-sequence), and a prefix hit takes full groups' blocks for the whole prefix and sliding groups'
-blocks for the window at its end. A model with one group runs exactly the one-table path.
-
-Swap: `swap_out` gives a sequence's blocks host copies and frees its device blocks; `swap_in`
-brings them back into fresh device blocks. The caller copies the returned pairs, in one step, in
-this order: swap-out pairs, swap-in pairs, copy-on-write pairs, then runs the model.
+Swap: `swap_out` copies a sequence's blocks to host blocks and frees them; `swap_in` brings
+them back into fresh ones. The caller copies, in one step: swap-out, swap-in, then copy-on-write
+pairs, then runs the model.
 
 Check, then act: `can_allocate` / `can_append` / `can_swap_in` / `can_swap_out` answer whether
 memory suffices; `allocate`, `append`, `swap_in` and `swap_out` return None when it does not, and
@@ -64,6 +63,7 @@ from inferd.engine.kv.block_pool import BlockPool
 from inferd.engine.kv.groups import first_needed_block
 from inferd.engine.kv.host import HostBlocks
 from inferd.engine.kv.prefix_cache import BlockError, PrefixCache, check_tables, match_groups
+from inferd.engine.kv.state_slots import StateSlots
 
 
 class BlockManager:
@@ -71,7 +71,8 @@ class BlockManager:
     writer of all three. `windows`: per KV group, its sliding window or None (kv/groups.py)."""
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
-                 enable_prefix_caching: bool = True, windows: Sequence[int | None] = (None,)) -> None:
+                 enable_prefix_caching: bool = True, windows: Sequence[int | None] = (None,),
+                 state: StateSlots | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not windows or any(w is not None and w < 1 for w in windows):
@@ -93,6 +94,7 @@ class BlockManager:
         self._keys: dict[int, list[bytes]] = {}
         # per live sequence: its prefix-cache namespace, the first block's parent key (b"": shared)
         self._roots: dict[int, bytes] = {}
+        self.state = state  # a hybrid model's state slots (None: attention layers only)
         self.host = HostBlocks(num_host_blocks)
         self.num_host_blocks = num_host_blocks
         # metrics: prompt tokens looked up in, and served from, the prefix cache by `allocate`
@@ -166,27 +168,27 @@ class BlockManager:
         logits); 0 without token ids (a sequence that reuses nothing). Changes nothing."""
         if not self.enable_prefix_caching or token_ids is None:
             return 0
-        _, keys = match_groups(self.prefix_cache, token_ids, len(token_ids) - 1, self.block_size, root,
-                               self.windows, self._tags)
-        return len(keys) * self.block_size
+        return len(self._match(token_ids, len(token_ids) - 1, root)[1]) * self.block_size
 
     # ---- check ----
 
     def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None, reserve: int = 0,
                      root: bytes = b"") -> bool:
-        return self._fits(self._allocate_plan(num_tokens, token_ids, root)[2], reserve)
+        return self._seat() and self._fits(self._allocate_plan(num_tokens, token_ids, root)[2], reserve)
 
     def can_append(self, seq_id: int, num_new_tokens: int, reserve: int = 0) -> bool:
         return self._fits(self._append_need(seq_id, num_new_tokens)[0], reserve)
 
     def can_swap_out(self, seq_id: int) -> bool:
+        if self.state is not None and not self.state.can_swap_out():
+            return False
         return self.num_held_blocks(seq_id) <= len(self.host.free)
 
     def num_swapped_blocks(self, seq_id: int) -> int:
         return self.host.get(seq_id).num_blocks
 
     def can_swap_in(self, seq_id: int, reserve: int = 0) -> bool:
-        return self._fits(self.num_swapped_blocks(seq_id), reserve)
+        return self._seat() and self._fits(self.num_swapped_blocks(seq_id), reserve)
 
     # ---- act ----
 
@@ -201,10 +203,12 @@ class BlockManager:
         `reserve` blocks would be left allocatable (then nothing changed).
         """
         self._check_new(seq_id)
-        hits, hit_keys, need = self._allocate_plan(num_tokens, token_ids, root)
-        if not self._fits(need, reserve):
+        hits, hit_keys, need, attention_hit = self._allocate_plan(num_tokens, token_ids, root)
+        if not self._fits(need, reserve) or not self._seat():
             return None
         num_hit = len(hit_keys)
+        if self.state is not None:
+            self.state.start_prompt(seq_id, hit_keys, attention_hit, self.block_size)
         starts = [first_needed_block(w, num_hit * self.block_size, self.block_size) for w in self.windows]
         # NOTE: hits first, so that the fresh allocations below cannot evict them.
         for blocks, start in zip(hits, starts):
@@ -280,6 +284,8 @@ class BlockManager:
             for table, tag in zip(tables[1:], self._tags[1:]):  # (the same keys, each group's blocks)
                 for i in range(first, num_full):
                     self.prefix_cache.register(table[i], keys[i] + tag)
+        if self.state is not None:
+            self.state.file(seq_id, num_computed_tokens, keys, self.block_size)
         if self._sliding:
             self._release_window(seq_id, num_computed_tokens)
 
@@ -295,6 +301,8 @@ class BlockManager:
         self._num_tokens[child_id] = self._num_tokens[parent_id]
         self._keys[child_id] = list(self._keys[parent_id])
         self._roots[child_id] = self._roots[parent_id]
+        if self.state is not None:
+            self.state.fork(parent_id, child_id)
 
     def free(self, seq_id: int) -> None:
         tables, starts = self._table(seq_id), self._starts[seq_id]
@@ -305,6 +313,8 @@ class BlockManager:
                 self.pool.decref(block_id)
         for state in (self._tables, self._starts, self._num_tokens, self._keys, self._roots):
             del state[seq_id]
+        if self.state is not None:
+            self.state.free(seq_id)
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]] | None:
         """Copy a sequence to host blocks and free its device blocks; None if host blocks are short.
@@ -319,6 +329,8 @@ class BlockManager:
         host_tables = self.host.take(seq_id, held, starts, self._num_tokens[seq_id], self._keys[seq_id],
                                      self._roots[seq_id])
         pairs = [pair for blocks, host in zip(held, host_tables) for pair in zip(blocks, host)]
+        if self.state is not None:
+            self.state.swap_out(seq_id)
         self.free(seq_id)
         return pairs
 
@@ -328,8 +340,10 @@ class BlockManager:
         Returns the (host_block, device_block) pairs to copy (after the swap-out pairs). The new
         blocks are not cached again, even where the old ones were.
         """
-        if not self._fits(self.num_swapped_blocks(seq_id), reserve):
+        if not self.can_swap_in(seq_id, reserve):
             return None
+        if self.state is not None:
+            self.state.swap_in(seq_id)
         swapped = self.host.give_back(seq_id)
         held = [[self._alloc() for _ in host] for host in swapped.host_tables]
         self._tables[seq_id] = [[0] * start + blocks for start, blocks in zip(swapped.starts, held)]
@@ -342,6 +356,8 @@ class BlockManager:
     def free_swapped(self, seq_id: int) -> None:
         """Drop a sequence that finished (or was aborted) while swapped out."""
         self.host.give_back(seq_id)
+        if self.state is not None:
+            self.state.free_swapped(seq_id)
 
     def check_invariants(self) -> None:
         """Raise BlockError if a block is lost, misfiled or refcounted wrongly, the cache map and
@@ -353,6 +369,8 @@ class BlockManager:
                        for table, start in zip(tables, starts) for b in table[start:])
         self.pool.check_invariants(refs)  # and the prefix cache's own
         self.host.check_invariants(self._tables.keys(), self.blocks_for, self.block_size)
+        if self.state is not None:
+            self.state.check_invariants(set(self._tables))
 
     # ---- internals ----
 
@@ -377,6 +395,10 @@ class BlockManager:
         fits: the reserve limits what an allocation takes, not what others left."""
         return need <= 0 or need + reserve <= self.pool.num_free
 
+    def _seat(self) -> bool:
+        """Room for one more sequence's state, where the model has state slots."""
+        return self.state is None or self.state.can_start()
+
     def _release_window(self, seq_id: int, computed: int) -> None:
         """Give back each sliding group's blocks before the window of the next query (position
         `computed`), oldest first, so that the pool evicts them before the newer ones."""
@@ -390,23 +412,29 @@ class BlockManager:
                 table[i] = 0
             starts[g] = max(starts[g], end)
 
+    def _match(self, token_ids: Sequence[int], max_tokens: int,
+               root: bytes) -> tuple[list[list[int | None]], list[bytes], int]:
+        return match_groups(self.prefix_cache, token_ids, max_tokens, self.block_size, root, self.windows, self._tags,
+                            self.state.usable_hit if self.state is not None else None)
+
     def _allocate_plan(self, num_tokens: int, token_ids: Sequence[int] | None,
-                       root: bytes = b"") -> tuple[list[list[int | None]], list[bytes], int]:
+                       root: bytes = b"") -> tuple[list[list[int | None]], list[bytes], int, int]:
         """(per group, cached blocks to reuse; their keys; blocks the allocation takes from the
-        allocatable ones): fresh blocks, plus reused blocks that were evictable."""
+        allocatable ones: fresh blocks, plus reused blocks that were evictable; the attention
+        groups' own hit in blocks: prefix_cache.match_groups)."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
         hits: list[list[int | None]] = [[] for _ in self.windows]
         keys: list[bytes] = []
+        attention_hit = 0
         if token_ids is not None and self.enable_prefix_caching:
-            hits, keys = match_groups(self.prefix_cache, token_ids, min(len(token_ids) - 1, num_tokens),
-                                      self.block_size, root, self.windows, self._tags)
+            hits, keys, attention_hit = self._match(token_ids, min(len(token_ids) - 1, num_tokens), root)
         refcount, bs = self.pool.refcount, self.block_size
         need = len(self.windows) * (self.blocks_for(num_tokens) - len(keys))
         for blocks, window in zip(hits, self.windows):
             reused = blocks[first_needed_block(window, len(keys) * bs, bs):]
             need += sum(refcount(b) == 0 for b in reused)  # type: ignore[arg-type]
-        return hits, keys, need
+        return hits, keys, need, attention_hit
 
     def _append_need(self, seq_id: int, num_new_tokens: int) -> tuple[int, list[int]]:
         """(blocks to allocate, the groups whose last block needs copy-on-write) for an append."""

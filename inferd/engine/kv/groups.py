@@ -11,6 +11,10 @@ which layers' data it is (vLLM's hybrid allocator, in spirit).
     full:     layers 5, 11                               group 0   (window None)
     sliding:  0, 1 | 2, 3 | 4, 6 | 7, 8 | 9, 10          groups 1-5 (window W)
 
+A linear-attention layer (Qwen3.5's Gated DeltaNet) holds no blocks either: its cache is one
+state slot per sequence (kv/state_slots.py), so the layout lists it in `linear`, in no group:
+the cache groups are the attention groups plus, where there are linear layers, the state slots.
+
 Layers whose K/V differ in shape (Gemma 4's full layers: their own head size and KV heads) never
 share a group, and a layer that reads another layer's cache (Gemma 4's KV sharing) is in none: it
 holds no block, and its place is its source's.
@@ -51,24 +55,25 @@ class KVLayout:
     groups: tuple[KVGroup, ...]
     group_size: int  # layers per block id: the KV tensor's first dimension
     sources: tuple[int, ...] = ()  # per layer, the layer whose cache it reads; (): each its own
+    linear: tuple[int, ...] = ()  # linear-attention layers: a state slot each, no blocks
 
     @classmethod
     def for_layers(cls, windows: Sequence[int | None], shapes: Sequence[Hashable] | None = None,
-                   sources: Sequence[int] | None = None) -> KVLayout:
+                   sources: Sequence[int] | None = None, linear: Sequence[int] = ()) -> KVLayout:
         """Group layers by their window (None: full), and by `shapes` where given. One kind: one
         group of every layer (the layout every model had before). Several: groups as large as the
         rarest kind, so no group wastes more than a few slots; full groups first. A layer whose
         `sources` entry is another layer holds no place of its own."""
         if not windows:
             raise ValueError("a model with no layers")
-        own = [i for i in range(len(windows)) if sources is None or sources[i] == i]
+        own = [i for i in range(len(windows)) if (sources is None or sources[i] == i) and i not in linear]
         kind_of = {i: (windows[i], None if shapes is None else shapes[i]) for i in own}
         kinds = sorted(set(kind_of.values()), key=lambda k: (k[0] is not None, k[0] or 0, str(k[1])))
         by_kind = [tuple(i for i in own if kind_of[i] == kind) for kind in kinds]
         size = min(len(layers) for layers in by_kind)
         groups = tuple(KVGroup(window, layers[i:i + size], shape)
                        for (window, shape), layers in zip(kinds, by_kind) for i in range(0, len(layers), size))
-        return cls(groups, size, tuple(sources) if sources is not None else ())
+        return cls(groups, size, tuple(sources) if sources is not None else (), tuple(linear))
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -76,10 +81,11 @@ class KVLayout:
 
     @property
     def num_layers(self) -> int:
-        return len(self.sources) if self.sources else sum(len(g.layers) for g in self.groups)
+        return len(self.sources) if self.sources else sum(len(g.layers) for g in self.groups) + len(self.linear)
 
     def placement(self) -> list[tuple[int, int]]:
-        """Per layer, its (group, slot in the block): a KV-shared layer's is its source's."""
+        """Per layer, its (group, slot in the block): a KV-shared layer's is its source's; a
+        linear-attention layer's is (0, 0), unused (its cache is a state slot)."""
         places = [(0, 0)] * self.num_layers
         for g, group in enumerate(self.groups):
             for slot, layer in enumerate(group.layers):

@@ -174,19 +174,25 @@ class PrefixCache:
 
 
 def match_groups(cache: PrefixCache, token_ids: Sequence[int], max_tokens: int, block_size: int, root: bytes,
-                 windows: Sequence[int | None], tags: Sequence[bytes]) -> tuple[list[list[int | None]], list[bytes]]:
+                 windows: Sequence[int | None], tags: Sequence[bytes], resumable: Callable[[list[bytes]], int] | None = None,
+                 ) -> tuple[list[list[int | None]], list[bytes], int]:
     """Per KV group, the cached blocks of the longest usable prefix hit (full groups: all of it;
-    sliding groups: its window's, None before), and the hit's keys. A group's blocks are filed
-    under key + its tag (kv/groups.py)."""
+    sliding groups: its window's, None before), the hit's keys, and how many blocks the KV groups
+    alone would reuse. A group's blocks are filed under key + its tag (kv/groups.py).
+    `resumable` (a hybrid model's state slots): of a hit's keys, how many lead to a state
+    checkpoint; the hit is cut there (the linear layers' state exists at checkpoints only)."""
     if windows[0] is None:  # (full groups come first: they bound the hit, stopping early)
         blocks, keys = cache.match(token_ids, max_tokens, block_size, root)
-        if len(windows) == 1:
-            return [list(blocks)], keys
     else:
         keys = cache.chain_keys(token_ids, max_tokens, block_size, root)
-    found = [[cache.lookup(key + tag) for key in keys] for tag in tags]
-    num_hit = usable_hit(found, windows, block_size)
-    return [blocks[:num_hit] for blocks in found], keys[:num_hit]
+    if len(windows) == 1 and windows[0] is None:
+        found: list[list[int | None]] = [list(blocks)]
+        num_hit = len(keys)
+    else:
+        found = [[cache.lookup(key + tag) for key in keys] for tag in tags]
+        num_hit = usable_hit(found, windows, block_size)
+    usable = num_hit if resumable is None else resumable(keys[:num_hit])
+    return [blocks[:usable] for blocks in found], keys[:usable], num_hit
 
 
 def check_tables(tables: Mapping[int, list[list[int]]], starts: Mapping[int, list[int]], num_tokens: Mapping[int, int],

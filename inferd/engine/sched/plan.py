@@ -18,6 +18,10 @@ class ScheduledChunk:
     start: int  # position of the first new token
     num_tokens: int  # new tokens computed this step
     block_tables: list[list[int]]  # the request's blocks, one table per KV group (read-only for the runner)
+    # a hybrid model's: the state slot the chunk's linear layers read and write, and the block ends
+    # (in tokens) after which its state is also written to a checkpoint slot: (block end, slot)
+    state_slot: int = -1
+    state_saves: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def block_table(self) -> list[int]:
@@ -46,6 +50,9 @@ class SchedulerOutput:
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    # state-slot moves, in the order given (kv/state_slots.py): ("copy", src, dst),
+    # ("out", slot, host slot), ("in", host slot, slot)
+    state_ops: list[tuple[str, int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     started: list[Request] = field(default_factory=list)  # scheduled for the first time
     timed_out: list[Request] = field(default_factory=list)  # ended this step (timeout_kind says why)

@@ -140,6 +140,8 @@ class Scheduler:
         else:  # each rank shared between its tenants
             candidates = self.fair.order(candidates, lambda r: order_key(r, now, self.policy.aging_seconds))
         self._prefill_and_admit(candidates, now, out)
+        if bm.state is not None:
+            out.state_ops = bm.state.take_ops()
         return out
 
     def _prefill_and_admit(self, candidates: list[Request], now: float, out: SchedulerOutput) -> None:
@@ -260,7 +262,13 @@ class Scheduler:
             out.started.append(req)
 
     def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, copies: list[tuple[int, int]]) -> None:
-        chunk = ScheduledChunk(req, req.num_computed_tokens, n, self.block_manager.block_tables(req.seq_id))
+        bm = self.block_manager
+        chunk = ScheduledChunk(req, req.num_computed_tokens, n, bm.block_tables(req.seq_id))
+        if bm.state is not None:  # (a hybrid model's) the chunk's state slot, and its checkpoints if caching
+            chunk.state_slot = bm.state.slot(req.seq_id)
+            if bm.enable_prefix_caching:
+                chunk.state_saves = bm.state.plan_saves(req.seq_id, chunk.start, chunk.start + n, bm.block_size,
+                                                        chunk.is_decode)
         (out.decodes if chunk.is_decode else out.prefills).append(chunk)
         self._scheduled[req.seq_id] = (chunk, copies)
         self._budget -= n

@@ -8,7 +8,12 @@ Where layers differ in K/V shape (Gemma 4's full layers), each shape has its own
 block, and a group's layers use their shape's: a block id is then `group_size` layers' K/V in every
 shape, of which the group holding it uses one (a model of one shape has one tensor, as always).
 NOTE: so such a model's blocks cost the sum of its shapes; one pool per shape would not.
-A KV-shared layer (Gemma 4) has no slot: its entry in `layers` is its source's tensors."""
+A KV-shared layer (Gemma 4) has no slot: its entry in `layers` is its source's tensors.
+
+A linear-attention layer (Qwen3.5) has no blocks: its entry in `layers` is its state tensors,
+(conv [num_state_slots, K-1, C], recurrent [num_state_slots, Hv, dk, dv] in float32), indexed by
+state slot (engine/kv/state_slots.py). The state pool takes its share of `kv_cache_memory` first
+(`state_slots_for`); the blocks get the rest."""
 
 from __future__ import annotations
 
@@ -23,10 +28,19 @@ from inferd.model.families.config import ModelConfig
 from inferd.kernels.tensors import device_tensor, to_device
 
 
+# a hybrid model's state checkpoints take at most this share of kv_cache_memory, and at most
+# this many per sequence seat (max_num_seqs): bench/RESULTS.md, issue 41, measures the memory
+STATE_CHECKPOINT_SHARE = 0.25
+STATE_CHECKPOINTS_PER_SEAT = 8
+
+
 def kv_layout(cfg: ModelConfig) -> KVLayout:
     """The model's KV groups: one of every layer, unless it has sliding and full layers (or
-    layers of several K/V shapes, or KV-shared ones)."""
+    layers of several K/V shapes, or KV-shared ones); linear-attention layers in none."""
     windows = [cfg.sliding_window if cfg.is_sliding(i) else None for i in range(cfg.num_layers)]
+    linear = linear_layers(cfg)
+    if linear:
+        return KVLayout.for_layers(windows, linear=linear)
     if not cfg.has_layer_shapes:
         return KVLayout.for_layers(windows)
     layers = range(cfg.num_layers)
@@ -46,6 +60,35 @@ def kv_shapes_of_groups(cfg: ModelConfig, layout: KVLayout) -> list[tuple[int, i
     """Each group's (KV heads, head size)."""
     return [group.shape if group.shape is not None else (cfg.num_kv_heads, cfg.head_dim)  # type: ignore[misc]
             for group in layout.groups]
+
+
+def linear_layers(cfg: ModelConfig) -> list[int]:
+    """The model's linear-attention layers (none but in a hybrid model)."""
+    return [i for i in range(cfg.num_layers) if cfg.is_linear(i)] if cfg.has_linear_layers else []
+
+
+def state_bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """One state slot: every linear layer's conv state (in `dtype`) and recurrent state (float32)."""
+    if cfg.linear_attention is None:
+        return 0
+    conv, recurrent = cfg.linear_attention.state_shapes
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return len(linear_layers(cfg)) * (math.prod(conv) * itemsize + math.prod(recurrent) * 4)
+
+
+def state_slots_for(budget: float, cfg: ModelConfig, dtype: torch.dtype, max_num_seqs: int) -> tuple[int, int]:
+    """(state slots, sequences that may hold one at once) from a KV budget in bytes: a working
+    slot per sequence seat (at most half the budget: fewer seats where it holds fewer) and one
+    spare, plus checkpoints (STATE_CHECKPOINT_SHARE, STATE_CHECKPOINTS_PER_SEAT). (0, 0) for a
+    model without linear layers."""
+    per_slot = state_bytes_per_slot(cfg, dtype)
+    if not per_slot:
+        return 0, 0
+    seats = min(max_num_seqs, int(budget / 2 // per_slot) - 1)
+    if seats < 1:
+        raise ValueError(f"kv_cache_memory holds no sequence's state ({per_slot / 2**20:.1f} MiB each): raise it")
+    checkpoints = min(STATE_CHECKPOINTS_PER_SEAT * max_num_seqs, int(budget * STATE_CHECKPOINT_SHARE // per_slot))
+    return seats + 1 + checkpoints, seats
 
 
 def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -108,7 +151,7 @@ def host_blocks_for(swap_space_bytes: float, cfg: ModelConfig, block_size: int, 
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, num_state_slots: int = 0, num_host_state_slots: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache has room for no block: raise kv_cache_memory")
         if num_host_blocks < 0:
@@ -129,6 +172,15 @@ class KVCache:
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
             (self.storages[of_group[group]][slot, 0], self.storages[of_group[group]][slot, 1])
             for group, slot in layout.placement()]
+        self.num_state_slots = num_state_slots
+        self.state_bytes_per_slot = state_bytes_per_slot(cfg, dtype)
+        self.states: StateTensors | None = None
+        if layout.linear:
+            if num_state_slots < 1:
+                raise ValueError("a model with linear-attention layers needs state slots")
+            self.states = StateTensors(cfg, len(layout.linear), num_state_slots, num_host_state_slots, dtype, device)
+            for j, layer in enumerate(layout.linear):
+                self.layers[layer] = (self.states.conv[j], self.states.recurrent[j])
         # as storages, [group_size, 2, num_host_blocks, ...] on the CPU; None when swapping is off
         self.host_storages: list[torch.Tensor] | None = None
         if num_host_blocks > 0:
@@ -167,6 +219,12 @@ class KVCache:
             # [group_size, 2, len(pairs), block_size, n_kv_heads, head_dim]
             storage[:, :, device_idx] = to_device(host[:, :, host_idx], storage.device)
 
+    def apply_state_ops(self, ops: list[tuple[str, int, int]]) -> None:
+        """The state slots' copies, in order (kv/state_slots.py)."""
+        if ops:
+            assert self.states is not None
+            self.states.apply(ops)
+
     @property
     def host_storage(self) -> torch.Tensor | None:
         """The host tensor of a model of one shape (None when swapping is off)."""
@@ -196,3 +254,31 @@ def _zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) ->
     n_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     buffer = mmap.mmap(-1, max(n_bytes, 1))
     return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+
+class StateTensors:
+    """The linear layers' state slots: conv [L, S, K-1, C] in the model dtype and recurrent
+    [L, S, Hv, dk, dv] in float32 (L linear layers, S slots), and their host copies for swap."""
+
+    def __init__(self, cfg: ModelConfig, num_linear: int, num_slots: int, num_host_slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        assert cfg.linear_attention is not None
+        conv, recurrent = cfg.linear_attention.state_shapes
+        self.conv = _zeroed((num_linear, num_slots, *conv), dtype, device)
+        self.recurrent = _zeroed((num_linear, num_slots, *recurrent), torch.float32, device)
+        self.host: tuple[torch.Tensor, torch.Tensor] | None = None
+        if num_host_slots:
+            self.host = (_host_zeroed((num_linear, num_host_slots, *conv), dtype, device),
+                         _host_zeroed((num_linear, num_host_slots, *recurrent), torch.float32, device))
+
+    def apply(self, ops: list[tuple[str, int, int]]) -> None:
+        for op, a, b in ops:
+            for device, host in zip((self.conv, self.recurrent), self.host or (None, None)):
+                if op == "copy":
+                    device[:, b] = device[:, a]
+                elif op == "out":
+                    assert host is not None, "no host state slots: swap space is 0"
+                    host[:, b] = device[:, a].cpu()
+                else:  # "in"
+                    assert host is not None, "no host state slots: swap space is 0"
+                    device[:, b] = to_device(host[:, a], device.device)

@@ -15,6 +15,7 @@ from inferd.engine.sched.plan import ScheduledChunk, SchedulerOutput
 from inferd.model.decoder import DecoderModel, LayerAttention, StepAttention
 from inferd.model.layers.linear import DENSE_PREFILL_MIN_TOKENS
 from inferd.model.sampler import Sampler, SamplerOutput
+from inferd.kernels.linear_attention import StatePlan
 from inferd.kernels.tensors import device_tensor
 
 
@@ -68,6 +69,7 @@ class ModelRunner:
         self.kv_cache.swap_out(out.swap_out)
         self.kv_cache.swap_in(out.swap_in)
         self.kv_cache.copy_blocks(out.block_copies)
+        self.kv_cache.apply_state_ops(out.state_ops)
 
     def run(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> StepResult:
         """Forward these chunks and sample a token for each that ends its prompt or decodes."""
@@ -164,6 +166,7 @@ class ModelRunner:
             layers=[groups[g] for g, _slot in self._placement],
             num_prefill_tokens=sum(query_lens[:p]),
             dense_rows=sum(query_lens[:dense]),
+            state=_state_plan(chunks, len(decodes), device) if self.kv_cache.states is not None else None,
         )
         return (
             device_tensor(ids, torch.int64, device),
@@ -197,6 +200,18 @@ class ModelRunner:
         prefill = backend.plan_prefill(rows[:p], seq_lens[:p], query_lens[:p], bs, device, window) if p else None
         decode = backend.plan_decode(tables, lens, bs, device, window) if tables else None
         return LayerAttention(device_tensor(slot_mapping, torch.int64, device), prefill, decode)
+
+
+def _state_plan(chunks: list[ScheduledChunk], num_decode: int, device: torch.device) -> StatePlan:
+    """The linear layers' segments: one per chunk, in row order, each with its state slot, and
+    its checkpoint saves as rows (the row of the token that ends the block)."""
+    saves: list[tuple[int, int]] = []
+    row = 0
+    for c in chunks:
+        saves += [(row + end - c.start - 1, slot) for end, slot in c.state_saves]
+        row += c.num_tokens
+    return StatePlan.build([c.num_tokens for c in chunks], [c.state_slot for c in chunks],
+                           [c.start == 0 for c in chunks], saves, num_decode, device)
 
 
 def _prompt_rows(prefills: list[ScheduledChunk]) -> list[tuple[Request, int, list[int]]]:

@@ -7,13 +7,17 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from inferd.text.errors import ModelLoadError
+from inferd.model.layers.gated_deltanet import LinearAttention
 from inferd.model.layers.moe import Experts
 from inferd.model.layers.rope import Rope
 
 # the families (inferd.model.families.registry): what a GGUF's general.architecture or a config.json's
 # model_type may say
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
-                           "gpt_oss", "gemma4")
+                           "gpt_oss", "gemma4", "qwen3_next", "qwen3_5", "qwen3_5_moe")
+LAYER_TYPES = ("full", "sliding", "linear")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str  # the family (SUPPORTED_ARCHITECTURES)
@@ -41,7 +45,7 @@ class ModelConfig:
     attn_softcap: float | None = None  # scores s -> tanh(s / c) · c (Gemma 2)
     final_softcap: float | None = None  # logits likewise (Gemma 2): changes sampling, not greedy
     sliding_window: int | None = None  # a sliding layer's query sees a key iff q_pos - k_pos < W
-    layer_types: tuple[str, ...] = ()  # "full" or "sliding" per layer; () all full
+    layer_types: tuple[str, ...] = ()  # "full", "sliding" or "linear" (linear attention) per layer; () all full
     # sliding layers' own RoPE (Gemma 3: base 10k where full layers have 1M and linear scaling)
     local_rope_theta: float | None = None
     local_rope_scaling: dict[str, Any] | None = field(default=None, hash=False)
@@ -61,6 +65,11 @@ class ModelConfig:
     double_wide_mlp: bool = False  # KV-shared layers' MLP is 2 x intermediate_size wide
     per_layer_input_size: int = 0  # per-layer embeddings: each layer's width (0: none)
     per_layer_vocab_size: int = 0  # and their vocabulary
+    # Qwen3-Next, Qwen3.5 (inferd.model.hybrid): Gated DeltaNet in the layers layer_types marks "linear"
+    linear_attention: LinearAttention | None = None
+    attn_output_gate: bool = False  # attention's output times σ(a gate q's projection also gives), per head
+    # a multimodal checkpoint read as its language model alone: the vision tower is not loaded
+    vision_tower_skipped: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -71,8 +80,13 @@ class ModelConfig:
             raise ModelLoadError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.layer_types and len(self.layer_types) != self.num_layers:
             raise ModelLoadError(f"{len(self.layer_types)} layer types for {self.num_layers} layers")
+        unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ModelLoadError(f"layer types {unknown} (supported: {', '.join(LAYER_TYPES)})")
         if "sliding" in self.layer_types and not self.sliding_window:
             raise ModelLoadError("sliding layers without a sliding_window")
+        if ("linear" in self.layer_types) != (self.linear_attention is not None):
+            raise ModelLoadError("linear-attention layers without their shapes, or shapes without the layers")
         if self.activation not in ("silu", "gelu_tanh"):
             raise ModelLoadError(f"unsupported activation {self.activation!r} (supported: silu, gelu_tanh)")
         for local in (False, True):
@@ -135,6 +149,14 @@ class ModelConfig:
     @property
     def has_sliding_layers(self) -> bool:
         return "sliding" in self.layer_types
+
+    def is_linear(self, layer: int) -> bool:
+        """The layer is linear attention (Gated DeltaNet): a state slot, no KV blocks."""
+        return bool(self.layer_types) and self.layer_types[layer] == "linear"
+
+    @property
+    def has_linear_layers(self) -> bool:
+        return "linear" in self.layer_types
 
     def rope(self, local: bool = False) -> Rope:
         """The RoPE of full layers, or (`local`) of sliding ones where the family gives them their own."""

@@ -57,6 +57,15 @@ class Family:
     # the same tensors stored in MXFP4 (NAME_blocks + NAME_scales), kept packed: HF suffix -> a
     # function of (blocks, scales, keep) giving (canonical suffix, keep(one matrix's blocks, scales))
     microscaled: dict[str, Callable[[Any, Any, Any], list[tuple[str, Any]]]] = field(default_factory=dict)
+    # multimodal architectures read as their language model alone: config.json's text_config, the
+    # tensors under model.language_model.; the rest of the checkpoint is `skipped`
+    multimodal: tuple[str, ...] = ()
+    # checkpoint tensors (name prefixes) that are no part of the text model inferd runs: a vision
+    # tower, multi-token-prediction layers (transformers ignores these too)
+    skipped: tuple[str, ...] = ()
+    # GGUF tensors the converter rearranged: GGUF suffix -> a function of (array, config) giving the
+    # arrays of the canonical parts gguf_layer_names names for it
+    gguf_unpack: dict[str, Callable[[Any, Any], list[Any]]] = field(default_factory=dict)
 
 
 def sliding_layers(cfg: dict[str, Any], all_sliding: bool) -> dict[str, Any]:

@@ -14,7 +14,8 @@ sliding-window layers, per-layer RoPE, partial rotary. A family says
   tensor names and metadata keys, and the converter's own conventions (Gemma's norms stored as
   1 + w, Llama's q/k rows interleaved for its RoPE, Phi-3's fused tensors).
 
-Gemma 4 (families/gemma4.py) also runs layers of its own (inferd.model.gemma4).
+Gemma 4 (families/gemma4.py) also runs layers of its own (inferd.model.gemma4), and so do the
+hybrid families, Qwen3-Next and Qwen3.5 (families/hybrid.py; inferd.model.hybrid).
 
 Adding a family: a `Family(...)` entry below; a new switch goes into ModelConfig, the decoder
 and every attention backend (inferd.kernels.ops), with a test that fails with it off.
@@ -28,12 +29,13 @@ from inferd.model.families.config import ModelConfig
 from inferd.model.families.dense import DENSE_FAMILIES
 from inferd.model.families.family import GGUF_TOP_NAMES, TOP_NAMES, Family, rope_variant
 from inferd.model.families.gemma4 import GEMMA4
+from inferd.model.families.hybrid import HYBRID_FAMILIES
 from inferd.model.families.sparse import SPARSE_FAMILIES
 from inferd.text.errors import ModelLoadError
 
 __all__ = ["GGUF_TOP_NAMES", "TOP_NAMES", "Family", "config_from_gguf", "config_from_hf", "family_of", "gguf_family"]
 
-FAMILIES = DENSE_FAMILIES + SPARSE_FAMILIES + (GEMMA4,)
+FAMILIES = DENSE_FAMILIES + SPARSE_FAMILIES + (GEMMA4,) + HYBRID_FAMILIES
 BY_GGUF = {f.gguf_architecture: f for f in FAMILIES if f.gguf_architecture}
 BY_NAME = {f.name: f for f in FAMILIES}
 
@@ -50,6 +52,9 @@ def family_of(cfg: dict[str, Any], source: str) -> Family:
 
 def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
     family = family_of(cfg, source)
+    multimodal = any(a in family.multimodal for a in cfg.get("architectures") or [])
+    if multimodal:
+        cfg = _language_model(cfg, source)
     for key, implemented in family.refuse.items():
         if key in cfg and cfg[key] not in (implemented, None):
             raise ModelLoadError(f"{source}: config.json sets {key} = {cfg[key]!r}, which inferd does not "
@@ -62,7 +67,8 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
             architecture=family.name,
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
-            intermediate_size=int(cfg["intermediate_size"]),
+            # (a mixture of experts in every layer may give only its experts' size)
+            intermediate_size=int(cfg["intermediate_size" if "intermediate_size" in cfg else "moe_intermediate_size"]),
             num_layers=int(cfg["num_hidden_layers"]),
             num_heads=num_heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
@@ -73,6 +79,7 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             rope_scaling=rope_variant(cfg.get("rope_scaling") or rope) if "full_attention" not in rope else None,
             name=cfg.get("_name_or_path", "") or source,
+            vision_tower_skipped=multimodal,
         )
         fields |= family.read(cfg)
         scaling = fields["rope_scaling"]
@@ -85,6 +92,16 @@ def config_from_hf(cfg: dict[str, Any], source: str) -> ModelConfig:
         return ModelConfig(**fields)
     except ModelLoadError as e:
         raise ModelLoadError(f"{source}: {e}") from None
+
+
+def _language_model(cfg: dict[str, Any], source: str) -> dict[str, Any]:
+    """A multimodal checkpoint's config.json as its language model's: text_config, with the top
+    level's architectures, name, tied head and quantization (the vision tower's keys are not read)."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ModelLoadError(f"{source}: config.json of a {cfg['architectures'][0]} has no text_config")
+    kept = ("architectures", "_name_or_path", "tie_word_embeddings", "quantization_config")
+    return text | {key: cfg[key] for key in kept if key in cfg}
 
 
 def gguf_family(meta: dict[str, Any], source: str) -> Family:

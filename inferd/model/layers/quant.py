@@ -19,13 +19,15 @@ import torch
 from inferd.kernels import ops
 
 GROUP = 32  # int4 group size along the input dimension (GGUF's Q4 block size too)
-_LINEAR = {"q", "k", "v", "o", "gate", "up", "down"}
+_LINEAR = {"q", "k", "v", "o", "gate", "up", "down", "q_gate"}
+_LINEAR_ATTENTION = {"qkv", "z", "out"}  # a Gated DeltaNet's large products (layers.N.linear.*)
 _AUTO = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}  # GGUF type -> what "auto" packs it as
 
 
 def is_linear(name: str) -> bool:
     """A canonical tensor name (inferd.model.loading.loader) that a product reads: packable."""
-    return name == "lm_head" or name.rsplit(".", 1)[-1] in _LINEAR
+    last = name.rsplit(".", 1)[-1]
+    return name == "lm_head" or last in _LINEAR or ".linear." in name and last in _LINEAR_ATTENTION
 
 
 @dataclass
@@ -137,8 +139,9 @@ def packable(shape: tuple[int, ...]) -> bool:
 Weight = torch.Tensor | Int4Codes | Int8Codes | Q8Blocks
 
 
-def fuse(parts: list[Weight]) -> Weight:
-    """One weight for several stacked outputs (q/k/v, gate/up): of one kind, or else dense."""
+def fuse(parts: list[Weight], dtype: torch.dtype | None = None) -> Weight:
+    """One weight for several stacked outputs (q/k/v, gate/up): of one kind, or else dense (in
+    the dense parts' dtype, else `dtype`, else float32)."""
     if all(isinstance(p, Int4Codes) for p in parts):
         return Int4Codes.cat(parts)  # type: ignore[arg-type]
     if all(isinstance(p, Q8Blocks) for p in parts):
@@ -146,7 +149,7 @@ def fuse(parts: list[Weight]) -> Weight:
     if all(isinstance(p, Int8Codes) for p in parts):
         return Int8Codes(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]))  # type: ignore[union-attr]
     dense = [p if isinstance(p, torch.Tensor) else p.dequantize() for p in parts]
-    dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), torch.float32)
+    dtype = next((p.dtype for p in parts if isinstance(p, torch.Tensor)), dtype or torch.float32)
     return torch.cat([d.to(dtype) for d in dense])
 
 

@@ -16,7 +16,9 @@ tensor name the family does not know is refused, never dropped:
     norm                        [hidden]
     lm_head                     [vocab, hidden]   (absent when tied to embed)
 
-and a family's own (Gemma 4's per-layer embeddings and MoE block: inferd.model.families.gemma4).
+and a family's own (Gemma 4's per-layer embeddings and MoE block: inferd.model.families.gemma4;
+the hybrid families' linear-attention layers, layers.{i}.linear.*, and attention's output gate,
+layers.{i}.q_gate: inferd.model.families.hybrid).
 """
 
 from __future__ import annotations
@@ -105,7 +107,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
     gguf = GGUFFile(path)
     family = gguf_family(gguf.metadata, str(path))
     config = _gguf_config(gguf.metadata, gguf.tensors, family, path)
-    wanted = _gguf_names(gguf.tensors, family, config, path)
+    wanted = _gguf_names(gguf.tensors, family, config, path, gguf.metadata)
 
     def load(name: str) -> np.ndarray:
         info = gguf.tensors[name]
@@ -119,6 +121,9 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
 
     def convert(name: str) -> list[Any]:
         parts, heads = wanted[name]
+        unpack = family.gguf_unpack.get(name.split(".", 2)[-1] if name.startswith("blk.") else name)
+        if unpack is not None:  # a tensor the converter rearranged (families/hybrid.py)
+            return [_to_torch(array, dtype) for array in unpack(load(name), config)]
         experts = ".experts." in parts[0]  # one [E, ...] tensor: a part per expert (or, fused, several)
         per_expert = len(parts) // config.experts.num_experts if experts and config.experts is not None else 1
         if experts and weights != "bf16" and quant.is_linear(parts[0]):
@@ -147,14 +152,19 @@ def _load_gguf(path: Path, dtype: torch.dtype, weights: str) -> Checkpoint:
     config = replace(_gguf_rope(config, gguf.metadata, gguf.tensors, load, path),
                      tie_word_embeddings="lm_head" not in tensors)
     stored = {part: gguf.tensors[name].ggml_type.name for name, (parts, _) in wanted.items() for part in parts}
-    head_blocks = None
-    head_part = "lm_head" if "lm_head" in tensors else "embed"  # (a tied head is the embedding)
-    if weights == "auto" and quant.blocks_fit(tuple(tensors[head_part].shape)):
-        # the head's codes as stored, for the block products (quant.pack_weights)
-        head = next(name for name, (parts, _) in wanted.items() if head_part in parts)
-        head_blocks = quant.q8_from_gguf(gguf.raw(head), gguf.tensors[head].ggml_type.name)
+    head_blocks = _head_blocks(gguf, wanted, tensors) if weights == "auto" else None
     return Checkpoint(config, tensors, path, gguf_metadata=gguf.metadata, stored_types=stored,
                       head_blocks=head_blocks)
+
+
+def _head_blocks(gguf: Any, wanted: dict[str, tuple[tuple[str, ...], int]],
+                 tensors: dict[str, Any]) -> quant.Q8Blocks | None:
+    """The head's codes as stored, for the block products (quant.pack_weights), where they fit."""
+    head_part = "lm_head" if "lm_head" in tensors else "embed"  # (a tied head is the embedding)
+    if not quant.blocks_fit(tuple(tensors[head_part].shape)):
+        return None
+    head = next(name for name, (parts, _) in wanted.items() if head_part in parts)
+    return quant.q8_from_gguf(gguf.raw(head), gguf.tensors[head].ggml_type.name)
 
 
 def _gguf_config(meta: dict[str, Any], names: Any, family: Family, path: Path) -> ModelConfig:
@@ -188,13 +198,18 @@ def _expert_blocks(raw: np.ndarray, type_name: str, per_expert: int = 1) -> list
 _GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 
-def _gguf_names(names: Any, family: Family, config: ModelConfig, path: Path) -> dict[str, tuple[tuple[str, ...], int]]:
+def _gguf_names(names: Any, family: Family, config: ModelConfig, path: Path,
+                meta: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], int]]:
     """GGUF name -> (canonical names: one, or a fused tensor's parts; heads to un-permute by or 0)."""
+    # (llama.cpp's multi-token-prediction layers, after the model's own: not run)
+    extra_layers = bool(meta.get(f"{family.gguf_architecture}.nextn_predict_layers"))
     # llama.cpp's converter interleaves q/k rows for Llama only
     unpermute = {"q": config.num_heads, "k": config.num_kv_heads} if family.name == "llama" else {}
     wanted: dict[str, tuple[tuple[str, ...], int]] = {}
     for name in names:
         rest = name.split(".", 2)[2] if name.startswith("blk.") and name.count(".") >= 2 else None
+        if rest is not None and extra_layers and int(name.split(".", 2)[1]) >= config.num_layers:
+            continue
         if rest in family.gguf_layer_names:
             layer = name.split(".", 2)[1]
             short = family.gguf_layer_names[rest]
@@ -284,6 +299,8 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "bf16") -> 
         try:
             with safe_open(str(file), framework="pt") as f:
                 for name in f.keys():
+                    if name.startswith(family.skipped):
+                        continue
                     base, _, kind = name.rpartition("_")
                     if kind in ("blocks", "scales") and _stacked_suffix(base) in family.stacked:
                         microscaled.setdefault(base, {})[kind] = f.get_tensor(name)
@@ -344,6 +361,8 @@ def _dequantize_stacked(pair: dict[str, torch.Tensor], name: str) -> torch.Tenso
 def _hf_tensors(family: Family, config: ModelConfig, name: str, read: Any, file: Path) -> list[tuple[str, torch.Tensor]]:
     """A checkpoint tensor under its canonical name(s): a fused one split into its parts."""
     short = name.removeprefix("model.")
+    if family.multimodal:  # (the language model of a multimodal checkpoint)
+        short = short.removeprefix("language_model.")
     if short.endswith(_HF_IGNORED_SUFFIXES):
         return []
     if short in TOP_NAMES:
