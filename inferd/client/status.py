@@ -178,6 +178,12 @@ def _kv(s: dict[str, Any]) -> RenderableType:
     lines.append(Text.assemble(("■ ", style), usage))
     lines.append(Text.assemble(("■ ", "blue"), f"{fmt_int(cached)} cached, evictable"))
     lines.append(Text.assemble(("prefix-cache hit rate ", "dim"), rate))
+    state = s.get("state_slots")
+    if isinstance(state, dict) and is_num(state.get("total")):  # a hybrid model's linear-attention state
+        lines.append(Text.assemble(("state slots ", "dim"), f"{fmt_int(state.get('working'))} working, "
+                                   f"{fmt_int(state.get('checkpoints'))} checkpoints "
+                                   f"({_bytes(state.get('checkpoint_bytes') or 0)}) of {fmt_int(state['total'])}, "
+                                   f"{fmt_int(state.get('checkpoint_hits'))} hits"))
     memory = s.get("device_memory")
     if isinstance(memory, dict) and is_num(memory.get("used_bytes")) and is_num(memory.get("total_bytes")):
         u, t = memory["used_bytes"], memory["total_bytes"]

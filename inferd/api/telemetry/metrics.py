@@ -103,6 +103,22 @@ def _cache_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
                               value=stats.prefix_queries)
     yield CounterMetricFamily("inferd_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                               value=stats.prefix_hits)
+    if (state := stats.state_slots) is not None:  # a hybrid model's linear-attention state
+        yield GaugeMetricFamily("inferd_state_slots_total", "Recurrent-state slots (linear-attention layers).",
+                                value=state.total)
+        yield GaugeMetricFamily("inferd_state_slots_working", "State slots held by running requests.",
+                                value=state.working)
+        yield GaugeMetricFamily("inferd_state_checkpoints", "Prefix-cache state checkpoints held (evictable).",
+                                value=state.checkpoints)
+        yield GaugeMetricFamily("inferd_state_checkpoint_bytes", "Bytes the state checkpoints hold.",
+                                value=state.checkpoint_bytes)
+        yield CounterMetricFamily("inferd_state_checkpoint_hits", "Prompts that resumed from a state checkpoint.",
+                                  value=state.checkpoint_hits)
+        yield CounterMetricFamily("inferd_state_checkpoint_hit_tokens",
+                                  "Prompt tokens skipped by resuming from a state checkpoint.",
+                                  value=state.checkpoint_hit_tokens)
+        yield CounterMetricFamily("inferd_state_checkpoint_evictions", "State checkpoints evicted for room.",
+                                  value=state.checkpoint_evictions)
 
 
 def _histograms(stats: EngineSnapshot, model: str) -> Iterator[Metric]:

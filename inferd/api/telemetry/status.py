@@ -149,6 +149,10 @@ async def status(request: web.Request) -> web.Response:
                                 history=engine.throughput.history(now)),
         device_memory=None if memory is None else s.DeviceMemory(used_bytes=memory.used_bytes,
                                                                   total_bytes=memory.total_bytes),
+        state_slots=None if (state := stats.state_slots) is None else s.StateSlotsStatus(
+            total=state.total, working=state.working, checkpoints=state.checkpoints,
+            checkpoint_bytes=state.checkpoint_bytes, checkpoint_hits=state.checkpoint_hits,
+            checkpoint_hit_tokens=state.checkpoint_hit_tokens, checkpoint_evictions=state.checkpoint_evictions),
         engine_healthy=stats.healthy, step_failures=stats.step_failures,
         oom_events_last_minute=stats.oom_events_last_minute, token_budget=stats.token_budget,
         resumable_streams_detached=request.app[RESUMABLE].detached,

@@ -104,6 +104,18 @@ class DeviceMemory(ResponseModel):
     total_bytes: int
 
 
+class StateSlotsStatus(ResponseModel):
+    """A hybrid model's recurrent-state slots (its linear-attention layers' cache)."""
+
+    total: int
+    working: int  # held by running requests
+    checkpoints: int  # prefix-cache checkpoints (evictable)
+    checkpoint_bytes: int
+    checkpoint_hits: int  # prompts that resumed from one
+    checkpoint_hit_tokens: int
+    checkpoint_evictions: int
+
+
 class DriftStatus(ResponseModel):
     """Traffic now against the baseline (the first requests): [request_log], api/telemetry/drift.py."""
 
@@ -175,6 +187,7 @@ class StatusResponse(ResponseModel):
     kv_usage_ratio: float
     throughput: Throughput
     device_memory: DeviceMemory | None  # CUDA only
+    state_slots: StateSlotsStatus | None = None  # a hybrid model's (linear-attention layers)
     engine_healthy: bool = True  # false after failed steps in a row, until it recovers
     step_failures: dict[str, int] = {}  # by kind: forward, request, oom
     oom_events_last_minute: int = 0

@@ -328,11 +328,11 @@ async def test_status_returns_to_idle(server: Server) -> None:
     assert {"model", "dtype", "device", "version", "uptime_seconds", "state", "max_model_len", "kv_blocks_total",
             "kv_blocks_used", "kv_blocks_cached", "kv_usage_ratio", "running", "waiting", "steps", "preemptions",
             "timeouts", "rejections", "prefix_cache_queries", "prefix_cache_hits", "shed_level", "shed_actions",
-            "throughput", "device_memory", "engine_healthy", "step_failures", "oom_events_last_minute",
+            "throughput", "device_memory", "state_slots", "engine_healthy", "step_failures", "oom_events_last_minute",
             "token_budget", "resumable_streams_detached", "event_loop_lag_seconds", "classes", "requests",
             "tenants", "drift", "models", "routes"} == set(body)
     assert body["engine_healthy"] is True and body["token_budget"] == 512
-    assert (body["dtype"], body["device"], body["device_memory"]) == ("bfloat16", "cpu", None)
+    assert (body["dtype"], body["device"], body["device_memory"], body["state_slots"]) == ("bfloat16", "cpu", None, None)
     assert body["classes"][0]["limits"]["ttft_target"] == 2.0
     assert body["model"] == MODEL and body["kv_blocks_total"] > 0
     assert [c["name"] for c in body["classes"]] == ["interactive", "batch"]
