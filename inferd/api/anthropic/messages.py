@@ -170,7 +170,8 @@ class MessagesShape:
         `thinking.budget_tokens` is its budget."""
         body = self.body
         prompt = messages_prompt(tokenizer, body)
-        answer = self.answer = answer_format(tokenizer, prompt, body.calls_tools, tool_use_id)
+        answer = self.answer = answer_format(tokenizer, prompt, body.calls_tools, tool_use_id,
+                                             [t.as_function() for t in body.tools or []])
         reasoning = answer.reasoning
         grammar = build_grammar(lambda: after_reasoning(calls_grammar(body, tokenizer), tokenizer, reasoning))
         budget = body.thinking.budget_tokens if body.thinking is not None and body.thinking.type == "enabled" else None

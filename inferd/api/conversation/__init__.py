@@ -3,7 +3,7 @@
     render.py   messages (the dicts chat templates read) and tools -> the model's prompt tokens
     tools.py    the Hermes tool-call text format for templates without tools: the system prompt
                 that teaches it, earlier calls as text, the parser (a repeated call dropped)
-    tool_formats.py  which tool-call format the model's template speaks (Hermes, Llama-3's JSON),
+    tool_formats.py  which tool-call format the model's template speaks (Hermes, Llama-3's JSON, Qwen3.5's XML),
                 and its parser
     tool_grammar.py  the grammars that hold calls to the declared functions: only calls
                 ("required", a named function), or free text whose calls are held ("auto")

@@ -37,6 +37,8 @@ class AnswerFormat:
     tools: bool = False
     call_id: Callable[[], str] | None = None  # a protocol's own tool-call ids (Anthropic's toolu_...)
     harmony: bool = False  # the model speaks harmony: the decoder reads token ids, not text
+    # the offered functions (OpenAI function dicts): they type an XML call's values (tool_formats.py)
+    functions: tuple[dict, ...] = ()
 
     @property
     def stop_token_ids(self) -> tuple[int, ...]:
@@ -50,12 +52,12 @@ class AnswerFormat:
 
 
 def answer_format(tokenizer: Tokenizer, prompt: Sequence[int], tools: bool,
-                  call_id: Callable[[], str] | None = None) -> AnswerFormat:
+                  call_id: Callable[[], str] | None = None, functions: Sequence[dict] = ()) -> AnswerFormat:
     """How the model of `tokenizer` writes its answer to `prompt`: harmony's channels, or its
-    chat template's reasoning markers and tool-call syntax."""
+    chat template's reasoning markers and tool-call syntax (`functions`: the offered ones)."""
     if speaks_harmony(tokenizer):
         return AnswerFormat(None, tools, call_id, harmony=True)
-    return AnswerFormat(prompt_reasoning(tokenizer, prompt), tools, call_id)
+    return AnswerFormat(prompt_reasoning(tokenizer, prompt), tools, call_id, functions=tuple(functions))
 
 
 class AnswerDecoder:
@@ -64,7 +66,8 @@ class AnswerDecoder:
 
     def __init__(self, tokenizer: Tokenizer, answer: AnswerFormat) -> None:
         self.splitter: ReasoningSplitter | None = answer.reasoning.splitter() if answer.reasoning else None
-        self.parser: ToolParser | None = tool_parser(tokenizer, answer.call_id) if answer.tools else None
+        self.parser: ToolParser | None = (tool_parser(tokenizer, answer.call_id, answer.functions)
+                                          if answer.tools else None)
 
     @property
     def called(self) -> bool:

@@ -167,7 +167,7 @@ class ToolCallParser:
         """The events for whatever is still held back, at the end of the output."""
         events: list[Event] = []
         if self._streaming is not None:  # cut off inside the arguments
-            cut = len(self._buffer) - _partial_tag(self._buffer, TOOL_CALL_CLOSE)
+            cut = len(self._buffer) - partial_tag(self._buffer, TOOL_CALL_CLOSE)
             self._end_streamed_call(self._buffer[:cut], events)
         elif self._in_block:
             events.append(Content(TOOL_CALL_OPEN + self._buffer))
@@ -187,7 +187,7 @@ class ToolCallParser:
     def _step_text(self, events: list[Event]) -> bool:
         start = self._buffer.find(TOOL_CALL_OPEN)
         # hold back only a tail that could still grow into "<tool_call>"
-        end = start if start >= 0 else len(self._buffer) - _partial_tag(self._buffer, TOOL_CALL_OPEN)
+        end = start if start >= 0 else len(self._buffer) - partial_tag(self._buffer, TOOL_CALL_OPEN)
         if end > 0:
             events.append(Content(self._buffer[:end]))
         if start < 0:
@@ -230,7 +230,7 @@ class ToolCallParser:
             self._buffer = self._buffer[close + len(TOOL_CALL_CLOSE) :]
             return True
         # hold back what could be the wrapper's "}" (plus whitespace) and the start of the close tag
-        partial = max(len(self._buffer) - _partial_tag(self._buffer, TOOL_CALL_CLOSE), self._sent)
+        partial = max(len(self._buffer) - partial_tag(self._buffer, TOOL_CALL_CLOSE), self._sent)
         end = _WRAPPER_END.search(self._buffer, self._sent, partial).start()
         if end > self._sent:
             self._emit(events, Arguments(len(self._calls), self._buffer[self._sent : end]))
@@ -269,7 +269,7 @@ class ToolCallParser:
         return any(c.name == call.name and c.arguments == arguments for c in self._calls)
 
 
-def _partial_tag(text: str, tag: str) -> int:
+def partial_tag(text: str, tag: str) -> int:
     """The length of the longest tail of `text` that is a proper prefix of `tag`."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:n]):

@@ -79,7 +79,8 @@ class ChatShape:
         body, effort = self.body, self.body.reasoning_effort
         prompt = chat_prompt(tokenizer, body.messages, body.tools if body.calls_tools else None,
                              template_kwargs=body.chat_template_kwargs, effort=effort)
-        answer = self.answer = answer_format(tokenizer, prompt, body.calls_tools)
+        answer = self.answer = answer_format(tokenizer, prompt, body.calls_tools, functions=[
+            t.model_dump(exclude_none=True) for t in body.tools or []])
         reasoning = answer.reasoning
         if effort is not None and not (answer.harmony or reasoning):
             raise bad_request("not supported: this model does not reason", param="reasoning_effort")

@@ -166,7 +166,8 @@ class ResponsesShape:
         kwargs = {"enable_thinking": False} if effort == "none" else None
         messages = template_messages(body, self.history)
         prompt = render_prompt(tokenizer, messages, tools, template_kwargs=kwargs, param="input", effort=effort)
-        answer = self.answer = answer_format(tokenizer, prompt, calls_tools(body))
+        answer = self.answer = answer_format(tokenizer, prompt, calls_tools(body),
+                                             functions=[t.as_function() for t in body.function_tools()])
         reasoning = answer.reasoning
         held = build_grammar(lambda: after_reasoning(grammar(body, tokenizer), tokenizer, reasoning))
         budget = EFFORT_BUDGETS.get(effort) if effort is not None else None
