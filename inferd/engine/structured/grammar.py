@@ -92,6 +92,8 @@ class _TokenizerView:
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
+        if not tokenizer.eos_token_ids:  # (a grammar ends the answer by allowing only EOS)
+            raise GrammarError("the model's tokenizer names no end-of-sequence token, which a grammar needs")
         self.eos_token_id = min(tokenizer.eos_token_ids)
         self.bos_token_id = tokenizer.bos_token_id
         self.special_token_ids = sorted(tokenizer.special_ids)
