@@ -341,17 +341,18 @@ def random_kquant(shape: tuple[int, int], qtype: Any, rng: np.random.Generator, 
     return out
 
 
-def gguf_writer(path: Path, arch: str, cfg: Any, head_dim: int, rope_theta: float) -> Any:
+def gguf_writer(path: Path, arch: str, cfg: Any, head_dim: int, rope_theta: float, extra_blocks: int = 0) -> Any:
     """A GGUFWriter for `arch` with the hyper-parameters every converter writes, from a
-    transformers config."""
+    transformers config (`extra_blocks`: blocks after the model's own, as multi-token prediction's)."""
     import gguf
 
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny-random-{arch}")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers + extra_blocks)
+    if getattr(cfg, "intermediate_size", None):  # (not in a config whose every layer has experts)
+        w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)

@@ -92,6 +92,21 @@ def _class_metrics(classes: tuple[ClassSnapshot, ...]) -> Iterator[Metric]:
     yield misses
 
 
+# a hybrid model's state slots (EngineSnapshot.state_slots): name, kind, help, the snapshot's field
+STATE_METRICS = (
+    ("inferd_state_slots_total", GaugeMetricFamily, "Recurrent-state slots (linear-attention layers).", "total"),
+    ("inferd_state_slots_working", GaugeMetricFamily, "State slots held by running requests.", "working"),
+    ("inferd_state_checkpoints", GaugeMetricFamily, "Prefix-cache state checkpoints held (evictable).", "checkpoints"),
+    ("inferd_state_checkpoint_bytes", GaugeMetricFamily, "Bytes the state checkpoints hold.", "checkpoint_bytes"),
+    ("inferd_state_checkpoint_hits", CounterMetricFamily, "Prompts that resumed from a state checkpoint.",
+     "checkpoint_hits"),
+    ("inferd_state_checkpoint_hit_tokens", CounterMetricFamily,
+     "Prompt tokens skipped by resuming from a state checkpoint.", "checkpoint_hit_tokens"),
+    ("inferd_state_checkpoint_evictions", CounterMetricFamily, "State checkpoints evicted for room.",
+     "checkpoint_evictions"),
+)
+
+
 def _cache_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
     yield GaugeMetricFamily("inferd_kv_blocks_total", "KV cache blocks.", value=stats.kv_blocks_total)
     yield GaugeMetricFamily("inferd_kv_blocks_used", "KV cache blocks held by requests.", value=stats.kv_blocks_used)
@@ -104,22 +119,8 @@ def _cache_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
     yield CounterMetricFamily("inferd_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
                               value=stats.prefix_hits)
     if (state := stats.state_slots) is not None:  # a hybrid model's linear-attention state
-        yield GaugeMetricFamily("inferd_state_slots_total", "Recurrent-state slots (linear-attention layers).",
-                                value=state.total)
-        yield GaugeMetricFamily("inferd_state_slots_working", "State slots held by running requests.",
-                                value=state.working)
-        yield GaugeMetricFamily("inferd_state_checkpoints", "Prefix-cache state checkpoints held (evictable).",
-                                value=state.checkpoints)
-        yield GaugeMetricFamily("inferd_state_checkpoint_bytes", "Bytes the state checkpoints hold.",
-                                value=state.checkpoint_bytes)
-        yield CounterMetricFamily("inferd_state_checkpoint_hits", "Prompts that resumed from a state checkpoint.",
-                                  value=state.checkpoint_hits)
-        yield CounterMetricFamily("inferd_state_checkpoint_hit_tokens",
-                                  "Prompt tokens skipped by resuming from a state checkpoint.",
-                                  value=state.checkpoint_hit_tokens)
-        yield CounterMetricFamily("inferd_state_checkpoint_evictions", "State checkpoints evicted for room.",
-                                  value=state.checkpoint_evictions)
-
+        for name, kind, doc, field in STATE_METRICS:
+            yield kind(name, doc, value=getattr(state, field))
 
 def _histograms(stats: EngineSnapshot, model: str) -> Iterator[Metric]:
     for name, (field, doc) in LATENCIES.items():

@@ -13,8 +13,7 @@ from typing import Any
 
 import pytest
 from hypothesis import given, settings
-from hypothesis import strategies as st
-from test_tools import matcher, tokenizer  # noqa: F401  (the fixtures)
+from test_tools import chunked_text, matcher, tokenizer  # noqa: F401  (the fixtures)
 
 from inferd.api.conversation.answer import AnswerFormat, decode_whole
 from inferd.api.conversation.reasoning import THINK, PromptReasoning
@@ -217,16 +216,8 @@ PIECES = ["Hello", " ", "\n", "<", "<tool", "<tool_call>", "</tool_call>", "<fun
           "<tool_call>\n<function=get_time>\n", "<tool_call>junk</tool_call>", PARIS.removesuffix("</tool_call>")]
 
 
-@st.composite
-def chunked_text(draw) -> tuple[str, list[str]]:
-    text = "".join(draw(st.lists(st.sampled_from(PIECES), max_size=8)))
-    cuts = sorted(draw(st.sets(st.integers(0, len(text)), max_size=12)))
-    bounds = [0, *cuts, len(text)]
-    return text, [text[a:b] for a, b in itertools.pairwise(bounds) if a < b]
-
-
 @settings(max_examples=300, deadline=None)
-@given(chunked_text())
+@given(chunked_text(PIECES))
 def test_any_chunking_gives_the_same_result(case: tuple[str, list[str]]) -> None:
     text, chunks = case
     whole_events, whole_calls = parse([text])

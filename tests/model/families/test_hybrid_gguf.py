@@ -117,21 +117,10 @@ def gguf_tensors(family: str, model: Any, mtp: bool) -> dict[str, np.ndarray]:
 
 def write(path: Path, family: str, model: Any, spm: dict[str, Any], mtp: bool) -> None:
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), ARCH[family])
-    w.add_name(f"tiny-random-{family}")
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_block_count(cfg.num_hidden_layers + int(mtp))
-    if getattr(cfg, "intermediate_size", None):
-        w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    w = tm.gguf_writer(path, ARCH[family], cfg, int(cfg.head_dim * 0.25), float(cfg.rope_parameters["rope_theta"]),
+                       extra_blocks=int(mtp))
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.head_dim)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
-    w.add_rope_dimension_count(int(cfg.head_dim * 0.25))
-    w.add_vocab_size(cfg.vocab_size)
     w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
     w.add_ssm_state_size(cfg.linear_key_head_dim)
     w.add_ssm_group_count(cfg.linear_num_key_heads)
