@@ -3,7 +3,8 @@
 Non-overlapping windows, each prefilled from position 0 into the first blocks of a paged cache
 (`kv_layers`, per layer (keys, values) as inferd.engine.worker.kv_cache.KVCache holds them); the
 perplexity is exp of the mean negative log-likelihood of every token after a window's first.
-Full-attention models only: every layer gets the same table and no window.
+Full-attention and hybrid models: every attention layer gets the same table and no window, and
+the linear-attention layers (KVCache's state slots) start each window afresh in slot 0.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from inferd.kernels.linear_attention import StatePlan
 from inferd.model.decoder import DecoderModel, LayerAttention, StepAttention
 from inferd.model.layers.linear import DENSE_PREFILL_MIN_TOKENS
 from inferd.kernels.tensors import device_tensor
@@ -34,6 +36,7 @@ def perplexity(model: DecoderModel, kv_layers: list[tuple[torch.Tensor, torch.Te
             layers=[plans] * model.cfg.num_layers,
             num_prefill_tokens=n,
             dense_rows=n if n >= DENSE_PREFILL_MIN_TOKENS else 0,  # as the runner would
+            state=StatePlan.build([n], [0], [True], [], 0, device) if model.cfg.has_linear_layers else None,
         )
         logits = model.forward(device_tensor(inputs, torch.int64, device), positions, kv_layers, attn, positions)
         total_nll += F.cross_entropy(logits, device_tensor(targets, torch.int64, device), reduction="sum").item()

@@ -14,6 +14,7 @@ other tokens.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -131,6 +132,26 @@ def test_packed_weights_pack_the_linear_layers_large_products(cases: Callable[[s
     assert isinstance(mixer.in_proj, SplitLinear) and isinstance(mixer.out, SplitLinear)
     assert isinstance(mixer.in_gates, DenseLinear)
     assert [len(p) for p in generate(engine, case.prompts)] == [NEW_TOKENS] * len(case.prompts)
+
+
+def test_perplexity_runs_the_linear_layers_as_transformers_does(cases: Callable[[str], Case]) -> None:
+    """inferd.model.evaluate on a hybrid model (a fresh state per window) against transformers'
+    own negative log-likelihood of the same windows."""
+    from inferd.engine.worker.kv_cache import KVCache
+    from inferd.model.evaluate import perplexity
+
+    case = cases("qwen3_5")
+    ids = [t for p in case.prompts for t in p] * 3
+    model = case.engine.model
+    cache = KVCache(model.cfg, 32, 16, torch.float32, model.device, num_state_slots=1)
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, 40):
+        window = torch.tensor([ids[start:start + 41]])
+        with torch.inference_mode():
+            logits = case.model(window[:, :-1]).logits[0]
+        nll += torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum").item()
+        count += window.shape[1] - 1
+    assert perplexity(model, cache.layers, 16, ids, window=40) == pytest.approx(math.exp(nll / count), rel=1e-4)
 
 
 # ------------------------------------------------------------------------------ each feature matters
