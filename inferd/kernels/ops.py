@@ -315,18 +315,21 @@ def linear_attention_ops(device: torch.device, dtype: torch.dtype, *, key_head_d
                     "reference", key_head_dim, value_head_dim, conv_size)
     if device.type == "cuda":
         if cuda.is_available() and cuda.linear_attention_supports(dtype, key_head_dim, value_head_dim, conv_size):
-            return LinearAttentionOps(
-                "cuda",
-                conv=lambda x, weight, conv_states, plan: cuda.causal_conv(
-                    x, weight, conv_states, plan.cu_seqlens, plan.slots, plan.fresh, plan.save_rows,
-                    plan.save_slots),
-                delta=lambda q, k, v, g, beta, states, plan: cuda.gated_delta(
-                    q, k, v, g, beta, states, plan.cu_seqlens, plan.slots, plan.fresh, plan.save_rows,
-                    plan.save_slots),
-            )
+            return cuda_linear_attention()
         log.warning("no CUDA linear-attention kernel here (CuPy missing, or %s with head sizes %d/%d, conv width "
                     "%d): it runs on the torch reference", dtype, key_head_dim, value_head_dim, conv_size)
     return reference_linear_attention()
+
+
+def cuda_linear_attention() -> LinearAttentionOps:
+    """Our CUDA kernels over every segment (cuda.linear_attention_supports says for which shapes)."""
+    return LinearAttentionOps(
+        "cuda",
+        conv=lambda x, weight, conv_states, plan: cuda.causal_conv(
+            x, weight, conv_states, plan.cu_seqlens, plan.slots, plan.fresh, plan.save_rows, plan.save_slots),
+        delta=lambda q, k, v, g, beta, states, plan: cuda.gated_delta(
+            q, k, v, g, beta, states, plan.cu_seqlens, plan.slots, plan.fresh, plan.save_rows, plan.save_slots),
+    )
 
 
 def reference_linear_attention() -> LinearAttentionOps:

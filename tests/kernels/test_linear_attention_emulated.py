@@ -5,6 +5,8 @@ slots, GQA, strided rows. Shapes are small: the emulated threads take turns on o
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 
 import cuda_emulator
 import pytest
@@ -112,3 +114,39 @@ def test_a_decode_row_does_not_depend_on_its_batch(kernels) -> None:
     o3, y3, s3, cs3 = decode(slice(3, 4), [3])
     assert torch.equal(o[3], o3[0]) and torch.equal(y[3], y3[0])
     assert torch.equal(s[3], s3[3]) and torch.equal(cs[3], cs3[3])
+
+
+def test_a_hybrid_model_on_the_cuda_kernels_matches_transformers(kernels, tmp_path) -> None:
+    """The CUDA linear-attention kernels inside the engine on the CPU (a tiny Qwen3.5 whose linear
+    layers take CASES[0]'s shapes): prefill segments with checkpoint saves, decode rows, a second
+    turn resumed from a checkpoint; greedy tokens equal transformers' in float32."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("sentencepiece")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+    import tiny_models as tm
+    from test_gated_deltanet import qwen3_5, randomized
+
+    from inferd.engine.config import EngineConfig
+    from inferd.engine.llm_engine import LLMEngine
+    from inferd.kernels.ops import cuda_linear_attention
+    from inferd.text.sampling_params import SamplingParams
+
+    vocab_size = tm.train_sentencepiece(tmp_path)
+    torch.manual_seed(0)
+    model = randomized(qwen3_5(vocab_size, linear_key_head_dim=16, linear_value_head_dim=32))
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    engine = LLMEngine.from_config(EngineConfig.of(model=str(tmp_path), dtype="float32", kv_cache_memory=16 * 2**20,
+                                                   block_size=16, max_num_batched_tokens=24))
+    mixers = [layer.mixer for layer in engine.model.layers if hasattr(layer, "mixer")]
+    for mixer in mixers:
+        mixer.ops = cuda_linear_attention()
+    # (few steps: an emulated launch takes ~70 ms)
+    first = engine.tokenizer.encode(tm.PROMPTS[0])
+    second = first + [7, 8, 9] * 10  # resumes from the first prompt's checkpoint
+    with tm.torch_threads(1):
+        expected = tm.greedy_reference(model, [first, second], 4)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    assert engine.generate([first], params)[0].token_ids == expected[0]
+    hits = engine.block_manager.state.stats.checkpoint_hits
+    assert engine.generate([second], params)[0].token_ids == expected[1]
+    assert engine.block_manager.state.stats.checkpoint_hits > hits and mixers[0].ops.backend == "cuda"
