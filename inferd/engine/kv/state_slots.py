@@ -15,8 +15,8 @@ A slot is in one of four states:
                  that has a checkpoint; least recently used first to be evicted
 
 Checkpoints are never read in place: a hit copies one into the sequence's working slot. Which
-block ends get one (block_manager.py asks `want_saves`): the last block end of every prefill
-chunk (so the last full block of every prompt), the block end where a new prompt's cached
+block ends get one (the scheduler asks `plan_saves` for each chunk): the last block end of every
+prefill chunk (so the last full block of every prompt), the block end where a new prompt's cached
 attention blocks outrun the deepest checkpoint (a branch point: the next prompt that shares this
 prefix resumes there), and every block end during decode, of which each sequence keeps only its
 last two (a next turn that re-tokenizes the answer's last block differently resumes from the
@@ -69,7 +69,6 @@ class StateSlots:
         self._seqs: dict[int, SeqState] = {}
         self._checkpoints: OrderedDict[bytes, int] = OrderedDict()  # key -> slot, least recently used first
         self._key_of: dict[int, bytes] = {}  # checkpoint slot -> key
-        self._decode_checkpoint: set[bytes] = set()  # keys filed by decode (dropped, not evicted)
         self._host_free = list(range(num_host_slots - 1, -1, -1))
         self.num_host_slots = num_host_slots
         self._swapped: dict[int, int] = {}  # seq -> host slot
@@ -94,9 +93,6 @@ class StateSlots:
 
     def slot(self, seq_id: int) -> int:
         return self._seq(seq_id).working
-
-    def has(self, seq_id: int) -> bool:
-        return seq_id in self._seqs
 
     def checkpoint(self, key: bytes) -> int | None:
         return self._checkpoints.get(key)
@@ -180,7 +176,6 @@ class StateSlots:
             self._key_of[slot] = key
             self.stats.checkpoints_filed += 1
             if decode:
-                self._decode_checkpoint.add(key)
                 seq.decode_keys.append(key)
                 while len(seq.decode_keys) > DECODE_CHECKPOINTS:
                     self._drop(seq.decode_keys.pop(0))
@@ -237,7 +232,6 @@ class StateSlots:
             return None
         key, slot = self._checkpoints.popitem(last=False)
         del self._key_of[slot]
-        self._decode_checkpoint.discard(key)
         self.stats.evictions += 1
         return slot
 
@@ -245,7 +239,6 @@ class StateSlots:
         slot = self._checkpoints.pop(key, None)
         if slot is not None:
             del self._key_of[slot]
-            self._decode_checkpoint.discard(key)
             self._free.append(slot)
 
     def check_invariants(self, live: set[int]) -> None:
