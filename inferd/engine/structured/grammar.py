@@ -99,10 +99,20 @@ class _TokenizerView:
         self.special_token_ids = sorted(tokenizer.special_ids)
         self.tokens = [b"\xff" + tokenizer.id_to_token(i).encode() if i in tokenizer.special_ids
                        else tokenizer.token_bytes(i) for i in range(tokenizer.vocab_size)]
+        # A SentencePiece vocabulary puts a space ("▁") before a text's first word, but llguidance
+        # encodes text that a grammar forces in the middle of an answer: encoded after a newline
+        # (which no piece merges with), whose ids are then dropped, it gets no space
+        first = tokenizer.encode("a", add_special_tokens=False)
+        spaced = bool(first) and tokenizer.token_bytes(first[0]).startswith(b" ")
+        self._newline = tokenizer.encode("\n", add_special_tokens=False) if spaced else []
 
     def __call__(self, text: str) -> list[int]:
         if not isinstance(text, str):
             raise TypeError("text only")  # tells TokenizerWrapper to pass str, not bytes
+        if self._newline:
+            ids = self._tokenizer.encode("\n" + text, add_special_tokens=False)
+            if ids[:len(self._newline)] == self._newline:
+                return ids[len(self._newline):]
         return self._tokenizer.encode(text, add_special_tokens=False)
 
 

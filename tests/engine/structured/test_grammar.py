@@ -178,3 +178,28 @@ def test_a_grammar_that_does_not_compile_names_its_problem(compiler: GrammarComp
 
 def test_a_lenient_schema_ignores_what_it_does_not_implement(compiler: GrammarCompiler) -> None:
     compiler.compile(json_schema_grammar({"type": "object", "propertyNames": {"maxLength": 3}}, strict=False))
+
+
+def test_text_a_grammar_forces_mid_answer_takes_no_sentencepiece_space(tmp_path) -> None:
+    """A SentencePiece vocabulary prefixes a text's first word with "▁"; the text a grammar forces
+    sits mid-answer, so it is encoded without it (else the grammar refuses its own forced token)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "model"))
+    import tiny_models as tm
+
+    from inferd.engine.structured.grammar import _TokenizerView
+
+    vocab = tm.train_sentencepiece(tmp_path)
+    tm.tiny_llama(vocab).save_pretrained(tmp_path, safe_serialization=True)
+    engine = LLMEngine.from_config(EngineConfig.of(model=str(tmp_path), dtype="float32", kv_cache_memory=2**22))
+    tokenizer = engine.tokenizer
+    assert tokenizer.token_bytes(tokenizer.encode("<tool_call>", add_special_tokens=False)[0]) == b" "
+    view = _TokenizerView(tokenizer)
+    assert b"".join(tokenizer.token_bytes(t) for t in view("<tool_call>")) == b"<tool_call>"
+    grammar = lark_grammar('start: "<tool_call>\\n<function=" /[a-z]{3}/ ">"')
+    request = EngineRequest(4000, prompt(engine, "Call."), SamplingParams(max_tokens=40, temperature=0), "interactive",
+                            constraint=GrammarCompiler(tokenizer, engine.model_config.vocab_size).compile(grammar))
+    [(text, finish)] = run(engine, [request]).values()
+    assert finish == "stop" and text.startswith("<tool_call>\n<function=") and text.endswith(">"), text
