@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import tiny_models as tm
@@ -73,17 +74,26 @@ def switched_off(case: Case, make: Callable[[int], Any], after: Callable[[Any], 
     return not torch.equal(greedy_argmax(case.model, ids), greedy_argmax(other, ids))
 
 
-def lazily_built(tmp_path_factory: Any, families: dict[str, Callable[[int], Any]],
-                 prepare: Callable[[Any], Any] = lambda model: model) -> Callable[[str], Case]:
-    """Each family's case, built on first use (what a module-scoped `cases` fixture returns)."""
-    built: dict[str, Case] = {}
+def family_fixtures(families: dict[str, Callable[[int], Any]],
+                    prepare: Callable[[Any], Any] = lambda model: model) -> tuple[Any, Any]:
+    """A test module's two fixtures, `cases, case = family_fixtures(FAMILIES)`: `cases(name)`, each
+    family's case built on first use (once a module), and `case`, parametrized over the families."""
+    @pytest.fixture(scope="module")
+    def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
+        built: dict[str, Case] = {}
 
-    def get(family: str) -> Case:
-        if family not in built:
-            built[family] = build(tmp_path_factory.mktemp(family), families[family], prepare=prepare)
-        return built[family]
+        def get(family: str) -> Case:
+            if family not in built:
+                built[family] = build(tmp_path_factory.mktemp(family), families[family], prepare=prepare)
+            return built[family]
 
-    return get
+        return get
+
+    @pytest.fixture(params=list(families))
+    def case(request: pytest.FixtureRequest, cases: Callable[[str], Case]) -> Case:
+        return cases(request.param)
+
+    return cases, case
 
 
 def assert_alone_and_batched(case: Case) -> None:

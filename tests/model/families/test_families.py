@@ -24,7 +24,7 @@ pytest.importorskip("sentencepiece")
 
 import tiny_models as tm  # noqa: E402 - after the skips
 from family_cases import (NEW_TOKENS, SMALL, WINDOW, Case, assert_alone_and_batched, build,  # noqa: E402
-                          chunked_engine, generate, lazily_built, switched_off)
+                          chunked_engine, generate, family_fixtures, switched_off)
 
 from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
@@ -85,15 +85,7 @@ FAMILIES: dict[str, Callable[[int], Any]] = {"qwen3": qwen3, "mistral": mistral,
                                              "phi3": phi3}
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
-    """Each family's case, built once for the module on first use."""
-    return lazily_built(tmp_path_factory, FAMILIES)
-
-
-@pytest.fixture(params=list(FAMILIES))
-def case(request: pytest.FixtureRequest, cases: Callable[[str], Case]) -> Case:
-    return cases(request.param)
+cases, case = family_fixtures(FAMILIES)
 
 
 def test_greedy_alone_and_in_a_ragged_batch_match_transformers(case: Case) -> None:

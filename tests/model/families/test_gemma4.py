@@ -30,7 +30,7 @@ pytest.importorskip("sentencepiece")
 
 import tiny_models as tm  # noqa: E402 - after the skips
 from family_cases import (NEW_TOKENS, SMALL, WINDOW, Case, assert_alone_and_batched, chunked_engine,  # noqa: E402
-                          generate, lazily_built, switched_off)
+                          generate, family_fixtures, switched_off)
 
 from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
@@ -82,14 +82,7 @@ def strengthen(model: Any) -> Any:
 FAMILIES: dict[str, Callable[[int], Any]] = {"dense": dense, "moe": moe}
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
-    return lazily_built(tmp_path_factory, FAMILIES, prepare=strengthen)
-
-
-@pytest.fixture(params=list(FAMILIES))
-def case(request: pytest.FixtureRequest, cases: Callable[[str], Case]) -> Case:
-    return cases(request.param)
+cases, case = family_fixtures(FAMILIES, prepare=strengthen)
 
 
 def test_greedy_alone_and_in_a_ragged_batch_match_transformers(case: Case) -> None:

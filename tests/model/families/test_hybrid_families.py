@@ -28,7 +28,7 @@ pytest.importorskip("sentencepiece")
 
 import tiny_models as tm  # noqa: E402 - after the skips
 from family_cases import (NEW_TOKENS, Case, assert_alone_and_batched, chunked_engine, generate,  # noqa: E402
-                          lazily_built, switched_off)
+                          family_fixtures, switched_off)
 from test_gated_deltanet import SMALL, qwen3_5, qwen3_5_moe, qwen3_next, randomized  # noqa: E402
 
 from inferd.engine.config import EngineConfig  # noqa: E402
@@ -57,14 +57,7 @@ FAMILIES: dict[str, Callable[[int], Any]] = {"qwen3_5": qwen3_5, "qwen3_5_moe": 
                                              "qwen3_5_vl": qwen3_5_vl}
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
-    return lazily_built(tmp_path_factory, FAMILIES, prepare=randomized)
-
-
-@pytest.fixture(params=list(FAMILIES))
-def case(request: pytest.FixtureRequest, cases: Callable[[str], Case]) -> Case:
-    return cases(request.param)
+cases, case = family_fixtures(FAMILIES, prepare=randomized)
 
 
 def engine_of(folder: Path, **settings: Any) -> LLMEngine:

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("sentencepiece")
 
 import tiny_models as tm  # noqa: E402 - after the skips
-from family_cases import (SMALL, WINDOW, Case, assert_alone_and_batched, generate, lazily_built,  # noqa: E402
+from family_cases import (SMALL, WINDOW, Case, assert_alone_and_batched, generate, family_fixtures,  # noqa: E402
                           switched_off)
 
 from inferd.engine.config import EngineConfig  # noqa: E402
@@ -87,14 +87,7 @@ FAMILIES: dict[str, Callable[[int], Any]] = {"mixtral": mixtral, "qwen2_moe": qw
                                              "gpt_oss": gpt_oss}
 
 
-@pytest.fixture(scope="module")
-def cases(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Case]:
-    return lazily_built(tmp_path_factory, FAMILIES, prepare=strengthen)
-
-
-@pytest.fixture(params=list(FAMILIES))
-def case(request: pytest.FixtureRequest, cases: Callable[[str], Case]) -> Case:
-    return cases(request.param)
+cases, case = family_fixtures(FAMILIES, prepare=strengthen)
 
 
 def test_greedy_alone_and_in_a_ragged_batch_match_transformers(case: Case) -> None:
