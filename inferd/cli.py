@@ -196,7 +196,8 @@ def _model_loader(settings: Settings) -> Callable[[ModelSpec], AsyncEngine]:
     def load(spec: ModelSpec) -> AsyncEngine:
         config = EngineConfig.from_settings(settings)
         kv = config.cache.kv_cache_memory if spec.kv_cache_memory is None else spec.kv_cache_memory
-        config = config.replace(model=spec.path, dtype=spec.dtype or config.model.dtype, kv_cache_memory=kv)
+        config = config.replace(model=spec.path, dtype=spec.dtype or config.model.dtype, kv_cache_memory=kv,
+                                **spec.pooling)
         engine = in_passing_thread(LLMEngine.from_config, config)
         if speaks_harmony(engine.tokenizer):  # (its vocabulary file is read now, not at the first request)
             harmony_encoding()

@@ -25,6 +25,8 @@ FLAT: dict[str, tuple[str, str]] = {
     "model": ("model", "path"), "dtype": ("model", "dtype"), "device": ("model", "device"),
     "max_model_len": ("model", "max_model_len"), "cuda_graphs": ("model", "cuda_graphs"),
     "weights": ("model", "weights"), "deterministic": ("model", "deterministic"),
+    "task": ("model", "task"), "pooling": ("model", "pooling"), "normalize": ("model", "normalize"),
+    "embeddings": ("model", "embeddings"),
     "block_size": ("cache", "block_size"), "kv_cache_memory": ("cache", "kv_cache_memory"),
     "enable_prefix_caching": ("cache", "prefix_caching"), "swap_space": ("cache", "swap_space"),
     "max_num_seqs": ("scheduler", "max_num_seqs"), "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),

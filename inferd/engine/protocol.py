@@ -163,6 +163,28 @@ class LogitsConstraint(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
+class PoolingParams:
+    """A prefill-only request: nothing is sampled. Task "embed": its prompt's final hidden states
+    pooled by the model's pooler (inferd.model.pooling: last, mean or cls; dense layers; normalized)
+    into `EngineOutput.pooled`. Task "score": its last position's logits read as one number,
+    logit[yes] - logit[no] (`score_tokens`), into `EngineOutput.score` (Qwen3-Reranker)."""
+
+    task: str = "embed"  # "embed" or "score"
+    score_tokens: tuple[int, int] | None = None  # ("score") the (no, yes) token ids
+
+
+@dataclass(frozen=True, slots=True)
+class PoolerInfo:
+    """What a model's pooler makes (EngineLimits.pooler): the door and the API check against it."""
+
+    method: str  # "last", "mean" or "cls"
+    normalize: bool
+    dimensions: int  # the length of a pooled vector (after any dense layers)
+    matryoshka: bool  # its vectors may be truncated to a prefix (`dimensions` in a request)
+    max_prompt_tokens: int  # the longest input: the context, or one step's tokens (bidirectional)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One prompt with its n choices, checked by the door against `EngineLimits`: the engine
     asserts what it relies on and does not check again."""
@@ -181,6 +203,7 @@ class EngineRequest:
     cache_salt: bytes = b""
     constraint: LogitsConstraint | None = None  # the slot for per-request logits constraints
     segment: str = "token"  # how text is released: per token, in whole "sentence"s or "line"s
+    pooling: PoolingParams | None = None  # a prefill-only request (n = 1, params unused but its limits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,6 +256,8 @@ class EngineOutput:
     prompt_logprobs: list[TokenLogprob] | None = None
     metrics: RequestMetrics | None = None  # with the finished output
     error: str | None = None  # with "error", which: ERROR_CODES
+    pooled: list[float] | None = None  # (a pooling request's finished output, task "embed") its vector
+    score: float | None = None  # (task "score") logit[yes] - logit[no] at its last position
 
 
 @dataclass(slots=True)
@@ -263,6 +288,8 @@ class EngineLimits:
     model_path: str  # the GGUF file or Hugging Face folder it serves
     output_filter: bool = False  # a blocklist filters the text (so logprobs' token strings would not be)
     experts: tuple[int, int] | None = None  # a mixture-of-experts model: (experts, active per token)
+    task: str = "generate"  # what it serves: "generate", "embed" or "score" ([model] task)
+    pooler: PoolerInfo | None = None  # what /v1/embeddings gets from it; None: it answers none
 
     def priority_class(self, name: str) -> PriorityClass:
         return self.policy.lookup(name)

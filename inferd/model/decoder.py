@@ -255,6 +255,12 @@ class DecoderModel:
         attn: StepAttention,
         logits_indices: torch.Tensor,  # [S] int64: the tokens whose next-token logits are wanted
     ) -> torch.Tensor:  # [S, vocab] float32
+        return self.logits(self.trunk(input_ids, positions, kv_caches, attn), logits_indices)
+
+    @torch.inference_mode()
+    def trunk(self, input_ids: torch.Tensor, positions: torch.Tensor,
+              kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn: StepAttention) -> torch.Tensor:
+        """Every layer over the step's tokens: the last layer's output [T, hidden], before the final norm."""
         x = self.embed[input_ids]  # [T, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -262,7 +268,12 @@ class DecoderModel:
         local = rope if self.local_rope is None else (self.local_rope[0][positions], self.local_rope[1][positions])
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, local if layer.sliding else rope, kv_cache, attn)
-        return self.logits(x, logits_indices)
+        return x
+
+    def hidden(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [S, hidden] float32
+        """The final norm's output at `indices`: what the head reads, and what pooling models pool
+        (transformers' last_hidden_state)."""
+        return self.ops.norm(x[indices], self.norm.weight).float()
 
     def logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [S, vocab]
         x = x[logits_indices]  # [S, hidden]: the final norm and head only where sampled

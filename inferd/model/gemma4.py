@@ -174,14 +174,13 @@ class Gemma4Model(DecoderModel):
         return [layer.moe.mixture if layer.moe is not None else None for layer in self.layers]
 
     @torch.inference_mode()
-    def forward(
+    def trunk(
         self,
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer (a KV-shared one's: its source's)
         attn: StepAttention,
-        logits_indices: torch.Tensor,  # [S] int64
-    ) -> torch.Tensor:  # [S, vocab] float32
+    ) -> torch.Tensor:  # [T, hidden]
         x = self.embed[input_ids]  # [T, hidden]
         if self.embed_scale is not None:
             x = x * self.embed_scale
@@ -190,7 +189,7 @@ class Gemma4Model(DecoderModel):
         local = rope if self.local_rope is None else (self.local_rope[0][positions], self.local_rope[1][positions])
         for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, local if layer.sliding else rope, kv_cache, attn, None if inputs is None else inputs[:, i])
-        return self.logits(x, logits_indices)
+        return x
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -33,6 +33,16 @@ class ModelSettings(Section):
     """CPU: the linear layers' weights packed (inferd/model/layers/quant.py); auto: as the GGUF stores them."""
     deterministic: bool = True
     """CPU, bfloat16: every request's tokens the same whatever runs beside it (batch-invariant kernels)."""
+    task: Literal["generate", "embed", "score"] = "generate"
+    """What it serves: text ("generate"), vectors ("embed": /v1/embeddings) or relevance ("score":
+    /v1/rerank and /v1/score, a Qwen3-Reranker-style yes/no model)."""
+    pooling: Literal["last", "mean", "cls"] | None = None
+    """How /v1/embeddings pools the hidden states; unset: the checkpoint's sentence-transformers
+    modules, else "mean" ("last" for Qwen3-Embedding)."""
+    normalize: bool | None = None
+    """Embeddings scaled to length 1; unset: the checkpoint's modules say, else yes."""
+    embeddings: bool = True
+    """A "generate" model answers /v1/embeddings too (pooled as above); false: 400."""
 
 
 class CacheSettings(Section):
@@ -72,6 +82,9 @@ class SchedulerSettings(Section):
     """Tokens per engine step at most (prefill chunks and decodes together)."""
     default_class: str = SchedulingPolicy().default_class
     """The priority class of a request that names none."""
+    pooling_class: str | None = None
+    """The class of an embedding, rerank or score request that names none; unset: the least
+    important class (so a flood of them cannot starve chat)."""
     aging_seconds: float = Field(default=SchedulingPolicy().aging_seconds, ge=0)
     """A waiting request's rank improves by one class per this many seconds (no starvation); 0: off."""
     preemption_mode: Literal["recompute", "swap"] = "recompute"

@@ -42,6 +42,14 @@ class ModelTable(Section):
     first; unset: [cache] kv_cache_memory."""
     fallback: str | None = None
     """A model (not a route) for its new requests while it is degraded."""
+    task: Literal["generate", "embed", "score"] | None = None
+    """What it serves ([model] task); unset: [model] task."""
+    pooling: Literal["last", "mean", "cls"] | None = None
+    """[model] pooling; unset: [model]'s."""
+    normalize: bool | None = None
+    """[model] normalize; unset: [model]'s."""
+    embeddings: bool | None = None
+    """[model] embeddings; unset: [model]'s."""
     eval_file: str | None = None
     """JSON lines {"prompt": ..., "expected": ...}: greedy continuations a new revision must reproduce
     before a reload moves traffic to it."""

@@ -92,6 +92,7 @@ class SchedulingPolicy:
 
     classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
     default_class: str = "interactive"
+    pooling_class: str | None = None  # (None: the least important class)
     aging_seconds: float = 60.0
     preemption_mode: str = "recompute"
     fairness: str = "vtc"
@@ -108,6 +109,8 @@ class SchedulingPolicy:
             raise ValueError(f"priority class numbers must be unique, got {priorities}")
         if self.default_class not in names:
             raise ValueError(f"default_class {self.default_class!r} is not a class; classes: {names}")
+        if self.pooling_class is not None and self.pooling_class not in names:
+            raise ValueError(f"pooling_class {self.pooling_class!r} is not a class; classes: {names}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         if self.fairness not in ("vtc", "fcfs"):
@@ -117,6 +120,11 @@ class SchedulingPolicy:
     def ranked(self) -> tuple[PriorityClass, ...]:
         """The classes, most important first."""
         return tuple(sorted(self.classes, key=lambda c: c.priority))
+
+    @property
+    def pooling_default(self) -> str:
+        """The class of a pooling request (embeddings, rerank, score) that names none."""
+        return self.pooling_class or self.ranked[-1].name
 
     def lookup(self, priority: str | int | None) -> PriorityClass:
         """The class a request's `priority` names (a class name or number); KeyError if none."""

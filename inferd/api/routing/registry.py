@@ -231,13 +231,17 @@ REGISTRY = web.AppKey("models", ModelRegistry)
 # ------------------------------------------------------------------------------ building
 
 
+POOLING_KEYS = ("task", "pooling", "normalize", "embeddings")  # [models.NAME] keys over [model]'s
+
+
 def model_specs(settings: Settings) -> list[ModelSpec]:
     """The [models.NAME] tables in file order, or else the one model of [model] (its name is the
     setting, else filled in from the loaded file by `served_name`)."""
     if not settings.models:
         return [ModelSpec(name=settings.model.name or "", path=settings.model.path)]
     return [ModelSpec(name=name, revision=t.revision, path=t.path, aliases=t.aliases, dtype=t.dtype,
-                      kv_cache_memory=t.kv_cache_memory, fallback=t.fallback, eval_file=t.eval_file)
+                      kv_cache_memory=t.kv_cache_memory, fallback=t.fallback, eval_file=t.eval_file,
+                      pooling={k: v for k in POOLING_KEYS if (v := getattr(t, k)) is not None})
             for name, t in settings.models.items()]
 
 

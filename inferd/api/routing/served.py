@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from inferd.api.admission.door import DoorCounts, FrontDoor
 from inferd.api.routing.degradation import Signals
@@ -29,6 +29,8 @@ class ModelSpec:
     kv_cache_memory: float | None = None  # None: [cache] kv_cache_memory
     fallback: str | None = None
     eval_file: str | None = None
+    # what it serves and how it pools ([models.NAME] task, pooling, normalize, embeddings); None: [model]'s
+    pooling: dict[str, object] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
