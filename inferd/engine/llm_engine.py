@@ -33,6 +33,7 @@ from inferd.engine.protocol import (
     EngineRequest,
     EngineSnapshot,
     Histogram,
+    PoolerInfo,
     RequestMetrics,
     StateSlotsSnapshot,
     StepOutputs,
@@ -44,6 +45,7 @@ from inferd.engine.worker.executor import StepExecutor, StepFailed
 from inferd.engine.worker.faults import FaultInjector
 from inferd.model.decoder import DecoderModel
 from inferd.model.loading.loader import default_model_path
+from inferd.model.pooling import load_pooler
 from inferd.text.sampling_params import SamplingParams
 from inferd.text.tokenizer import Tokenizer
 from inferd.settings.policy import Timeouts
@@ -102,11 +104,17 @@ class LLMEngine:
                  if execution.num_state_slots else None)
         self.block_manager = BlockManager(execution.num_blocks, config.cache.block_size,
                                           num_host_blocks=execution.num_host_blocks,
-                                          enable_prefix_caching=config.cache.prefix_caching,
+                                          # (bidirectional attention: a block's K/V depend on what follows it)
+                                          enable_prefix_caching=config.cache.prefix_caching and not model.cfg.bidirectional,
                                           windows=self.kv_cache.layout.windows, state=state)
         self.policy = config.policy
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    config.policy)
+        # how pooling requests (embeddings, scores) pool: None where the model answers none
+        self.pooler = (load_pooler(config.model.path, model.cfg.hidden_size, config.model.pooling,
+                                   config.model.normalize)
+                       if config.model.task != "generate" or config.model.embeddings else None)
+        self.runner.pooler = self.pooler
         self.outputs = OutputProcessor(tokenizer, output_filter(config.output_filter))
         self.executor = StepExecutor(self.runner)
         self.executor.faults = FaultInjector.from_environ()
@@ -146,7 +154,17 @@ class LLMEngine:
             model_path=self.config.model.path or str(default_model_path()),
             output_filter=self.config.output_filter is not None,
             experts=(experts.num_experts, experts.top_k) if (experts := self.model_config.experts) else None,
+            task=self.config.model.task, pooler=self._pooler_info(),
         )
+
+    def _pooler_info(self) -> PoolerInfo | None:
+        pooler = self.pooler
+        if pooler is None or self.config.model.task == "score":
+            return None
+        # (bidirectional attention: a prompt is computed in one step, so a step's tokens bound it)
+        longest = (min(self.max_model_len - 1, self.config.scheduler.max_num_batched_tokens)
+                   if self.model_config.bidirectional else self.max_model_len - 1)
+        return PoolerInfo(pooler.method, pooler.normalize, pooler.dimensions, pooler.matryoshka, longest)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -168,6 +186,11 @@ class LLMEngine:
                               group_id=group, constraint=constraint.fork() if constraint else None,
                               tenant=tenant, tenant_weight=weight, cache_salt=salt)
                       for i in range(1, n)]
+        if request.pooling is not None:
+            assert n == 1 and (request.pooling.task == "score" or self.pooler is not None), "a pooling request the door refuses"
+            root.pooling = request.pooling
+            root.pools_every_token = request.pooling.task == "embed" and self.pooler.method != "last"
+            root.one_chunk = self.model_config.bidirectional
         self._groups[group] = root
         if self.faults is not None:
             self.faults.on_add(group, self.tokenizer.decode(prompt_ids))
@@ -238,6 +261,8 @@ class LLMEngine:
         sampled = result.sampled
         self._note_prompt_logprobs(result.prompt_logprobs)
         self.scheduler.update(plan, dict(zip(result.seq_ids, sampled.token_ids)))
+        if result.pooled:
+            step.outputs += self._pooled(result.pooled)
         faults = self.faults
         for row, seq_id in enumerate(result.seq_ids):
             request = self.requests.get(seq_id)
@@ -268,6 +293,27 @@ class LLMEngine:
                 self._retire(request)
             step.outputs.append(out)
         return step
+
+    def _pooled(self, pooled: dict[int, torch.Tensor | float]) -> list[EngineOutput]:
+        """The final outputs of the pooling requests whose prompt this step finished: embeddings
+        projected together (the pooler's dense layers and normalization), scores as they are."""
+        requests = [self.requests[seq_id] for seq_id in pooled if seq_id in self.requests]
+        embedded = [r for r in requests if r.pooling is not None and r.pooling.task == "embed"]
+        vectors: dict[int, list[float]] = {}
+        if embedded:
+            assert self.pooler is not None
+            projected = self.pooler.project(torch.stack([pooled[r.seq_id] for r in embedded]))  # type: ignore[misc]
+            vectors = dict(zip((r.seq_id for r in embedded), projected.tolist()))
+        outputs = []
+        for request in requests:
+            self._finish(request, RequestStatus.FINISHED_STOPPED)
+            value = pooled[request.seq_id]
+            outputs.append(EngineOutput(request.group_id, [], "", finished=True, finish_reason="stop",
+                                        pooled=vectors.get(request.seq_id),
+                                        score=value if isinstance(value, float) else None,
+                                        metrics=request_metrics(request, self.scheduler.clock())))
+            self._retire(request)
+        return outputs
 
     def _note_prompt_logprobs(self, computed: dict[int, tuple[int, list[TokenLogprob]]]) -> None:
         """Add each prompt position's logprobs once: a prefill recomputed after a preemption

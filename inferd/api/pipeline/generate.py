@@ -58,6 +58,9 @@ async def answer(request: web.Request, ask: Ask, shape: Shape, choice: Choice, c
     non-streaming answer it finds unsure is not sent: CascadeUnsure is raised instead."""
     app = request.app
     served, model = choice.served, choice.slot.name
+    if served.engine.limits.task == "embed":  # (a trunk: it has no head to sample text from)
+        raise bad_request(f"the model {model!r} serves embeddings (task \"embed\"): ask /v1/embeddings",
+                          param="model", code="wrong_task")
     tokenizer = served.engine.tokenizer
     max_prompts = app[SETTINGS].limits.max_prompts
     shaped = await make_prompts(request, tokenizer, served.engine.limits.max_model_len,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from inferd.engine.protocol import LogitsConstraint, TokenLogprob
+from inferd.engine.protocol import LogitsConstraint, PoolingParams, TokenLogprob
 from inferd.text.sampling_params import SamplingParams
 from inferd.settings.policy import PriorityClass, Timeouts
 
@@ -77,6 +77,11 @@ class Request:
     # (params.prompt_logprobs) entry p: prompt token p + 1 given the tokens before it, as the
     # prefill computes them; a recomputed prefill does not add them twice
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # a pooling request (embeddings, scores): its prompt computed, nothing sampled; it finishes
+    # when its prompt has been
+    pooling: PoolingParams | None = None
+    pools_every_token: bool = False  # (mean or cls pooling) every prompt position computed: no cached prefix
+    one_chunk: bool = False  # (bidirectional attention) its prompt computed in one step, never in chunks
 
     def __post_init__(self) -> None:
         if self.group_id < 0:

@@ -232,11 +232,14 @@ class Scheduler:
                 self._add_chunk(out, req, n, copies)
             return _ADMITTED
 
-        # (a request that wants its prompt's logprobs computes all of it: it reuses no cached block)
-        tokens = req.token_ids(0, req.num_tokens) if req.params.prompt_logprobs is None else None
+        # (a request that wants its prompt's logprobs, or pools every position, computes all of
+        # it: it reuses no cached block)
+        tokens = req.token_ids(0, req.num_tokens) if req.params.prompt_logprobs is None and not req.pools_every_token else None
         while True:
             cached = bm.cached_prefix(tokens, req.cache_salt)
             n = min(req.num_tokens - cached, self._budget)
+            if req.one_chunk and n < req.num_tokens - cached:
+                return _SKIP  # (bidirectional attention: the whole prompt in one step, the next one)
             if bm.allocate(req.seq_id, cached + n, tokens, reserve=reserve, root=req.cache_salt) is not None:
                 break
             need = max(1, -(-(cached + n) // bm.block_size) - cached // bm.block_size)

@@ -14,6 +14,7 @@ from inferd.engine.sched.request import Request
 from inferd.engine.sched.plan import ScheduledChunk, SchedulerOutput
 from inferd.model.decoder import DecoderModel, LayerAttention, StepAttention
 from inferd.model.layers.linear import DENSE_PREFILL_MIN_TOKENS
+from inferd.model.pooling import Pooler
 from inferd.model.sampler import Sampler, SamplerOutput
 from inferd.kernels.linear_attention import StatePlan
 from inferd.kernels.tensors import device_tensor
@@ -28,6 +29,9 @@ class StepResult:
     # (params.prompt_logprobs) seq_id -> (first prompt position, the logprobs of the tokens after
     # it and its successors in this step's chunk)
     prompt_logprobs: dict[int, tuple[int, list[TokenLogprob]]] = field(default_factory=dict)
+    # pooling requests whose prompt this step finished: seq_id -> the pooled hidden state [hidden]
+    # float32 (task "embed", before the pooler's projection) or the score (task "score")
+    pooled: dict[int, torch.Tensor | float] = field(default_factory=dict)
 
     @classmethod
     def concat(cls, parts: list[StepResult]) -> StepResult:
@@ -38,12 +42,13 @@ class StepResult:
         token_ids = [t for p in parts for t in p.sampled.token_ids]
         failed = {k: v for p in parts for k, v in p.failed.items()}
         prompt = {k: v for p in parts for k, v in p.prompt_logprobs.items()}
+        pooled = {k: v for p in parts for k, v in p.pooled.items()}
         if all(p.sampled.logprobs is None for p in parts):
-            return cls(seq_ids, SamplerOutput(token_ids, None, None), failed, prompt)
+            return cls(seq_ids, SamplerOutput(token_ids, None, None), failed, prompt, pooled)
         # a piece whose rows asked for no logprobs has none: its rows never read them
         logprobs = [x for p in parts for x in (p.sampled.logprobs or [0.0] * len(p.seq_ids))]
         top = [x for p in parts for x in (p.sampled.top_logprobs or [[] for _ in p.seq_ids])]
-        return cls(seq_ids, SamplerOutput(token_ids, logprobs, top), failed, prompt)
+        return cls(seq_ids, SamplerOutput(token_ids, logprobs, top), failed, prompt, pooled)
 
 
 class ModelRunner:
@@ -58,6 +63,9 @@ class ModelRunner:
         self.masks = MaskFiller(model.cfg.vocab_size)
         # per layer, its KV group (whose block tables and attention plans it uses) and slot
         self._placement = kv_cache.layout.placement()
+        # (mean and cls pooling) seq_id -> (prompt positions pooled so far, their sum or first row)
+        self._pools: dict[int, tuple[int, torch.Tensor]] = {}
+        self.pooler: Pooler | None = None  # the model's (the engine sets it): how pooling requests pool
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         self.apply_block_ops(out)
@@ -78,7 +86,8 @@ class ModelRunner:
         # one row per sampling request, plus one per fork (n > 1) that starts from the same logits
         rows: list[Request] = []
         logit_rows: list[int] = []
-        for i, chunk in enumerate(c for c in chunks if c.samples):
+        # (a pooling request samples nothing: its hidden states are pooled, _pool)
+        for i, chunk in enumerate(c for c in chunks if c.samples and c.request.pooling is None):
             for request in (chunk.request, *chunk.request.forks_pending):
                 rows.append(request)
                 logit_rows.append(i)
@@ -86,16 +95,20 @@ class ModelRunner:
         extra = [i for _, _, indices in prompt_rows for i in indices]
         # the grammar masks are computed while the model runs; never left running past this call
         pending = self.masks.start([r.constraint for r in rows])
+        pools = _pool_rows(prefills)
         try:
-            logits = self._forward(prefills, decodes, extra)
+            logits, hidden = self._forward(prefills, decodes, extra, [i for _, _, indices in pools for i in indices])
         finally:
             masks, failed_rows = pending.result() if pending is not None else (None, {})
+        pooled = self._pool(pools, hidden) if pools else {}
         prompt_logprobs = {}
         if extra:  # (their rows come after the sampled ones)
             prompt_logprobs = _prompt_logprobs(prompt_rows, logits[-len(extra):])
             logits = logits[: -len(extra)]
         if len(logit_rows) != logits.shape[0]:
             logits = logits[logit_rows]
+        if not rows:  # (pooling requests alone)
+            return StepResult([], SamplerOutput([], None, None), {}, prompt_logprobs, pooled)
         sampled = self.sampler(
             logits,
             [r.params for r in rows],
@@ -104,21 +117,66 @@ class ModelRunner:
             None if masks is None else torch.from_numpy(masks).to(self.device, non_blocking=True),
         )
         return StepResult([r.seq_id for r in rows], sampled, {rows[i].seq_id: e for i, e in failed_rows.items()},
-                          prompt_logprobs)
+                          prompt_logprobs, pooled)
 
     def _forward(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk],
-                 extra_rows: list[int] | None = None) -> torch.Tensor:
-        """The logits of every sampled row, then of `extra_rows` (flat token indices)."""
+                 extra_rows: list[int] | None = None,
+                 hidden_rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits of every sampled row, then of `extra_rows` (flat token indices); and the
+        final hidden states [len(hidden_rows), hidden] float32 of `hidden_rows` (None: none asked)."""
         if self.graphs is not None and not prefills and self.graphs.covers(decodes):
-            return self.graphs.run(decodes)
+            return self.graphs.run(decodes), None
         input_ids, positions, attn, logits_indices = self._prepare(prefills, decodes)
         if extra_rows:
             logits_indices = torch.cat([logits_indices, device_tensor(extra_rows, torch.int64, self.device)])
-        return self.model.forward(input_ids, positions, self.kv_cache.layers, attn, logits_indices)
+        model = self.model
+        if not hidden_rows:
+            return model.forward(input_ids, positions, self.kv_cache.layers, attn, logits_indices), None
+        x = model.trunk(input_ids, positions, self.kv_cache.layers, attn)
+        logits = model.logits(x, logits_indices) if logits_indices.numel() else x.new_empty(0, 0)
+        return logits, model.hidden(x, device_tensor(hidden_rows, torch.int64, self.device))
+
+    def _pool(self, pools: list[tuple[ScheduledChunk, int, list[int]]],
+              hidden: torch.Tensor | None) -> dict[int, torch.Tensor | float]:
+        """Each pooling chunk's hidden rows folded into its request's pool; the requests whose
+        prompt ends here, with their pooled state (or score)."""
+        assert hidden is not None
+        done: dict[int, torch.Tensor | float] = {}
+        row = 0
+        scores: list[tuple[int, int, tuple[int, int]]] = []
+        for chunk, first, indices in pools:
+            request, rows = chunk.request, hidden[row: row + len(indices)]
+            row += len(indices)
+            pooling, seq_id = request.pooling, request.seq_id
+            assert pooling is not None
+            if pooling.task == "score":
+                assert pooling.score_tokens is not None
+                scores.append((seq_id, row - 1, pooling.score_tokens))
+            elif self.pooler is None or self.pooler.method == "last":
+                if chunk.samples:
+                    done[seq_id] = rows[-1]
+            else:  # mean, cls: what the earlier chunks pooled, and this one's positions not yet pooled
+                counted, pool = self._pools.get(seq_id, (0, rows.new_zeros(rows.shape[1])))
+                new = rows[max(0, counted - first):]
+                if self.pooler.method == "mean":
+                    pool = pool + new.sum(0)
+                elif counted == 0 and len(new):
+                    pool = new[0]
+                counted = max(counted, first + len(indices))
+                self._pools[seq_id] = (counted, pool)
+                if chunk.samples:
+                    done[seq_id] = pool / counted if self.pooler.method == "mean" else pool
+                    del self._pools[seq_id]
+        if scores:  # the head's rows at each score's last position: logit[yes] - logit[no]
+            logits = self.model.lm_head(hidden[[r for _, r, _ in scores]].to(self.model.dtype)).float()
+            for i, (seq_id, _, (no, yes)) in enumerate(scores):
+                done[seq_id] = float(logits[i, yes] - logits[i, no])
+        return done
 
     def release(self, seq_id: int) -> None:
-        """Forget a finished request's sampling state."""
+        """Forget a finished request's sampling and pooling state."""
         self._generators.pop(seq_id, None)
+        self._pools.pop(seq_id, None)
 
     def _generator(self, request: Request) -> torch.Generator | None:
         seed = request.params.seed
@@ -152,14 +210,15 @@ class ModelRunner:
                 positions.append(start)
             else:
                 positions += range(start, end)
-            if c.samples:
+            if c.samples and c.request.pooling is None:
                 logits_indices.append(len(ids) - 1)
             seq_lens.append(end)
             query_lens.append(n)
         dense = sum(1 for c in prefills if _dense_prefill(c))  # (first: run sorted them)
         # short prompts attend row by row through the decode kernel where the backend can (the
         # CPU's): one row per token, its context up to itself, no padding of the context
-        p = dense if self.model.attention.row_prefill else len(prefills)
+        # (bidirectional attention: every prompt row sees the whole prompt, so never row by row)
+        p = dense if self.model.attention.row_prefill and not self.model.cfg.bidirectional else len(prefills)
         groups = [self._group_attention(chunks, g, window, seq_lens, query_lens, p)
                   for g, window in enumerate(self.kv_cache.layout.windows)]
         attn = StepAttention(
@@ -197,7 +256,8 @@ class ModelRunner:
         for row, end, n in zip(rows[p:], seq_lens[p:], query_lens[p:]):
             tables += [row] * n
             lens += range(end - n + 1, end + 1)
-        prefill = backend.plan_prefill(rows[:p], seq_lens[:p], query_lens[:p], bs, device, window) if p else None
+        prefill = (backend.plan_prefill(rows[:p], seq_lens[:p], query_lens[:p], bs, device, window,
+                                        bidirectional=self.model.cfg.bidirectional) if p else None)
         decode = backend.plan_decode(tables, lens, bs, device, window) if tables else None
         return LayerAttention(device_tensor(slot_mapping, torch.int64, device), prefill, decode)
 
@@ -244,6 +304,22 @@ def _prompt_logprobs(rows: list[tuple[Request, int, list[int]]],
             TokenLogprob(token, lp, list(zip(ids, values)))
             for token, lp, ids, values in zip(nexts, chosen, top_ids.tolist(), top_values.tolist())])
     return out
+
+
+def _pool_rows(prefills: list[ScheduledChunk]) -> list[tuple[ScheduledChunk, int, list[int]]]:
+    """(chunk, first position, flat token indices) of the pooling requests' rows whose hidden
+    states are wanted: every row of mean and cls pooling's chunks (cls keeps the first), the
+    last prompt row of last-token pooling and of scores."""
+    rows, offset = [], 0
+    for c in prefills:
+        request = c.request
+        if request.pooling is not None:
+            if request.pools_every_token:
+                rows.append((c, c.start, list(range(offset, offset + c.num_tokens))))
+            elif c.samples:
+                rows.append((c, c.start + c.num_tokens - 1, [offset + c.num_tokens - 1]))
+        offset += c.num_tokens
+    return rows
 
 
 def _dense_prefill(chunk: ScheduledChunk) -> bool:
