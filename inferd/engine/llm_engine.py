@@ -24,6 +24,7 @@ from inferd.engine.health import EngineHealth
 from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.kv.state_slots import StateSlots
 from inferd.engine.output.blocklist import CONTENT_FILTER, output_filter
+from inferd.engine.output.pooled import pooled_answers, pooler_info
 from inferd.engine.output.processor import OutputProcessor
 from inferd.engine.protocol import (
     ConstraintError,
@@ -33,7 +34,6 @@ from inferd.engine.protocol import (
     EngineRequest,
     EngineSnapshot,
     Histogram,
-    PoolerInfo,
     RequestMetrics,
     StateSlotsSnapshot,
     StepOutputs,
@@ -154,17 +154,10 @@ class LLMEngine:
             model_path=self.config.model.path or str(default_model_path()),
             output_filter=self.config.output_filter is not None,
             experts=(experts.num_experts, experts.top_k) if (experts := self.model_config.experts) else None,
-            task=self.config.model.task, pooler=self._pooler_info(),
+            task=self.config.model.task,
+            pooler=pooler_info(self.pooler, self.config.model.task, self.model_config.bidirectional,
+                               self.max_model_len, self.config.scheduler.max_num_batched_tokens),
         )
-
-    def _pooler_info(self) -> PoolerInfo | None:
-        pooler = self.pooler
-        if pooler is None or self.config.model.task == "score":
-            return None
-        # (bidirectional attention: a prompt is computed in one step, so a step's tokens bound it)
-        longest = (min(self.max_model_len - 1, self.config.scheduler.max_num_batched_tokens)
-                   if self.model_config.bidirectional else self.max_model_len - 1)
-        return PoolerInfo(pooler.method, pooler.normalize, pooler.dimensions, pooler.matryoshka, longest)
 
     # ------------------------------------------------------------------------------ requests
 
@@ -295,23 +288,15 @@ class LLMEngine:
         return step
 
     def _pooled(self, pooled: dict[int, torch.Tensor | float]) -> list[EngineOutput]:
-        """The final outputs of the pooling requests whose prompt this step finished: embeddings
-        projected together (the pooler's dense layers and normalization), scores as they are."""
+        """The final outputs of the pooling requests whose prompt this step finished."""
         requests = [self.requests[seq_id] for seq_id in pooled if seq_id in self.requests]
-        embedded = [r for r in requests if r.pooling is not None and r.pooling.task == "embed"]
-        vectors: dict[int, list[float]] = {}
-        if embedded:
-            assert self.pooler is not None
-            projected = self.pooler.project(torch.stack([pooled[r.seq_id] for r in embedded]))  # type: ignore[misc]
-            vectors = dict(zip((r.seq_id for r in embedded), projected.tolist()))
+        answers = pooled_answers(requests, pooled, self.pooler)
         outputs = []
         for request in requests:
             self._finish(request, RequestStatus.FINISHED_STOPPED)
-            value = pooled[request.seq_id]
-            outputs.append(EngineOutput(request.group_id, [], "", finished=True, finish_reason="stop",
-                                        pooled=vectors.get(request.seq_id),
-                                        score=value if isinstance(value, float) else None,
-                                        metrics=request_metrics(request, self.scheduler.clock())))
+            vector, score = answers[request.seq_id]
+            outputs.append(EngineOutput(request.group_id, [], "", finished=True, finish_reason="stop", pooled=vector,
+                                        score=score, metrics=request_metrics(request, self.scheduler.clock())))
             self._retire(request)
         return outputs
 
