@@ -50,6 +50,7 @@ class RequestRecord:
     id: str | None = None
     model: str | None = None  # the model that answered (several models: routing/registry.py)
     revision: str | None = None  # and its revision
+    task: str = "generate"  # "embed" (/v1/embeddings) or "score" (/v1/rerank, /v1/score): a pooling request
     priority_class: str | None = None
     tenant: str | None = None  # its configured name (never a key or a digest)
     user: str | None = None

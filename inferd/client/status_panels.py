@@ -111,7 +111,8 @@ def models(s: dict[str, Any]) -> RenderableType | None:
         t.add_column("level", no_wrap=True)
         # reload/ref: reloads done / refused (the new revision failed its checks); esc/saved: a
         # cascade's small model: answers escalated to the large one / large-model tokens saved
-        for name in ("run/wait", "KV blk", "reqs", "fallbk", "reload/ref", "esc/saved"):
+        # emb/score: pooling requests answered (/v1/embeddings; /v1/rerank and /v1/score), apart from reqs
+        for name in ("run/wait", "KV blk", "reqs", "emb/score", "fallbk", "reload/ref", "esc/saved"):
             t.add_column(name, justify="right", no_wrap=True)
         for m in rows:
             level = str(m.get("functional_level") or MISSING)
@@ -120,7 +121,7 @@ def models(s: dict[str, Any]) -> RenderableType | None:
                 _model_name(m), _health(m), Text(level, style=_LEVEL_STYLES.get(level, "yellow")),
                 f"{fmt_int(m.get('running'))}/{fmt_int(m.get('waiting'))}",
                 f"{fmt_int(m.get('kv_blocks_used'))}/{fmt_int(m.get('kv_blocks_total'))}",
-                fmt_count(m.get("requests")), fmt_count(m.get("fallbacks")),
+                fmt_count(m.get("requests")), _pooling(m.get("pooling")), fmt_count(m.get("fallbacks")),
                 Text.assemble(f"{fmt_int(m.get('reloads'))}/",
                               (fmt_int(refused), "yellow" if is_num(refused) and refused > 0 else "")),
                 f"{fmt_count(m.get('escalations'))}/{fmt_count(m.get('tokens_saved'))}",
@@ -129,6 +130,13 @@ def models(s: dict[str, Any]) -> RenderableType | None:
     if routes:
         parts.append(_routes(routes))
     return Panel(Group(*parts), title=f"models ({len(rows)})", title_align="left", box=box.ROUNDED)
+
+
+def _pooling(counts: Any) -> str:
+    """Embedding / score requests answered ("-" from a server that does not count them)."""
+    if not isinstance(counts, dict):
+        return MISSING
+    return "/".join(fmt_count((counts.get(task) or {}).get("requests")) for task in ("embed", "score"))
 
 
 def models_lines(s: dict[str, Any]) -> int:

@@ -221,7 +221,9 @@ def _model(name: str, revision: str, **over: Any) -> dict[str, Any]:
         "probe_error": None, "fallback": None, "degraded": False, "degraded_reason": None, "functional_level": "normal",
         "previous_revision": None, "retiring_revisions": [], "running": 2, "waiting": 0, "kv_blocks_used": 12,
         "kv_blocks_total": 5461, "requests": 12345, "fallbacks": 0, "reloads": 0, "reloads_refused": 0,
-        "escalations": 0, "tokens_saved": 0,
+        "escalations": 0, "tokens_saved": 0, "task": "generate",
+        "pooling": {"embed": {"requests": 7, "inputs": 70, "prompt_tokens": 700},
+                    "score": {"requests": 0, "inputs": 0, "prompt_tokens": 0}},
     }
     m.update(over)
     return m
@@ -232,7 +234,7 @@ SEVERAL_MODELS = {
         _model("llama", "r2", aliases=["chat"], reloads=2, reloads_refused=1),
         _model("small", "r1", fallback="llama", degraded=True, degraded_reason="kv full", functional_level="capped",
                running=9, waiting=41, kv_blocks_used=5400, requests=800, fallbacks=321, escalations=57,
-               tokens_saved=45_678),
+               tokens_saved=45_678, pooling=None),
     ],
     "routes": [{"name": "chat-split", "kind": "split", "shares": {"llama": 0.9, "small": 0.1}}],
 }
@@ -241,10 +243,10 @@ SEVERAL_MODELS = {
 def test_render_models_and_routes() -> None:
     text = text_of({**FULL, **SEVERAL_MODELS})
     assert "models (2)" in text
-    assert row(text, "llama@r2").split() == ["llama@r2", "(chat)", "ok", "normal", "2/0", "12/5461", "12.3k", "0",
-                                             "2/1", "0/0"]
-    assert row(text, "small@r1").split() == ["small@r1", "degraded", "→", "llama", "(kv", "full)", "capped", "9/41",
-                                             "5400/5461", "800", "321", "0/0", "57/45.7k"]
+    assert row(text, "llama@r2").split() == ["llama@r2", "(chat)", "ok", "normal", "2/0", "12/5461", "12.3k", "7/0",
+                                             "0", "2/1", "0/0"]
+    assert row(text, "small@r1").split() == ["small@r1", "degraded", "→", "llama", "(kv…", "capped", "9/41",
+                                             "5400/5461", "800", "-", "321", "0/0", "57/45.7k"]
     assert re.search(r"route chat-split\s+split\s+llama 90% · small 10%", text)
     assert text.index("inferd status") < text.index("models (2)") < text.index("queues")
     assert max(len(line) for line in text.splitlines()) <= 120
@@ -256,7 +258,7 @@ def test_render_models_health() -> None:
     text = text_of({**FULL, "models": [sick, _model("mute", "r1", healthy=False), _model("old", "r0", healthy=None)]},
                    width=160)
     assert "inference probe produced [1, 2, 3, 4, 5…" in text and "and more" not in text  # cut to 40 characters
-    assert row(text, "sick@r3").split()[-7] == "refuse_lowest"
+    assert row(text, "sick@r3").split()[-8] == "refuse_lowest"
     assert row(text, "mute@r1").split()[1] == "unhealthy" and row(text, "old@r0").split()[1] == "-"
 
 

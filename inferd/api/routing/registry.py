@@ -57,6 +57,24 @@ class ModelCounts:
     escalations: int = 0  # cascade: answers of this (small) model found unsure, asked again
     tokens_saved: int = 0  # cascade: tokens the large model did not compute (the small answer sufficed)
     door: DoorCounts = field(default_factory=DoorCounts)  # refusals and grammars at every revision's door
+    # pooling requests answered (/v1/embeddings: "embed"; /v1/rerank and /v1/score: "score"), by task:
+    # requests, their inputs (texts or pairs) and those inputs' prompt tokens
+    pooling: dict[str, PoolingCounts] = field(default_factory=lambda: {task: PoolingCounts() for task in POOLING_TASKS})
+
+
+POOLING_TASKS = ("embed", "score")
+
+
+@dataclass
+class PoolingCounts:
+    requests: int = 0
+    inputs: int = 0
+    prompt_tokens: int = 0
+
+    def add(self, inputs: int, prompt_tokens: int) -> None:
+        self.requests += 1
+        self.inputs += inputs
+        self.prompt_tokens += prompt_tokens
 
 
 class ModelSlot:

@@ -106,13 +106,14 @@ class RequestJournal:
         if texts is None or record.id is None or (status >= 400 and not record.finish):
             return  # not a generation: refused, or a client gone before any output
         outputs = texts.outputs()
-        self.drift.observe(Observation(
-            prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens,
-            finish_reasons=tuple(record.finish), refusals=sum(map(self._refusal, outputs)),
-            languages=script_shares(texts.prompt or "")))
+        if record.task == "generate":  # (pooling requests have no answer text to drift)
+            self.drift.observe(Observation(
+                prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens,
+                finish_reasons=tuple(record.finish), refusals=sum(map(self._refusal, outputs)),
+                languages=script_shares(texts.prompt or "")))
         line = {"id": record.id, "tenant": record.tenant, "user": record.user, "class": record.priority_class,
                 "model": record.model or self.model, "revision": record.revision, "path": path, "status": status,
-                "prompt_tokens": record.prompt_tokens,
+                "task": record.task, "prompt_tokens": record.prompt_tokens,
                 "completion_tokens": record.completion_tokens, "cached_tokens": record.cached_tokens,
                 "finish_reasons": texts.finish_reasons(), "queue_time": _round(record.queue_time),
                 "ttft": _round(record.ttft), "e2e": _round(e2e), "prompt": texts.prompt, "outputs": outputs}

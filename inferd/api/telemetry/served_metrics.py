@@ -167,6 +167,21 @@ def door_metrics(registry: ModelRegistry) -> Iterator[Metric]:
             grammars.add_metric([*key, kind], counts.grammars.get(kind, 0))
     yield rejections
     yield grammars
+    yield from pooling_metrics(registry)
+
+
+def pooling_metrics(registry: ModelRegistry) -> Iterator[Metric]:
+    """Each model's pooling requests (embeddings, rerank and score), apart from its generations."""
+    labels = ["model", "revision", "task"]
+    families = {attr: CounterMetricFamily(f"inferd_model_pooling_{attr}", doc, labels=labels) for attr, doc in (
+        ("requests", "Pooling requests answered (/v1/embeddings: embed; /v1/rerank, /v1/score: score)."),
+        ("inputs", "Their inputs: texts embedded, documents or pairs scored."),
+        ("prompt_tokens", "Their inputs' tokens."))}
+    for slot in registry.slots.values():
+        for task, counts in slot.counts.pooling.items():
+            for attr, family in families.items():
+                family.add_metric([slot.name, slot.current.spec.revision, task], getattr(counts, attr))
+    yield from families.values()
 
 
 def summed(registry: ModelRegistry, counts: Callable[[ModelSlot], Mapping[str, int]]) -> dict[str, int]:

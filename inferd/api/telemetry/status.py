@@ -115,7 +115,9 @@ def model_statuses(registry: ModelRegistry) -> list[s.ModelStatus]:
             retiring_revisions=[r.spec.revision for r in slot.retiring], running=stats.running, waiting=stats.waiting,
             kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total, requests=counts.requests,
             fallbacks=counts.fallbacks, reloads=counts.reloads, reloads_refused=counts.reloads_refused,
-            escalations=counts.escalations, tokens_saved=counts.tokens_saved,
+            escalations=counts.escalations, tokens_saved=counts.tokens_saved, task=served.engine.limits.task,
+            pooling={task: s.PoolingStatus(requests=c.requests, inputs=c.inputs, prompt_tokens=c.prompt_tokens)
+                     for task, c in counts.pooling.items()},
         ))
     return out
 

@@ -131,6 +131,12 @@ class DriftStatus(ResponseModel):
     finish_reasons: dict[str, float]  # share per reason
 
 
+class PoolingStatus(ResponseModel):
+    requests: int
+    inputs: int  # texts embedded, documents or pairs scored
+    prompt_tokens: int
+
+
 class ModelStatus(ResponseModel):
     name: str
     revision: str
@@ -155,6 +161,9 @@ class ModelStatus(ResponseModel):
     reloads_refused: int
     escalations: int
     tokens_saved: int
+    task: str = "generate"  # what it serves: generate, embed or score
+    pooling: dict[str, PoolingStatus] = {}  # its pooling requests by task (embed, score), apart from generations
+
 
 
 class RouteStatus(ResponseModel):
