@@ -68,14 +68,17 @@ class TorchAttention:
         self.kv_block = kv_block
 
     def plan_prefill(self, block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
-                     block_size: int, device: torch.device, window: int | None = None) -> AttentionPlan:
+                     block_size: int, device: torch.device, window: int | None = None,
+                     bidirectional: bool = False) -> AttentionPlan:
+        """`bidirectional`: each query sees its whole context, past and future (an encoder's prompt,
+        which the runner computes in one chunk from position 0)."""
         return reference.plan_attention(
             device_tensor(block_tables, torch.int64, device),  # [N, max_blocks]
             device_tensor(seq_lens, torch.int64, device),  # [N]
             device_tensor(query_lens, torch.int64, device),  # [N]
             block_size,
             max_seq_len=max(seq_lens), max_query_len=max(query_lens), num_query_tokens=sum(query_lens),
-            kv_block=self.kv_block, window=window,
+            kv_block=self.kv_block, window=window, bidirectional=bidirectional,
         )
 
     def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,

@@ -132,6 +132,7 @@ def plan_attention(
     num_query_tokens: int | None = None,  # sum(query_lens), likewise
     kv_block: int | None = None,  # pad the context to a multiple of this (KV_BLOCK: batch invariance)
     window: int | None = None,  # a sliding layer's: a query sees a key iff q_pos - k_pos < window
+    bidirectional: bool = False,  # every query sees every key of its context; a window: |q_pos - k_pos| < window
 ) -> AttentionPlan:
     device = block_tables.device
     n = block_tables.shape[0]
@@ -144,13 +145,21 @@ def plan_attention(
     slots = block_tables.long()[:, block_idx] * block_size + positions % block_size  # [N, L]
     valid = positions[None, :] < seq_lens[:, None]  # [N, L]
     slots = torch.where(valid, slots, 0)
-    # query i of sequence s sits at position seq_len - query_len + i and sees keys up to it (causal);
+    # query i of sequence s sits at position seq_len - query_len + i and sees keys up to it (causal),
+    # or (bidirectional: an encoder's prompt, computed in one chunk) every key of the context;
     # padded query rows (i >= query_len) see the whole context, so no row is fully masked
     q_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_q, device=device)[None, :]  # [N, Q]
-    mask = (positions[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # [N, Q, L]
+    if bidirectional:
+        mask = valid[:, None, :].repeat(1, max_q, 1)  # [N, Q, L]
+    else:
+        mask = (positions[None, None, :] <= q_pos[:, :, None]) & valid[:, None, :]  # [N, Q, L]
     if window is not None:
         padded = torch.arange(max_q, device=device)[None, :] >= query_lens[:, None]  # [N, Q]: (see above)
-        mask &= (positions[None, None, :] > q_pos[:, :, None] - window) | padded[:, :, None]
+        # NOTE: bidirectional, the window reaches both ways (transformers' Gemma 3:
+        # |q - k| < window); the keys past q are those of the same chunk
+        distance = q_pos[:, :, None] - positions[None, None, :]  # [N, Q, L]
+        near = (distance.abs() if bidirectional else distance) < window
+        mask = mask & (near | padded[:, :, None])
     pad_index = None
     if max_q > 1:
         starts = torch.cumsum(query_lens, 0) - query_lens  # [N]

@@ -57,7 +57,8 @@ def _unicode_to_byte() -> dict[str, int]:
 
 
 class TokenizerBackend(Protocol):
-    """Text <-> ids for one vocabulary; it never adds BOS / EOS nor hides special tokens."""
+    """Text <-> ids for one vocabulary; it adds no BOS / EOS (unless HFBackend is asked for its
+    post-processor's) and hides no special tokens."""
 
     normalizes: bool  # whether the text is normalized (NFKC, ...) before it is split
 
@@ -72,12 +73,14 @@ class HFBackend:
         self.tok = tok
         self.normalizes = tok.normalizer is not None  # (a GGUF's byte-level BPE does not)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """`add_special_tokens`: with those the tokenizer's post-processor adds (a tokenizer.json's
+        TemplateProcessing: Tokenizer.encode_document)."""
         if len(text) < LONG_TEXT:
-            return self.tok.encode(text, add_special_tokens=False).ids
+            return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
         # NOTE: the batch call releases the GIL while it works (the single one does not), so a
         # long text encoded on a worker thread leaves the server's event loop running
-        return self.tok.encode_batch([text], add_special_tokens=False)[0].ids
+        return self.tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=False)
@@ -178,8 +181,13 @@ class Tokenizer:
         special_ids: frozenset[int],
         chat_template: str | None,
         byte_level: bool,
+        post_processor: bool = False,
     ) -> None:
+        """`post_processor`: a lone text's special tokens are those of the backend's post-processor
+        (an HFBackend's), not add_bos / add_eos (encode_document)."""
+        assert not post_processor or isinstance(backend, HFBackend)
         self._backend = backend
+        self._post_processor = post_processor
         self._pieces = pieces  # id -> raw piece as the vocabulary spells it
         self._byte_level = byte_level
         self.vocab_size = vocab_size
@@ -215,6 +223,17 @@ class Tokenizer:
             if self.add_eos and self._eos_token_id is not None:
                 ids.append(self._eos_token_id)
         return ids
+
+    def encode_document(self, text: str) -> list[int]:
+        """Ids of a text an embedding or reranking model reads alone, with the special tokens its
+        tokenizer adds to one (transformers' `tokenizer(text)["input_ids"]`): a tokenizer.json's
+        post-processor's where there is a tokenizer.json (Qwen3-Embedding's appends <|endoftext|>,
+        EmbeddingGemma's wraps the text in <bos> ... <eos>), else BOS and EOS as add_bos / add_eos
+        say (a tokenizer.model's tokenizer_config.json, a GGUF's add_bos_token / add_eos_token)."""
+        if self._post_processor:
+            assert isinstance(self._backend, HFBackend)
+            return self._backend.encode(text, add_special_tokens=True)
+        return self.encode(text, add_special_tokens=True)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         if skip_special_tokens:

@@ -77,6 +77,9 @@ def from_folder(folder: Path) -> Tokenizer:
         special_ids=frozenset(vocab.special_ids),
         chat_template=_folder_chat_template(folder, configs.tokenizer),
         byte_level=vocab.byte_level,
+        # NOTE: a lone text's special tokens are the tokenizer.json post-processor's (none without
+        # one): transformers 5 drops tokenizer_config.json's add_bos_token / add_eos_token then
+        post_processor=vocab.hf_tokenizer is not None,
     )
 
 

@@ -44,7 +44,8 @@ class ModelConfig:
     query_scale: float | None = None  # attention's score scale; None: head_dim^-0.5
     attn_softcap: float | None = None  # scores s -> tanh(s / c) · c (Gemma 2)
     final_softcap: float | None = None  # logits likewise (Gemma 2): changes sampling, not greedy
-    sliding_window: int | None = None  # a sliding layer's query sees a key iff q_pos - k_pos < W
+    # a sliding layer's query sees a key iff q_pos - k_pos < W (bidirectional: |q_pos - k_pos| < W)
+    sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()  # "full", "sliding" or "linear" (linear attention) per layer; () all full
     # sliding layers' own RoPE (Gemma 3: base 10k where full layers have 1M and linear scaling)
     local_rope_theta: float | None = None
@@ -70,6 +71,9 @@ class ModelConfig:
     attn_output_gate: bool = False  # attention's output times σ(a gate q's projection also gives), per head
     # a multimodal checkpoint read as its language model alone: the vision tower is not loaded
     vision_tower_skipped: bool = False
+    # every token attends to every other of its prompt, not only to those before it (EmbeddingGemma:
+    # an encoder, whose prompt the engine computes in one chunk and never continues)
+    bidirectional: bool = False
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:

@@ -40,6 +40,12 @@ def _gemma(cfg: dict[str, Any], version: int) -> dict[str, Any]:
     }
     if version == 3:
         fields["qk_norm"] = True
+        if cfg.get("use_bidirectional_attention"):  # (EmbeddingGemma)
+            fields["bidirectional"] = True
+            if "sliding_window" in fields:
+                # NOTE: transformers reads config.json's window S as W = S // 2 + 1 both ways,
+                # |q - k| < W (Gemma3TextConfig.__post_init__, Gemma3TextModel's masks)
+                fields["sliding_window"] = fields["sliding_window"] // 2 + 1
         fields["attn_softcap"] = None  # (Gemma 3 keeps the key in its config but does not apply it)
         per_type = cfg.get("rope_parameters") or {}
         if "full_attention" in per_type:  # transformers 5: one RoPE per layer type
@@ -111,20 +117,22 @@ def _gguf_phi3(key: Callable[..., Any], common: dict[str, Any]) -> dict[str, Any
 
 
 SILU = {"hidden_act": "silu", "mlp_bias": False}
-GEMMA = {"hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": False}
+GEMMA = {"hidden_activation": "gelu_pytorch_tanh"}
+GEMMA2 = GEMMA | {"use_bidirectional_attention": False}  # (Gemma 3's: EmbeddingGemma, _gemma)
 DENSE_FAMILIES = (
     Family("llama", ("LlamaForCausalLM", "MistralForCausalLM"), ("llama", "mistral"), _llama, refuse=SILU,
            gguf_architecture="llama", gguf_layer_names=GGUF_LAYER_NAMES | GGUF_EXPERT_NAMES, read_gguf=_gguf_plain),
     Family("qwen2", ("Qwen2ForCausalLM",), ("qwen2",), lambda c: _qwen(c, bias=True), refuse=SILU,
            gguf_architecture="qwen2", gguf_layer_names=GGUF_LAYER_NAMES,
            read_gguf=lambda key, common: {"attention_bias": True}),
-    Family("qwen3", ("Qwen3ForCausalLM",), ("qwen3",), lambda c: _qwen(c, bias=False) | {"qk_norm": True},
+    # (Qwen3Model, Gemma3TextModel: a trunk alone, as AutoModel saves an embedding model)
+    Family("qwen3", ("Qwen3ForCausalLM", "Qwen3Model"), ("qwen3",), lambda c: _qwen(c, bias=False) | {"qk_norm": True},
            layer_names=LLAMA_LAYER_NAMES | QK_NORM_NAMES, refuse=SILU,
            gguf_architecture="qwen3", gguf_layer_names=GGUF_LAYER_NAMES | GGUF_QK_NORM_NAMES,
            read_gguf=lambda key, common: {"qk_norm": True}),
     Family("gemma2", ("Gemma2ForCausalLM",), ("gemma2",), lambda c: _gemma(c, 2), layer_names=GEMMA_LAYER_NAMES,
-           refuse=GEMMA, gguf_architecture="gemma2", gguf_layer_names=GGUF_GEMMA_NAMES, read_gguf=_gguf_gemma(2)),
-    Family("gemma3", ("Gemma3ForCausalLM",), ("gemma3_text",), lambda c: _gemma(c, 3),
+           refuse=GEMMA2, gguf_architecture="gemma2", gguf_layer_names=GGUF_GEMMA_NAMES, read_gguf=_gguf_gemma(2)),
+    Family("gemma3", ("Gemma3ForCausalLM", "Gemma3TextModel"), ("gemma3_text",), lambda c: _gemma(c, 3),
            layer_names=GEMMA_LAYER_NAMES | QK_NORM_NAMES, refuse=GEMMA, gguf_architecture="gemma3",
            gguf_layer_names=GGUF_GEMMA_NAMES | GGUF_QK_NORM_NAMES, read_gguf=_gguf_gemma(3)),
     Family("phi3", ("Phi3ForCausalLM",), ("phi3",), _phi3,

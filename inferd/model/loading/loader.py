@@ -315,7 +315,7 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, weights: str = "bf16") -> 
         weights = "bf16"  # (the rest dense)
     if config.tie_word_embeddings:
         tensors.pop("lm_head", None)
-    elif "lm_head" not in tensors:
+    elif "lm_head" not in tensors:  # (or a trunk alone, as AutoModel saves an embedding model: never read)
         config = replace(config, tie_word_embeddings=True)
     return Checkpoint(config, tensors, folder)
 
