@@ -83,6 +83,12 @@ class Request:
     pools_every_token: bool = False  # (mean or cls pooling) every prompt position computed: no cached prefix
     one_chunk: bool = False  # (bidirectional attention) its prompt computed in one step, never in chunks
 
+    @property
+    def reuses_cached_prefix(self) -> bool:
+        """False for a request that wants its prompt's logprobs, or pools every position: it
+        computes all of its prompt."""
+        return self.params.prompt_logprobs is None and not self.pools_every_token
+
     def __post_init__(self) -> None:
         if self.group_id < 0:
             self.group_id = self.seq_id

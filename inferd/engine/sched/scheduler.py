@@ -232,9 +232,7 @@ class Scheduler:
                 self._add_chunk(out, req, n, copies)
             return _ADMITTED
 
-        # (a request that wants its prompt's logprobs, or pools every position, computes all of
-        # it: it reuses no cached block)
-        tokens = req.token_ids(0, req.num_tokens) if req.params.prompt_logprobs is None and not req.pools_every_token else None
+        tokens = req.token_ids(0, req.num_tokens) if req.reuses_cached_prefix else None
         while True:
             cached = bm.cached_prefix(tokens, req.cache_salt)
             n = min(req.num_tokens - cached, self._budget)
