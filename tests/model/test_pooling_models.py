@@ -20,9 +20,13 @@ pytest.importorskip("sentencepiece")
 import pooling_checkpoints as pc
 import tiny_models as tm
 
+from inferd.engine.config import EngineConfig
+from inferd.engine.llm_engine import LLMEngine
+from inferd.engine.protocol import EngineRequest, PoolingParams
 from inferd.kernels import reference
 from inferd.model.pooling import load_pooler
 from inferd.text.errors import ModelLoadError
+from inferd.text.sampling_params import SamplingParams
 from inferd.text.tokenizer_loader import load_tokenizer
 
 
@@ -184,3 +188,43 @@ def test_bidirectional_plan_sees_both_ways(window: int | None) -> None:
         mask = (torch.arange(n)[:, None] - torch.arange(n)[None, :]).abs() < (window or n)
         dense = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=dim**-0.5)
         torch.testing.assert_close(out[sum(lens[:s]):sum(lens[:s]) + n], dense.transpose(0, 1))
+
+
+# ------------------------------------------------------------------ served by the engine
+
+
+@pytest.mark.parametrize("which", ["qwen", "gemma"])
+def test_the_engine_embeds_as_sentence_transformers_alone_and_batched(which: str,
+                                                                      request: pytest.FixtureRequest) -> None:
+    """Through LLMEngine with task "embed": each text alone, then all at once (last-token pooling in
+    chunks of 8 tokens; bidirectional prompts whole, as many as a step of 48 tokens holds)."""
+    folder = request.getfixturevalue(which)
+    expected = pc.reference_vectors(folder, pc.TEXTS)
+    for budget in (None, 8 if which == "qwen" else 48):
+        keys = {"max_num_batched_tokens": budget} if budget else {}
+        engine = LLMEngine.from_config(EngineConfig.of(model=str(folder), dtype="float32", task="embed",
+                                                       kv_cache_memory=8 * 2**20, **keys))
+        prompts = [engine.tokenizer.encode_document(t) for t in pc.TEXTS]
+        limits = engine.limits.pooler
+        assert limits is not None and limits.dimensions == expected.shape[1]
+        step = engine.config.scheduler.max_num_batched_tokens  # (one step holds a bidirectional prompt)
+        assert limits.max_prompt_tokens == min(engine.max_model_len - 1, step) if which == "gemma" \
+            else limits.max_prompt_tokens == engine.max_model_len - 1
+        assert which == "qwen" or max(map(len, prompts)) <= limits.max_prompt_tokens
+        batches = [[p] for p in prompts] if budget is None else [prompts]
+        vectors = [v for batch in batches for v in embed_all(engine, batch)]
+        assert torch.allclose(torch.tensor(vectors), expected, atol=1e-5)
+
+
+def embed_all(engine: LLMEngine, prompts: list[list[int]]) -> list[list[float]]:
+    cls = engine.policy.lookup(engine.policy.pooling_default).name
+    for i, ids in enumerate(prompts):
+        engine.add_request(EngineRequest(i, ids, SamplingParams(max_tokens=1), cls, pooling=PoolingParams()))
+    done: dict[int, list[float]] = {}
+    while engine.has_work():
+        for out in engine.step().outputs:
+            if out.finished:
+                assert out.pooled is not None, out
+                done[out.group_id] = out.pooled
+    assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
+    return [done[i] for i in range(len(prompts))]
