@@ -68,6 +68,8 @@ SERVE_FLAGS = (
     Flag("--threads", "runtime.threads"),
     Flag("--deterministic", "model.deterministic"),
     Flag("--weights", "model.weights"),
+    Flag("--task", "model.task"),
+    Flag("--pooling", "model.pooling"),
 )
 
 FLAG_OF_KEY = {f.key: f.flag for f in SERVE_FLAGS}
