@@ -14,6 +14,7 @@ from inferd import __version__
 from inferd.api.anthropic import wire as aw
 from inferd.api.responses import wire as rw
 from inferd.api.openai import chat_wire as cp
+from inferd.api.openai import pooling_wire as pw
 from inferd.api.openai import wire as p
 from inferd.api.openai.tokenize import (
     DetokenizeRequest,
@@ -33,13 +34,14 @@ async def openapi(request: web.Request) -> web.Response:
 
 _REQUESTS: tuple[type[BaseModel], ...] = (p.CompletionRequest, cp.ChatCompletionRequest, TokenizeCompletionRequest,
                                           TokenizeChatRequest, DetokenizeRequest, aw.MessagesRequest,
-                                          aw.CountTokensRequest, rw.ResponsesRequest)
+                                          aw.CountTokensRequest, rw.ResponsesRequest, pw.EmbeddingRequest,
+                                          pw.RerankRequest, pw.ScoreRequest)
 _SCHEMAS: list[type[BaseModel]] = [
     *_REQUESTS,
     p.CompletionResponse, p.CompletionStreamResponse, cp.ChatCompletionResponse, cp.ChatCompletionChunk,
     p.ModelList, p.ModelCard, ErrorResponse, s.HealthResponse, s.ReadyResponse, s.StatusResponse, TokenizeResponse,
     DetokenizeResponse, TokenizerInfo, aw.MessageResponse, aw.CountTokensResponse, aw.AnthropicErrorResponse,
-    rw.Response,
+    rw.Response, pw.EmbeddingResponse, pw.RerankResponse, pw.ScoreResponse,
 ]
 
 
@@ -163,6 +165,21 @@ def _get(summary: str, responses: dict[str, Any], *, open_path: bool = False) ->
     return {"get": {"summary": summary, "responses": {**responses, **_UNAUTHORIZED}}}
 
 
+def _pooling() -> dict[str, Any]:
+    """The pooling paths: prompt-only requests, answered whole (no stream)."""
+    wrong_task = "invalid request, or a model that does not serve the task (code wrong_task)"
+    return {
+        "/v1/embeddings": _post("Create embeddings (a model with a pooler)", _ref(pw.EmbeddingRequest), {
+            "200": _json(pw.EmbeddingResponse, "each input's vector (base64: little-endian float32)"), **_ERRORS,
+            "400": _error(wrong_task)}),
+        "/v1/rerank": _post("Rank documents by relevance to a query (a reranker: task score)", _ref(pw.RerankRequest),
+                            {"200": _json(pw.RerankResponse, "the documents' scores, best first"), **_ERRORS,
+                             "400": _error(wrong_task)}),
+        "/v1/score": _post("Score text pairs, 1 to N or N to N (a reranker: task score)", _ref(pw.ScoreRequest),
+                           {"200": _json(pw.ScoreResponse, "each pair's score"), **_ERRORS, "400": _error(wrong_task)}),
+    }
+
+
 def _agent_protocols() -> dict[str, Any]:
     """Anthropic's Messages and OpenAI's Responses paths."""
     return {
@@ -235,6 +252,7 @@ def _paths() -> dict[str, Any]:
                            {"200": _json(TokenizeResponse, "the token ids"), **_INVALID}),
         "/detokenize": _post("Token ids back to text", _ref(DetokenizeRequest),
                              {"200": _json(DetokenizeResponse, "the text"), **_INVALID}),
+        **_pooling(),
         **_agent_protocols(),
         "/v1/streams/{response_id}": _streams(),
         "/v1/models": _get("List the served models, aliases and routes", {"200": _json(p.ModelList, "the models")}),

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from inferd.api.errors import APIError
 from inferd.api.gateway.tenants import Tenant
-from inferd.engine.protocol import LogitsConstraint
+from inferd.engine.protocol import LogitsConstraint, PoolingParams
 from inferd.settings.policy import PriorityClass, Timeouts
 from inferd.text.sampling_params import SamplingParams
 
@@ -97,6 +97,9 @@ class Ask:
     # None: free text
     grammar: Grammar | Refused | None = None
     thinking: Thinking | None = None  # a thinking model's budget, if one is asked
+    # a prompt-only request (embeddings, scores): one choice, nothing sampled, so the generation
+    # fields above go unused; the door checks its prompts against what the model reads at once
+    pooling: PoolingParams | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +146,7 @@ class Prepared:
     constraints: Sequence[LogitsConstraint] | None  # one per prompt, for a structured output
     cache_salt: str | None = None  # the request's own (Ask.cache_salt)
     tenant: Tenant | None = None  # who asks (its fair-share weight and prefix-cache scope); None: no tenant
+    pooling: PoolingParams | None = None  # (Ask.pooling) a prompt-only request
 
     @property
     def prompt_tokens(self) -> int:

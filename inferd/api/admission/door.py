@@ -9,7 +9,9 @@ the event loop.
 max_tokens (the server's limit, the default fitted to the context, the context, the functional
 ladder's ceiling, the class's ceiling, the class's KV capacity); logprobs against the output
 filter; the sampling values; logit_bias against the vocabulary; the grammar the front-end's shape
-made (its text compiled off the loop), within a thinking budget if one is asked. Each check reads
+made (its text compiled off the loop), within a thinking budget if one is asked. A pooling
+request (embeddings, scores: its prompt only) is checked for what it is instead: each prompt
+against what the model reads at once, one choice, the class's KV capacity. Each check reads
 the limits the engine published at start-up; nothing after `prepare` checks again, and the engine
 only asserts. The door is the only owner of its class queues: the engine thread never writes them
 (it reports through `StepOutputs`, arriving on this loop).
@@ -77,6 +79,8 @@ class FrontDoor:
         names the field, else what the engine will run, for `tenant` (None: a caller without
         one). `ceiling` and `whole` are the functional degradation ladder's: max_tokens at most
         this, a stream answered in one piece."""
+        if ask.pooling is not None:
+            return self.prepare_pooling(ask, prompts, cls, tenant)
         for prompt in prompts:
             self.check_prompt(prompt, ask.prompt_param)
         bound = min(self.settings.max_n, self.limits.max_num_seqs)
@@ -99,6 +103,32 @@ class FrontDoor:
                         segment="whole" if whole and ask.stream else ask.segment,
                         constraints=await self._constraints(ask, len(prompts)), cache_salt=ask.cache_salt,
                         tenant=tenant)
+
+    def prepare_pooling(self, ask: Ask, prompts: Sequence[list[int]], cls: PriorityClass,
+                        tenant: Tenant | None) -> Prepared:
+        """A prompt-only request (Ask.pooling): each prompt within what the model reads at once
+        (its pooler's limit for embeddings; for scores the context, less the one position every
+        request holds), n = 1 and max_tokens 1 (nothing is sampled: no grammar, no sampling
+        values), and the class able to hold the longest. The front-end checked the model's task."""
+        assert ask.pooling is not None
+        pooler, param = self.limits.pooler, ask.prompt_param
+        assert ask.pooling.task == "score" or pooler is not None, "embeddings from a model without a pooler"
+        longest = pooler.max_prompt_tokens if ask.pooling.task == "embed" and pooler else self.limits.max_model_len - 1
+        for i, prompt in enumerate(prompts):
+            if len(prompt) > longest:
+                which = f"{param}[{i}]" if len(prompts) > 1 else f"the {param}"
+                raise bad_request(f"{which} has {len(prompt)} tokens; this model reads at most {longest} tokens at "
+                                  "once", param=param, code="context_length_exceeded")
+            self.check_prompt(prompt, param)
+        if ask.n != 1:
+            raise bad_request(f"n must be 1 for a pooling request, got {ask.n}", param="n")
+        total, capacity = max(len(p) for p in prompts) + 1, self.limits.class_kv_tokens[cls.name]
+        if total > capacity:  # (it could never be scheduled: it would preempt itself forever)
+            raise bad_request(f"an input needs {total} tokens of KV cache; the {cls.name!r} class may use {capacity}",
+                              param=param)
+        return Prepared(prompts=prompts, params=SamplingParams(max_tokens=1), n=1, cls=cls,
+                        timeouts=cls.timeouts.tightened(ask.timeouts), segment="token", constraints=None,
+                        cache_salt=ask.cache_salt, tenant=tenant, pooling=ask.pooling)
 
     def check_prompt(self, prompt_ids: Sequence[int], param: str) -> None:
         """A 400 for a prompt no request could run: empty, past the context, outside the vocabulary."""
@@ -227,7 +257,7 @@ class FrontDoor:
                 request = EngineRequest(self.engine.new_group_id(), prompt, prepared.params, cls.name, prepared.n,
                                         prepared.timeouts, arrival_time=arrival, tenant=tenant.name if tenant else None,
                                         tenant_weight=tenant.weight if tenant else 1.0, segment=prepared.segment,
-                                        cache_salt=salt,
+                                        cache_salt=salt, pooling=prepared.pooling,
                                         constraint=prepared.constraints[i] if prepared.constraints else None)
                 departure = functools.partial(self.queues.leave, cls.name, 1, len(prompt))
                 streams.append(self.engine.submit(request, on_queue_exit=departure))

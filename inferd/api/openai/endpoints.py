@@ -3,6 +3,7 @@
     POST /v1/completions       completions.py        POST /tokenize        tokenize.py
     POST /v1/chat/completions  chat.py               POST /detokenize      tokenize.py
     GET  /v1/models[/{model}]  here                  GET  /tokenizer_info  tokenize.py
+    POST /v1/embeddings        embeddings.py         POST /v1/rerank, /v1/score  embeddings.py
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from inferd.api.errors import APIError
 from inferd.api.openai import wire as p
 from inferd.api.openai.chat import create_chat_completion
 from inferd.api.openai.completions import create_completion
+from inferd.api.openai.embeddings import create_embeddings, create_rerank, create_score
 from inferd.api.openai.tokenize import detokenize, tokenize, tokenizer_info
 from inferd.api.routing.registry import REGISTRY
 from inferd.api.wire import dump
@@ -51,6 +53,9 @@ async def retrieve_model(request: web.Request) -> web.Response:
 def add_openai_endpoints(app: web.Application) -> None:
     app.router.add_post("/v1/completions", create_completion)
     app.router.add_post("/v1/chat/completions", create_chat_completion)
+    app.router.add_post("/v1/embeddings", create_embeddings)
+    app.router.add_post("/v1/rerank", create_rerank)
+    app.router.add_post("/v1/score", create_score)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/models/{model}", retrieve_model)
     app.router.add_get("/tokenizer_info", tokenizer_info)

@@ -1,4 +1,5 @@
-"""The one generation path every protocol front-end shares (generate.py):
+"""The one generation path every protocol front-end shares (generate.py), and its prompt-only
+sibling for embeddings, rerank and score (pooling.py):
 
     authorize (gateway) -> choose the model (routing) -> prompts, grammar and thinking budget
     (the front-end's Shape.prepare) -> prepare: every limit once (the model's door) -> charge the

@@ -123,7 +123,7 @@ class Generation:
         if self.ticket is not None:
             self.ticket.close(self.prompt_tokens, self.completion_tokens)
 
-    def _note(self, out: EngineOutput) -> None:
+    def note(self, out: EngineOutput) -> None:
         """A finished choice's outcome and timings, for the request's log line and its tenant."""
         record, metrics = self.record, out.metrics
         if record is not None and record.texts is not None:  # every output's text, for the request file
@@ -156,7 +156,7 @@ class Generation:
                 if client_gone(request):
                     return None
                 for prompt, out in batch:
-                    self._note(out)
+                    self.note(out)
                     if out.finish_reason in ("abort", "error"):
                         raise _ending_error(out)
                     result = results[prompt * self.n + out.index]
@@ -241,7 +241,7 @@ class Generation:
                 await events.keepalive()
                 continue
             for prompt, out in batch:
-                self._note(out)
+                self.note(out)
                 if out.finish_reason in ("abort", "error"):  # the response ends here
                     events.add(error_event(_ending_error(out)))
                     return False

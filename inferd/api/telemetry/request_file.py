@@ -7,7 +7,7 @@ and the drift statistics fed from the same records. Off unless `request_log.path
      "ttft": 0.081, "e2e": 2.31, "prompt": "... [email] ...", "outputs": ["..."]}
 
 Who writes what: the stages fill the request's `RequestRecord` (api/record.py), its `texts` only when
-this file is on (`Generation._note` adds each output's text); the access-log middleware hands the
+this file is on (`Generation.note` adds each output's text); the access-log middleware hands the
 record to `RequestJournal.finished` when the request ends, on the event loop. There the drift
 monitor counts it (drift.py) and the line goes into a queue; a `QueueListener` thread redacts,
 encodes and writes it through a `RotatingFileHandler`, so the loop never touches the file.
