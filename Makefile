@@ -53,13 +53,16 @@ generate: $(VENV)/.base
 
 # correctness (what .ci/run calls); test-all adds the measure tier (timing under load) and the
 # soak tier (full-length runs), for releases
+# NOTE: PYTHONDONTWRITEBYTECODE (set on some machines) would make every server subprocess of the
+# suite compile torch's and transformers' sources again (~2 s each, with --no-compile above):
+# the tests write their bytecode once (under __pycache__, ignored by git)
 test: $(VENV)/.dev
 	$(VENV)/bin/lint-imports --no-cache --no-logo pyproject.toml
-	$(VENV)/bin/pytest -q --durations=25
+	PYTHONDONTWRITEBYTECODE= $(VENV)/bin/pytest -q --durations=25
 
 test-all: $(VENV)/.dev
 	$(VENV)/bin/lint-imports --no-cache --no-logo pyproject.toml
-	$(VENV)/bin/pytest -q --durations=25 -m ""
+	PYTHONDONTWRITEBYTECODE= $(VENV)/bin/pytest -q --durations=25 -m ""
 
 bench: $(VENV)/.dev
 	$(PY) bench/engine.py

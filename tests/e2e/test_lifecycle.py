@@ -1,5 +1,7 @@
 """The daemon's life as an operator sees it (real `inferd serve` subprocesses): graceful drain on
-SIGTERM, a second signal cutting it short, and the systemd notify protocol in order."""
+SIGTERM, a second signal cutting it short, and the systemd notify protocol in order. The last two
+do not depend on the model: the default tier runs them on a tiny random Llama folder (a GGUF
+load is seconds on two cores), the soak tier on the default model too."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import asyncio
 import json
 import signal
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -14,21 +17,42 @@ import aiohttp
 import pytest
 from serveproc import Server, start_server
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+import tiny_models  # (tests/model's builders of tiny checkpoints)
+
 pytestmark = pytest.mark.served  # it starts a real server
 
 MODEL = "smollm2"
 BODY = {"model": MODEL, "prompt": "Tell me about the sea.", "max_tokens": 64, "temperature": 0,
         "ignore_eos": True, "stream": True}
+TINY_POSITIONS = 8192  # (room for the long stream of the second-signal test)
+MODELS = [pytest.param("gguf", marks=pytest.mark.soak), "tiny"]
 
 
 def serve(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> Server:
     return start_server(tmp_path, "--served-model-name", MODEL, "--kv-cache-memory", "64MiB", *args, env=env)
 
 
-async def stream(session: aiohttp.ClientSession, url: str, started: asyncio.Event | None = None) -> tuple[int, list[dict]]:
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    vocab = tiny_models.train_sentencepiece(folder)
+    tiny_models.tiny_llama(vocab, seed=1, max_position_embeddings=TINY_POSITIONS).save_pretrained(
+        folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture
+def model_args(request: pytest.FixtureRequest, model: str) -> tuple[str, ...]:
+    """The serve flags that choose the model: none for the default one."""
+    return () if model == "gguf" else ("--model", str(request.getfixturevalue("tiny_llama")))
+
+
+async def stream(session: aiohttp.ClientSession, url: str, started: asyncio.Event | None = None,
+                 **extra: object) -> tuple[int, list[dict]]:
     """(tokens, the events) of one streamed completion."""
     events = []
-    async with session.post(f"{url}/v1/completions", json=BODY) as r:
+    async with session.post(f"{url}/v1/completions", json={**BODY, **extra}) as r:
         assert r.status == 200
         async for line in r.content:
             if line.startswith(b"data: {"):
@@ -73,13 +97,16 @@ def test_sigterm_drains_every_stream_then_exits_0(tmp_path: Path, streams: int) 
     assert not any("Tell me about the sea" in json.dumps(r) for r in records)  # no prompt text
 
 
-def test_a_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
-    server = serve(tmp_path, "--drain-seconds", "300")
+@pytest.mark.parametrize("model", MODELS)
+def test_a_second_signal_ends_the_drain_at_once(tmp_path: Path, model_args: tuple[str, ...], model: str) -> None:
+    server = serve(tmp_path, "--drain-seconds", "300", *model_args)
+    # still running at the second signal: the tiny model's steps take a millisecond or so
+    tokens = BODY["max_tokens"] if model == "gguf" else 4000  # ([limits] max_tokens_limit: 4096)
 
     async def scenario() -> list[dict]:
         async with aiohttp.ClientSession() as session:
             started = asyncio.Event()
-            long = asyncio.ensure_future(stream(session, server.url, started))
+            long = asyncio.ensure_future(stream(session, server.url, started, max_tokens=tokens))
             await started.wait()
             server.proc.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
@@ -94,7 +121,8 @@ def test_a_second_signal_ends_the_drain_at_once(tmp_path: Path) -> None:
     assert "did not finish in time" in server.log.read_text()
 
 
-def test_systemd_notify_messages_arrive_in_order(tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", MODELS)
+def test_systemd_notify_messages_arrive_in_order(tmp_path: Path, model_args: tuple[str, ...], model: str) -> None:
     sock_path = tmp_path / "notify.sock"
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     listener.bind(str(sock_path))
@@ -113,7 +141,7 @@ def test_systemd_notify_messages_arrive_in_order(tmp_path: Path) -> None:
         raise AssertionError(f"no {pattern!r} in {messages}")
 
     env = {"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "1000000"}  # a ping every 0.5 s
-    server = serve(tmp_path, env=env)
+    server = serve(tmp_path, *model_args, env=env)
     try:
         receive_until("READY=1", 120)
         receive_until("WATCHDOG=1", 10)

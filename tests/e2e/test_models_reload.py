@@ -1,11 +1,15 @@
 """Two models in one real `inferd serve` process, with the official openai client: each answers
 by its name and alias, and SIGHUP reloads the model whose [models.NAME] table changed (a new
-revision takes over; the other model is left alone)."""
+revision takes over; the other model is left alone). Model b is the default GGUF; model a, the one
+reloaded, a tiny random Llama folder in the default tier (what is checked is which model and
+revision answer, not what they say; each GGUF load is seconds on two cores), the GGUF too in the
+soak tier."""
 
 from __future__ import annotations
 
 import json
 import signal
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -14,13 +18,16 @@ import openai
 import pytest
 from serveproc import start_server, stop_server
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+import tiny_models  # (tests/model's builders of tiny checkpoints)
+
 pytestmark = pytest.mark.served  # it starts a real server
 
 CONFIG = """
 [model]
 max_model_len = 256
 [models.a]
-revision = "{revision}"
+{path}revision = "{revision}"
 aliases = ["alpha"]
 kv_cache_memory = "16MiB"
 [models.b]
@@ -34,9 +41,17 @@ def revisions(url: str) -> dict[str, str]:
         return {card["id"]: card["revision"] for card in json.load(r)["data"]}
 
 
-def test_two_models_answer_by_name_and_sighup_reloads_the_changed_one(tmp_path: Path) -> None:
+def tiny_llama_folder(folder: Path) -> Path:
+    vocab = tiny_models.train_sentencepiece(folder)
+    tiny_models.tiny_llama(vocab, seed=1).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.mark.parametrize("model_a", [pytest.param("gguf", marks=pytest.mark.soak), "tiny"])
+def test_two_models_answer_by_name_and_sighup_reloads_the_changed_one(tmp_path: Path, model_a: str) -> None:
+    path = "" if model_a == "gguf" else f'path = "{tiny_llama_folder(tmp_path / "tiny-llama")}"\n'
     config = tmp_path / "inferd.toml"
-    config.write_text(CONFIG.format(revision="1"))
+    config.write_text(CONFIG.format(path=path, revision="1"))
     server = start_server(tmp_path, "--config", str(config))
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
@@ -44,7 +59,7 @@ def test_two_models_answer_by_name_and_sighup_reloads_the_changed_one(tmp_path: 
             raw = client.completions.with_raw_response.create(model=name, prompt="Hello", max_tokens=2)
             assert (raw.parse().model, raw.headers["x-inferd-model"]) == (answered, f"{answered}@1")
         assert revisions(server.url) == {"a": "1", "alpha": "1", "b": "1"}
-        config.write_text(CONFIG.format(revision="2"))
+        config.write_text(CONFIG.format(path=path, revision="2"))
         server.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 60
         while revisions(server.url)["a"] != "2":

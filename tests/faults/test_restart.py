@@ -8,6 +8,9 @@ NOTE: the restarted server binds the port the killed one held while its connecti
 clients may still sit in TIME_WAIT; aiohttp's TCPSite leaves reuse_address to asyncio, whose
 create_server sets SO_REUSEADDR on POSIX, so the bind succeeds. A failed start is recorded, and
 the test asserts there was none.
+
+The soak tier runs it on the default model; the default tier's twin on a tiny random Llama
+folder (the same kill, restart and answers, without two GGUF loads of seconds each on two cores).
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import aiohttp
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "model"))
+import tiny_models  # (tests/model's builders of tiny checkpoints)
 from serveproc import Server, start_server, stop_server  # noqa: E402  (tests/e2e's real-subprocess helpers)
 
 pytestmark = pytest.mark.served  # it starts a real server
@@ -38,6 +43,8 @@ SERVE_ARGS = ("--host", "127.0.0.1", "--served-model-name", MODEL,
 GREEDY = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}
 LONG_STREAM = {"model": MODEL, "prompt": "Tell me about the sea.", "max_tokens": 200, "temperature": 0,
                "ignore_eos": True, "stream": True}
+# the tiny model's streams are longer: a few ms a step, they still run when the kill comes
+TINY_LONG_TOKENS = 1500
 RESTART_SECONDS = 0.1  # systemd's default RestartSec
 START_LIMIT = 3  # failed starts in a row before the supervisor gives up (systemd's StartLimitBurst)
 
@@ -113,9 +120,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    vocab = tiny_models.train_sentencepiece(folder)
+    # seed 3: its greedy answer to GREEDY's prompt is 16 varied tokens (seed 1's is an EOS at once)
+    tiny_models.tiny_llama(vocab, seed=3, max_position_embeddings=2048).save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+@pytest.fixture(params=[pytest.param("gguf", marks=pytest.mark.soak), "tiny"])
+def served_model(request: pytest.FixtureRequest) -> tuple[tuple[str, ...], int]:
+    """(the serve flags that choose the model, the tokens a long stream asks for)."""
+    if request.param == "gguf":
+        return (), LONG_STREAM["max_tokens"]
+    return ("--model", str(request.getfixturevalue("tiny_llama"))), TINY_LONG_TOKENS
+
+
 @pytest.fixture
-def supervisor(tmp_path: Path) -> Iterator[Supervisor]:
-    supervised = Supervisor(tmp_path, free_port(), SERVE_ARGS)
+def supervisor(tmp_path: Path, served_model: tuple[tuple[str, ...], int]) -> Iterator[Supervisor]:
+    supervised = Supervisor(tmp_path, free_port(), (*SERVE_ARGS, *served_model[0]))
     yield supervised
     supervised.close()
 
@@ -126,11 +150,11 @@ async def greedy_text(session: aiohttp.ClientSession, url: str) -> str:
         return (await r.json())["choices"][0]["text"]
 
 
-async def long_stream(session: aiohttp.ClientSession, url: str, producing: asyncio.Event) -> str:
+async def long_stream(session: aiohttp.ClientSession, url: str, producing: asyncio.Event, tokens: int) -> str:
     """How a long stream ended: "finished" (it got its [DONE]), "closed" (the connection ended
     without it), or the name of the client error that cut it."""
     try:
-        async with session.post(f"{url}/v1/completions", json=LONG_STREAM) as r:
+        async with session.post(f"{url}/v1/completions", json={**LONG_STREAM, "max_tokens": tokens}) as r:
             assert r.status == 200
             async for line in r.content:
                 if line.startswith(b"data: {"):
@@ -142,7 +166,8 @@ async def long_stream(session: aiohttp.ClientSession, url: str, producing: async
     return "closed"
 
 
-async def kill_mid_stream_then_ask_again(supervisor: Supervisor) -> tuple[str, list[str], float, Server, int, str]:
+async def kill_mid_stream_then_ask_again(supervisor: Supervisor, long_tokens: int
+                                         ) -> tuple[str, list[str], float, Server, int, str]:
     """(the reference answer, how each stream ended, seconds from the kill until the last stream
     ended, the restarted server, its /ready status, its answer to the same greedy request)."""
     first = supervisor.wait_for_start(1, timeout=120)
@@ -150,7 +175,7 @@ async def kill_mid_stream_then_ask_again(supervisor: Supervisor) -> tuple[str, l
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as session:
         reference = await greedy_text(session, first.url)
         producing = [asyncio.Event() for _ in range(4)]
-        streams = [asyncio.ensure_future(long_stream(session, first.url, e)) for e in producing]
+        streams = [asyncio.ensure_future(long_stream(session, first.url, e, long_tokens)) for e in producing]
         await asyncio.wait_for(asyncio.gather(*(e.wait() for e in producing)), timeout=30)
         os.kill(first.proc.pid, signal.SIGKILL)  # kill -9, from outside the supervisor
         killed_at = time.monotonic()
@@ -166,9 +191,10 @@ async def kill_mid_stream_then_ask_again(supervisor: Supervisor) -> tuple[str, l
 
 
 def test_a_server_killed_with_sigkill_is_restarted_and_serves_the_same_answers_once_ready(
-        supervisor: Supervisor) -> None:
+        supervisor: Supervisor, served_model: tuple[tuple[str, ...], int]) -> None:
     supervisor.start()
-    reference, endings, cut_after, second, ready, answer = asyncio.run(kill_mid_stream_then_ask_again(supervisor))
+    reference, endings, cut_after, second, ready, answer = asyncio.run(
+        kill_mid_stream_then_ask_again(supervisor, long_tokens=served_model[1]))
     first = supervisor.servers[0]
 
     assert "finished" not in endings, endings  # every stream was cut, none ran to its end

@@ -58,11 +58,21 @@ def big2_weights(served_weights: tuple) -> Any:
 
 def loader(llm: LLMEngine, big2_weights: Any) -> Any:
     """big shares the session's weights, big2 has its copy; anything with a path is loaded from
-    it, as `inferd serve` does."""
+    it, as `inferd serve` does, the first time this server loads that path. A path loaded again (a
+    reload whose spec keeps the path, a rollback to it) gets a fresh copy of what the file gave:
+    weights and an engine of its own, as a load gives, without the seconds of a GGUF load (three of
+    them in the reload test, whose first load, the revision checked to be freed, is the file's own)."""
+    loaded: dict[str, tuple[Any, Any]] = {}  # path -> (an untouched copy of the model it gave, its tokenizer)
+
     def load(spec: ModelSpec) -> AsyncEngine:
         config = EngineConfig.of(kv_cache_memory=spec.kv_cache_memory or KV, model=spec.path)  # as served
+        if spec.path is not None and spec.path in loaded:
+            model, tokenizer = loaded[spec.path]
+            return AsyncEngine(LLMEngine(copy.deepcopy(model), tokenizer, config))  # (what from_config does)
         if spec.path is not None:
-            return AsyncEngine(LLMEngine.from_config(config))
+            engine = LLMEngine.from_config(config)
+            loaded[spec.path] = copy.deepcopy(engine.model), engine.tokenizer
+            return AsyncEngine(engine)
         model = llm.model if spec.name == "big" else big2_weights
         return AsyncEngine(LLMEngine(model, llm.tokenizer, config))
     return load
