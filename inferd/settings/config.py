@@ -99,6 +99,7 @@ class Settings(Section):
             classes=tuple(c.priority_class(name) for name, c in self.classes.items()),
             default_class=sched.default_class,
             pooling_class=sched.pooling_class,
+            pooling_step_tokens=sched.pooling_step_tokens,
             aging_seconds=sched.aging_seconds,
             preemption_mode=sched.preemption_mode,
             fairness=sched.fairness,

@@ -68,6 +68,7 @@ class Scheduler:
         self.fair = FairShare() if policy.fairness == "vtc" else None  # None: fcfs, nothing counted
         # per schedule() call
         self._budget = 0
+        self._pooling_budget = 0  # (what is left of the step's tokens for pooling prompts)
         self._scheduled: dict[int, tuple[ScheduledChunk, list[tuple[int, int]]]] = {}
 
     def reserve_blocks(self, cls: PriorityClass) -> int:
@@ -107,6 +108,7 @@ class Scheduler:
         now = self.clock()
         out = SchedulerOutput()
         self._budget = self.max_num_batched_tokens
+        self._pooling_budget = self.policy.pooling_step_tokens
         self._scheduled = {}
         self.accounting.on_step(now, self.waiting)
         self._expire(now, out)
@@ -158,7 +160,9 @@ class Scheduler:
             if req.seq_id in self._scheduled or req.priority_class.name in held_back:
                 continue
             if req.status == RequestStatus.RUNNING:
-                n = min(req.num_tokens - req.num_computed_tokens, self._budget)
+                n = min(req.num_tokens - req.num_computed_tokens, self._room(req))
+                if n <= 0:
+                    continue
                 if not self._grow(req, n, out):
                     admitting = False  # nobody new may take what this one could not get
             elif req.status == RequestStatus.WAITING and (admitting or self.fair is not None
@@ -223,11 +227,11 @@ class Scheduler:
             out.swap_in += pairs
             req.swapped = False
             self._start(req, now, out)
-            n = min(req.num_tokens - req.num_computed_tokens, self._budget)
+            n = min(req.num_tokens - req.num_computed_tokens, self._room(req))
             # (the table may already cover a token whose step was taken back when it was swapped)
             grow = max(0, req.num_computed_tokens + n - bm.num_tokens(req.seq_id))
             copies = bm.append(req.seq_id, grow, reserve=reserve)
-            if copies is not None:  # else it runs from the next step on
+            if copies is not None and n > 0:  # else it runs from the next step on
                 out.block_copies += copies
                 self._add_chunk(out, req, n, copies)
             return _ADMITTED
@@ -235,9 +239,9 @@ class Scheduler:
         tokens = req.token_ids(0, req.num_tokens) if req.reuses_cached_prefix else None
         while True:
             cached = bm.cached_prefix(tokens, req.cache_salt)
-            n = min(req.num_tokens - cached, self._budget)
-            if req.one_chunk and n < req.num_tokens - cached:
-                return _SKIP  # (bidirectional attention: the whole prompt in one step, the next one)
+            n = min(req.num_tokens - cached, self._room(req))
+            if n <= 0 or req.one_chunk and n < req.num_tokens - cached:
+                return _SKIP  # (the pooling share is spent; a bidirectional prompt runs whole, next step)
             if bm.allocate(req.seq_id, cached + n, tokens, reserve=reserve, root=req.cache_salt) is not None:
                 break
             need = max(1, -(-(cached + n) // bm.block_size) - cached // bm.block_size)
@@ -251,6 +255,14 @@ class Scheduler:
         self._start(req, now, out)
         self._add_chunk(out, req, n, [])
         return _ADMITTED
+
+    def _room(self, req: Request) -> int:
+        """The step's tokens left for this request: a pooling prompt's share is capped (a chat's
+        next token never waits behind a long step of embeddings), but a whole bidirectional prompt
+        runs (its step is the exception)."""
+        if req.pooling is None or req.one_chunk:
+            return self._budget
+        return min(self._budget, self._pooling_budget)
 
     def _start(self, req: Request, now: float, out: SchedulerOutput) -> None:
         self.waiting.remove(req)
@@ -273,6 +285,8 @@ class Scheduler:
         (out.decodes if chunk.is_decode else out.prefills).append(chunk)
         self._scheduled[req.seq_id] = (chunk, copies)
         self._budget -= n
+        if req.pooling is not None:
+            self._pooling_budget -= n
 
     # ------------------------------------------------------------------------------ preemption
 
@@ -304,6 +318,8 @@ class Scheduler:
             for pair in copies:
                 out.block_copies.remove(pair)
             self._budget += chunk.num_tokens
+            if req.pooling is not None:
+                self._pooling_budget += chunk.num_tokens
         mode = "recompute"
         if self.policy.preemption_mode == "swap":
             pairs = self.block_manager.swap_out(req.seq_id)
