@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # (bench/peers/workload.py: the repository root)
 DEFAULT_PEER_BIN = Path(os.environ.get("INFERD_PEER_DIR", Path.home() / ".cache/inferd/llama-server")) / "bin/llama-server"
 PREPARE_VLLM = REPO / "bench" / "prepare_vllm_cpu.sh"
 DEFAULT_RESULTS = REPO / "bench" / "RESULTS.md"
