@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from inferd.api.admission.ask import Ask
-from inferd.api.errors import bad_request, engine_abort_error, engine_failure_error, timeout_error
+from inferd.api.errors import bad_request, timeout_error
 from inferd.api.gateway.gate import GATEWAY
 from inferd.api.gateway.keys import principal_of
 from inferd.api.gateway.tenants import Tenant
@@ -29,7 +29,7 @@ from inferd.api.pipeline.prompts import make_prompts
 from inferd.api.routing.registry import REGISTRY
 from inferd.api.routing.routes import Caller
 from inferd.api.state import SETTINGS
-from inferd.api.streaming.generation import POLL_SECONDS, Generation, client_gone
+from inferd.api.streaming.generation import POLL_SECONDS, Generation, client_gone, ending_error
 from inferd.api.streaming.sse import OutputQueue
 from inferd.engine.protocol import EngineLimits, EngineOutput, PoolingParams
 from inferd.settings.policy import SchedulingPolicy
@@ -84,10 +84,8 @@ class PoolingRun(Generation):
                     return None
                 for prompt, out in batch:
                     self.note(out)
-                    if out.finish_reason == "abort":
-                        raise engine_abort_error(out)
-                    if out.finish_reason == "error":
-                        raise engine_failure_error(out)
+                    if out.finish_reason in ("abort", "error"):
+                        raise ending_error(out)
                     if out.finish_reason == "timeout":
                         raise timeout_error(out)
                     if out.finished:

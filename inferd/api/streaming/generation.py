@@ -158,7 +158,7 @@ class Generation:
                 for prompt, out in batch:
                     self.note(out)
                     if out.finish_reason in ("abort", "error"):
-                        raise _ending_error(out)
+                        raise ending_error(out)
                     result = results[prompt * self.n + out.index]
                     if out.finish_reason == "timeout" and not result.texts and not out.text:
                         raise timeout_error(out)  # nothing to show for it: an error, not a reply
@@ -243,7 +243,7 @@ class Generation:
             for prompt, out in batch:
                 self.note(out)
                 if out.finish_reason in ("abort", "error"):  # the response ends here
-                    events.add(error_event(_ending_error(out)))
+                    events.add(error_event(ending_error(out)))
                     return False
                 self.completion_tokens += len(out.new_token_ids)
                 if not out.text and self.segment != "token" and not out.finished and not out.logprobs:
@@ -262,7 +262,7 @@ class Generation:
         return True
 
 
-def _ending_error(out: EngineOutput) -> APIError:
+def ending_error(out: EngineOutput) -> APIError:
     """Why a choice ended without an answer: an engine abort (shutdown) or a failure."""
     return engine_abort_error(out) if out.finish_reason == "abort" else engine_failure_error(out)
 
