@@ -86,8 +86,9 @@ class SchedulerSettings(Section):
     """The class of an embedding, rerank or score request that names none; unset: the least
     important class (so a flood of them cannot starve chat)."""
     pooling_step_tokens: int = Field(default=SchedulingPolicy().pooling_step_tokens, ge=1, le=1 << 20)
-    """Their prompt tokens per engine step at most (a bidirectional model's prompt runs whole): a
-    chat's next token never waits behind a long step of embeddings."""
+    """Their prompt tokens per engine step at most, and none in a step that computes a generation's
+    prompt (a bidirectional model's prompt runs whole): a chat's first token never waits behind a
+    long step of embeddings."""
     aging_seconds: float = Field(default=SchedulingPolicy().aging_seconds, ge=0)
     """A waiting request's rank improves by one class per this many seconds (no starvation); 0: off."""
     preemption_mode: Literal["recompute", "swap"] = "recompute"

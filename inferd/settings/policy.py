@@ -93,7 +93,7 @@ class SchedulingPolicy:
     classes: tuple[PriorityClass, ...] = DEFAULT_CLASSES
     default_class: str = "interactive"
     pooling_class: str | None = None  # (None: the least important class)
-    pooling_step_tokens: int = 32  # pooling requests' prompt tokens per step at most
+    pooling_step_tokens: int = 16  # pooling requests' prompt tokens per step at most
     aging_seconds: float = 60.0
     preemption_mode: str = "recompute"
     fairness: str = "vtc"

@@ -108,7 +108,7 @@ class Scheduler:
         now = self.clock()
         out = SchedulerOutput()
         self._budget = self.max_num_batched_tokens
-        self._pooling_budget = self.policy.pooling_step_tokens
+        self._pooling_budget = self.policy.pooling_step_tokens  # (none in a step that prefills another prompt)
         self._scheduled = {}
         self.accounting.on_step(now, self.waiting)
         self._expire(now, out)
@@ -287,6 +287,8 @@ class Scheduler:
         self._budget -= n
         if req.pooling is not None:
             self._pooling_budget -= n
+        elif not chunk.is_decode:  # a generation's prompt: this step's pooling share is given to it
+            self._pooling_budget = 0
 
     # ------------------------------------------------------------------------------ preemption
 

@@ -12,6 +12,7 @@ import random
 import pytest
 
 from inferd.engine.kv.block_manager import BlockManager
+from inferd.engine.protocol import PoolingParams
 from inferd.engine.sched.request import Request, RequestStatus
 from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
 from inferd.text.sampling_params import SamplingParams
@@ -390,3 +391,30 @@ def test_abort_of_a_group_before_its_forks_start() -> None:
         s.finish(r, RequestStatus.FINISHED_ABORTED)
     assert all(r.status == RequestStatus.FINISHED_ABORTED for r in (root, *root.forks))
     assert_pool_whole(s)
+
+
+def pooling_request(seq_id: int, prompt_len: int) -> Request:
+    req = make_request(seq_id, prompt_len, max_tokens=1)
+    req.pooling, req.priority_class = PoolingParams(), SchedulingPolicy().lookup("batch")  # (the pooling class)
+    return req
+
+
+def test_pooling_prompts_take_a_capped_share_of_a_step_and_none_beside_a_generation_prompt() -> None:
+    """[scheduler] pooling_step_tokens: embeddings' prompts take at most that many tokens a step
+    (in chunks, across requests), and none in a step that computes a generation's prompt."""
+    sched = make_scheduler(max_num_batched_tokens=64)
+    cap = sched.policy.pooling_step_tokens
+    docs = [pooling_request(i, 10) for i in (1, 2, 3)]
+    for req in docs:
+        sched.add(req)
+    plan = sched.schedule()
+    assert 0 < plan.num_prefill_tokens <= cap
+    sched.update(plan, fabricate(plan))
+    chat = make_request(10, 20)
+    sched.add(chat)
+    plan = sched.schedule()
+    assert [c.request for c in plan.prefills] == [chat] and plan.num_prefill_tokens == 20
+    sched.update(plan, fabricate(plan))
+    plan = sched.schedule()  # the chat decodes: the pooling share is back
+    assert any(c.request.pooling is not None for c in plan.prefills)
+    assert sum(c.num_tokens for c in plan.prefills) <= cap
