@@ -62,11 +62,10 @@ from peers.cpu import CpuSnapshot, cpu_usage
 from peers.points import cpu_line
 from peers.report import machine
 from peers.servers import Server, check_llama, inferd_server, llama_server
-from peers.workload import DEFAULT_PEER_BIN, MAX_OTHER_CORES
+from peers.workload import DEFAULT_PEER_BIN, DEFAULT_RESULTS, MAX_OTHER_CORES
 
 DOC_TOKENS = (10, 60)  # each document's length in tokens, uniform
 SEED = 0
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"  # (peers.workload's DEFAULT_RESULTS: bench/bench/)
 AGREEMENT_DOCS = 128  # the warm-up, whose vectors are compared across the servers
 CHATS, CHAT_WARMUP, CHAT_MAX_TOKENS = 20, 2, 16
 FLOOD_CLIENTS = 4
@@ -414,7 +413,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--peer-bin", type=Path, default=DEFAULT_PEER_BIN, help="llama-server (default: %(default)s)")
     p.add_argument("--llama-args", default=LLAMA_ARGS.format(threads=os.cpu_count() or 1), help="(%(default)s)")
     p.add_argument("--no-write", action="store_true", help="print the section only")
-    p.add_argument("--results", type=Path, default=RESULTS, help="(default: %(default)s)")
+    p.add_argument("--results", type=Path, default=DEFAULT_RESULTS, help="(default: %(default)s)")
     args = p.parse_args()
     args.model = args.model or default_model()
     return args
