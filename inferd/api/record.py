@@ -58,6 +58,8 @@ class RequestRecord:
     completion_tokens: int = 0
     cached_tokens: int = 0
     preemptions: int = 0
+    drafted_tokens: int | None = None  # speculation: draft tokens verified (None: none drafted)
+    accepted_tokens: int | None = None  # of which accepted
     queue_time: float | None = None  # the slowest of its prompts'
     ttft: float | None = None
     finish: list[str] = field(default_factory=list)  # each choice's finish reason

@@ -184,6 +184,12 @@ def _kv(s: dict[str, Any]) -> RenderableType:
                                    f"{fmt_int(state.get('checkpoints'))} checkpoints "
                                    f"({_bytes(state.get('checkpoint_bytes') or 0)}) of {fmt_int(state['total'])}, "
                                    f"{fmt_int(state.get('checkpoint_hits'))} hits"))
+    spec = s.get("speculation")
+    if isinstance(spec, dict) and spec.get("method") not in (None, "off") and is_num(spec.get("drafted_tokens")):
+        drafted, accepted = spec["drafted_tokens"], spec.get("accepted_tokens") or 0
+        share = f" ({accepted / drafted:.0%})" if drafted else ""
+        lines.append(Text.assemble(("speculation ", "dim"), f"{spec['method']}: {fmt_int(accepted)} of "
+                                   f"{fmt_int(drafted)} drafts accepted{share}"))
     memory = s.get("device_memory")
     if isinstance(memory, dict) and is_num(memory.get("used_bytes")) and is_num(memory.get("total_bytes")):
         u, t = memory["used_bytes"], memory["total_bytes"]

@@ -11,7 +11,7 @@ import torch
 
 from inferd.engine.output.blocklist import Blocklist, read_blocklist
 from inferd.settings.config import Settings
-from inferd.settings.engine import CacheSettings, HealthSettings, ModelSettings, SchedulerSettings
+from inferd.settings.engine import CacheSettings, HealthSettings, ModelSettings, SchedulerSettings, SpeculativeSettings
 from inferd.settings.policy import SchedulingPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,6 +32,8 @@ FLAT: dict[str, tuple[str, str]] = {
     "max_num_seqs": ("scheduler", "max_num_seqs"), "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "failure_window_seconds": ("health", "failure_window_seconds"),
     "failure_recover_seconds": ("health", "recover_seconds"),
+    "speculative": ("speculative", "method"), "max_draft_tokens": ("speculative", "max_draft_tokens"),
+    "spec_max_batch": ("speculative", "max_batch"),
 }
 
 
@@ -46,13 +48,15 @@ class EngineConfig:
     health: HealthSettings = HealthSettings()  # engine/health.py's windows
     policy: SchedulingPolicy = _DEFAULT_POLICY  # classes, aging, preemption, fairness, shedding
     output_filter: Blocklist | None = None  # the blocklist, read from output_filter.blocklist_file
+    speculative: SpeculativeSettings = SpeculativeSettings()  # drafting and verifying several tokens a step
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
         """The engine's config; reads the blocklist file (SettingsError names a bad line)."""
         blocklist = settings.output_filter.blocklist_file
         return cls(settings.model, settings.cache, settings.scheduler, settings.health, settings.policy(),
-                   read_blocklist(blocklist, settings.output_filter.action) if blocklist else None)
+                   read_blocklist(blocklist, settings.output_filter.action) if blocklist else None,
+                   settings.speculative)
 
     @classmethod
     def of(cls, *, policy: SchedulingPolicy | None = None, output_filter: Blocklist | None = None,

@@ -28,20 +28,23 @@ from inferd.engine.output.pooled import pooled_answers, pooler_info
 from inferd.engine.output.processor import OutputProcessor
 from inferd.engine.protocol import (
     ConstraintError,
-    DeviceMemory,
     EngineLimits,
     EngineOutput,
     EngineRequest,
     EngineSnapshot,
     Histogram,
-    RequestMetrics,
     StateSlotsSnapshot,
     StepOutputs,
     TokenLogprob,
 )
+from inferd.engine.sched.accounting import request_metrics
 from inferd.engine.sched.request import Request, RequestStatus
 from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
+from inferd.engine.spec.speculator import Speculator
 from inferd.engine.worker.executor import StepExecutor, StepFailed
+from inferd.engine.worker.kv_cache import device_memory
+from inferd.engine.worker.runner import StepResult
+from inferd.engine.worker.speculation import rows_by_request
 from inferd.engine.worker.faults import FaultInjector
 from inferd.model.decoder import DecoderModel
 from inferd.model.loading.loader import default_model_path
@@ -57,24 +60,6 @@ MIN_TOKEN_BUDGET = 16  # tokens per step that out-of-memory backoff never goes b
 OOM_RECOVER_STEPS = 64  # clean steps before the token budget doubles back
 ENDINGS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH,
            CONTENT_FILTER: RequestStatus.FINISHED_FILTERED}  # OutputProcessor's endings
-
-
-def device_memory(device: torch.device) -> DeviceMemory | None:
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    return DeviceMemory(used_bytes=total - free, total_bytes=total)
-
-
-def request_metrics(request: Request, now: float) -> RequestMetrics:
-    arrival = request.arrival_time if request.arrival_time is not None else now
-
-    def since(t: float | None) -> float | None:
-        return None if t is None else t - arrival
-
-    return RequestMetrics(request.priority_class.name if request.priority_class else "-", len(request.prompt_ids),
-                          request.num_cached_tokens, len(request.output_ids), since(request.first_scheduled_time),
-                          since(request.first_token_time), now - arrival, request.num_preemptions)
 
 
 @dataclass
@@ -115,6 +100,9 @@ class LLMEngine:
                                    config.model.normalize)
                        if config.model.task != "generate" or config.model.embeddings else None)
         self.runner.pooler = self.pooler
+        # (a hybrid model's linear layers would need their state at every draft position)
+        self.speculator = Speculator(config.speculative, "its linear-attention layers' state cannot take back rejected "
+                                     "drafts" if state is not None else None)
         self.outputs = OutputProcessor(tokenizer, output_filter(config.output_filter))
         self.executor = StepExecutor(self.runner)
         self.executor.faults = FaultInjector.from_environ()
@@ -174,10 +162,11 @@ class LLMEngine:
         tenant, weight, salt = request.tenant, request.tenant_weight, request.cache_salt
         root = Request(next(self._seq_ids), prompt_ids, request.params, self.max_model_len, group_id=group,
                        priority_class=cls, timeouts=request.timeouts, arrival_time=arrival, constraint=constraint,
-                       tenant=tenant, tenant_weight=weight, cache_salt=salt)
+                       tenant=tenant, tenant_weight=weight, cache_salt=salt, draft_history=request.draft_history)
         root.forks = [Request(next(self._seq_ids), prompt_ids, request.params, self.max_model_len, index=i,
                               group_id=group, constraint=constraint.fork() if constraint else None,
-                              tenant=tenant, tenant_weight=weight, cache_salt=salt)
+                              tenant=tenant, tenant_weight=weight, cache_salt=salt,
+                              draft_history=request.draft_history)
                       for i in range(1, n)]
         if request.pooling is not None:
             assert n == 1 and (request.pooling.task == "score" or self.pooler is not None), "a pooling request the door refuses"
@@ -231,6 +220,7 @@ class LLMEngine:
     def step(self) -> StepOutputs:
         if self.faults is not None:
             self.faults.before_step(self.model)
+        self.speculator.draft(self.scheduler.running)
         plan = self.scheduler.schedule()
         step = StepOutputs(started=[r.group_id for r in plan.started if r.index == 0])
         for request in plan.timed_out:
@@ -251,22 +241,32 @@ class LLMEngine:
         self._after_run(plan, step)
         if plan.prefills:
             step.prefill_tokens, step.step_seconds = plan.num_prefill_tokens, time.perf_counter() - start
-        sampled = result.sampled
         self._note_prompt_logprobs(result.prompt_logprobs)
-        self.scheduler.update(plan, dict(zip(result.seq_ids, sampled.token_ids)))
+        last_row, accepted = rows_by_request(result.seq_ids, result.sampled.token_ids)
+        self.scheduler.update(plan, {seq_id: result.sampled.token_ids[row] for seq_id, row in last_row.items()},
+                              accepted)
+        self.speculator.after_step(plan, accepted)
         if result.pooled:
             step.outputs += self._pooled(result.pooled)
-        faults = self.faults
+        self._deliver(result, last_row, bool(accepted), step)
+        return step
+
+    def _deliver(self, result: StepResult, last_row: dict[int, int], merge: bool, step: StepOutputs) -> None:
+        """Each sampled token through its choice's output processing, into the step's outputs
+        (`merge`: a choice's tokens of the step in one output); a choice ends where they say."""
+        sampled, faults = result.sampled, self.faults
+        merged: dict[int, EngineOutput] = {}  # (speculation) each choice's one output of the step
         for row, seq_id in enumerate(result.seq_ids):
             request = self.requests.get(seq_id)
             if request is None:
-                continue  # its group failed earlier in this loop
+                continue  # its group failed, or the choice ended, earlier in this loop
             try:
                 if seq_id in result.failed:
                     raise result.failed[seq_id]
                 if faults is not None:
                     faults.check_output(request.group_id)
-                out, ending = self.outputs.on_token(request, sampled.token_ids[row], sampled, row)
+                later = last_row[seq_id] - row  # its tokens after this one in this step
+                out, ending = self.outputs.on_token(request, sampled.token_ids[row], sampled, row, later)
                 if request.params.prompt_logprobs is not None and len(request.output_ids) == 1:
                     out.prompt_logprobs = request.prompt_logprobs  # (with the first token: all of them)
             except ConstraintError as e:  # the client's grammar met a limit: its fault, not the engine's
@@ -279,13 +279,18 @@ class LLMEngine:
                 step.outputs += self._fail_group(request.group_id, "internal_error", f"{type(e).__name__}: {e}")
                 continue
             if ending is not None:
+                if later:  # ended before its last accepted tokens: they were never output
+                    del request.output_ids[-later:]
                 status = ENDINGS[ending]
                 self._finish(request, status)
                 out.finished, out.finish_reason = True, status.finish_reason
                 out.metrics = request_metrics(request, self.scheduler.clock())
                 self._retire(request)
-            step.outputs.append(out)
-        return step
+            if merge and seq_id in merged:
+                merged[seq_id].extend(out)
+            else:
+                merged[seq_id] = out
+                step.outputs.append(out)
 
     def _pooled(self, pooled: dict[int, torch.Tensor | float]) -> list[EngineOutput]:
         """The final outputs of the pooling requests whose prompt this step finished."""
@@ -373,6 +378,7 @@ class LLMEngine:
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self.scheduler.finish(request, status)
         self.runner.release(request.seq_id)
+        self.speculator.release(request)
         self.outputs.remove(request.seq_id)
 
     # ---------------------------------------------------------------------------- publishing
@@ -393,7 +399,7 @@ class LLMEngine:
             step_failures=dict(self.health.failures), oom_events_last_minute=self.health.ooms_last_minute(),
             token_budget=scheduler.max_num_batched_tokens, tenants=scheduler.tenants_snapshot(),
             experts_routed=tuple(tuple(m.routed.tolist()) for m in self.model.mixtures() if m is not None),
-            state_slots=self._state_snapshot(),
+            state_slots=self._state_snapshot(), speculation=self.speculator.snapshot(),
         )
 
     def _state_snapshot(self) -> StateSlotsSnapshot | None:

@@ -204,6 +204,8 @@ class EngineRequest:
     constraint: LogitsConstraint | None = None  # the slot for per-request logits constraints
     segment: str = "token"  # how text is released: per token, in whole "sentence"s or "line"s
     pooling: PoolingParams | None = None  # a prefill-only request (n = 1, params unused but its limits)
+    # speculation may draft from its tenant's recent outputs (its tenant opted in; never another's)
+    draft_history: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,6 +227,8 @@ class RequestMetrics:
     ttft: float | None
     e2e: float
     preemptions: int
+    drafted_tokens: int = 0  # speculation: draft tokens verified
+    accepted_tokens: int = 0  # of which accepted (handed out without a step of their own)
 
 
 FAILURE_KINDS = ("forward", "request", "oom")  # EngineSnapshot.step_failures' keys (engine/health.py)
@@ -258,6 +262,16 @@ class EngineOutput:
     error: str | None = None  # with "error", which: ERROR_CODES
     pooled: list[float] | None = None  # (a pooling request's finished output, task "embed") its vector
     score: float | None = None  # (task "score") logit[yes] - logit[no] at its last position
+
+    def extend(self, later: EngineOutput) -> None:
+        """Take in a later output of the same choice and step (speculation hands out several
+        tokens a step): its tokens, text and logprobs after these, and how it ended."""
+        self.new_token_ids += later.new_token_ids
+        self.text += later.text
+        if later.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + later.logprobs
+        self.finished, self.finish_reason, self.stop_reason = later.finished, later.finish_reason, later.stop_reason
+        self.metrics, self.error = later.metrics, later.error
 
 
 @dataclass(slots=True)
@@ -299,6 +313,19 @@ class EngineLimits:
 class DeviceMemory:
     used_bytes: int
     total_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationSnapshot:
+    """Speculative decoding's counters since start (engine/spec/)."""
+
+    method: str  # "auto", "suffix", "ngram" or "off"
+    drafted_tokens: int  # draft tokens verified
+    accepted_tokens: int  # of which accepted
+    verifications: int  # decodes that verified drafts
+    steps_drafted: int  # steps in which some request verified drafts
+    steps_off: int  # steps "auto" ran without drafts: more requests decoding than its max_batch
+    off_reason: str | None = None  # why the model cannot speculate (None: it can)
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,6 +377,7 @@ class EngineSnapshot:
     # a mixture-of-experts model: tokens routed to each expert since start, per sparse layer
     experts_routed: tuple[tuple[int, ...], ...] = ()
     state_slots: StateSlotsSnapshot | None = None  # a hybrid model's (linear-attention layers)
+    speculation: SpeculationSnapshot | None = None
 
     @property
     def kv_usage_ratio(self) -> float:

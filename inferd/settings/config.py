@@ -19,7 +19,8 @@ from typing import Any
 from pydantic import Field, ValidationError, field_validator, model_validator
 
 from inferd.settings.engine import (BUILTIN_CLASSES, CacheSettings, ClassSettings, HealthSettings, LimitSettings,
-                                    ModelSettings, RuntimeSettings, SchedulerSettings, SheddingSettings)
+                                    ModelSettings, RuntimeSettings, SchedulerSettings, SheddingSettings,
+                                    SpeculativeSettings)
 from inferd.settings.models import DegradationSettings, ModelTable, RouteTable, check_models
 from inferd.settings.policy import SchedulingPolicy, ShedConfig
 from inferd.settings.server import (OutputFilterSettings, RequestLogSettings, ResponsesSettings, ServerSettings,
@@ -28,7 +29,7 @@ from inferd.settings.values import Section, SettingsError
 
 __all__ = ["CacheSettings", "ClassSettings", "HealthSettings", "LimitSettings", "ModelSettings", "OutputFilterSettings",
            "RequestLogSettings", "ResponsesSettings", "RuntimeSettings", "SchedulerSettings", "ServerSettings",
-           "Settings", "SheddingSettings", "TenantSettings", "load_settings"]
+           "Settings", "SheddingSettings", "SpeculativeSettings", "TenantSettings", "load_settings"]
 
 _TENANT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
@@ -40,6 +41,7 @@ class Settings(Section):
     model: ModelSettings = ModelSettings()
     cache: CacheSettings = CacheSettings()
     scheduler: SchedulerSettings = SchedulerSettings()
+    speculative: SpeculativeSettings = SpeculativeSettings()
     shedding: SheddingSettings = SheddingSettings()
     classes: dict[str, ClassSettings] = Field(
         default_factory=lambda: {name: ClassSettings(**t) for name, t in BUILTIN_CLASSES.items()})

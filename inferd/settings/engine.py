@@ -98,6 +98,26 @@ class SchedulerSettings(Section):
     first; "fcfs" by arrival (and deadline) alone."""
 
 
+class SpeculativeSettings(Section):
+    """Speculative decoding without a draft model: tokens a request is likely to copy (from its
+    prompt and its output so far) are verified several at a time in one forward. Lossless: the
+    tokens are those decoding one at a time would give (greedy token for token; sampled in
+    distribution)."""
+
+    method: Literal["auto", "suffix", "ngram", "off"] = "auto"
+    """"suffix": drafts from the longest earlier occurrence of the text's end (suffix decoding);
+    "ngram": from the last few tokens' latest occurrence (prompt lookup); "auto": suffix, only in
+    steps and for requests where it pays (few requests at once, drafts being accepted)."""
+    max_draft_tokens: int = Field(default=8, ge=1, le=64)
+    """Draft tokens a request verifies in one step at most."""
+    max_batch: int = Field(default=8, ge=1, le=4096)
+    """"auto": no drafts in a step with more requests decoding than this (verification then costs
+    more than it saves)."""
+    history_tokens: int = Field(default=1 << 16, ge=0, le=1 << 24)
+    """A tenant's recent outputs kept to draft from, in tokens, for tenants with
+    speculative_history = true (never shared between tenants)."""
+
+
 _SHED = ShedConfig()  # the defaults
 
 

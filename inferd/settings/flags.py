@@ -70,6 +70,7 @@ SERVE_FLAGS = (
     Flag("--weights", "model.weights"),
     Flag("--task", "model.task"),
     Flag("--pooling", "model.pooling"),
+    Flag("--speculative", "speculative.method"),
 )
 
 FLAG_OF_KEY = {f.key: f.flag for f in SERVE_FLAGS}

@@ -99,6 +99,9 @@ class TenantSettings(Section):
     cache_group: str | None = Field(default=None, min_length=1, max_length=64)
     """Tenants naming the same group share prefix-cache blocks (a public system prompt, say); unset:
     its cached prefixes are its own (another tenant's TTFT cannot tell what it asked)."""
+    speculative_history: bool = False
+    """Speculation also drafts from this tenant's own recent outputs ([speculative] history_tokens
+    of them), never from another tenant's."""
 
     @field_validator("key_sha256")
     @classmethod

@@ -258,6 +258,7 @@ class FrontDoor:
                                         prepared.timeouts, arrival_time=arrival, tenant=tenant.name if tenant else None,
                                         tenant_weight=tenant.weight if tenant else 1.0, segment=prepared.segment,
                                         cache_salt=salt, pooling=prepared.pooling,
+                                        draft_history=tenant is not None and tenant.speculative_history,
                                         constraint=prepared.constraints[i] if prepared.constraints else None)
                 departure = functools.partial(self.queues.leave, cls.name, 1, len(prompt))
                 streams.append(self.engine.submit(request, on_queue_exit=departure))

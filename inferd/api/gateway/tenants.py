@@ -34,6 +34,7 @@ class Tenant:
     default_class: str | None
     models: frozenset[str] | None  # None: every model and route
     cache_scope: str  # whose prefix-cache blocks it may share: "tenant:NAME", or "group:NAME"
+    speculative_history: bool = False  # its requests draft from its recent outputs too
 
     @classmethod
     def from_settings(cls, name: str, t: TenantSettings) -> Tenant:
@@ -41,7 +42,8 @@ class Tenant:
                    limits=RateLimits(t.requests_per_second, t.requests_burst, t.tokens_per_second, t.tokens_burst),
                    classes=None if t.classes is None else frozenset(t.classes), default_class=t.default_class,
                    models=None if t.models is None else frozenset(t.models),
-                   cache_scope=f"tenant:{name}" if t.cache_group is None else f"group:{t.cache_group}")
+                   cache_scope=f"tenant:{name}" if t.cache_group is None else f"group:{t.cache_group}",
+                   speculative_history=t.speculative_history)
 
 
 @dataclass(frozen=True, slots=True)

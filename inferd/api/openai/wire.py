@@ -203,11 +203,19 @@ class PromptTokensDetails(ResponseModel):
     cached_tokens: int  # of the prompt's tokens, how many the prefix cache supplied
 
 
+class SpeculativeUsage(ResponseModel):
+    """inferd's extension: speculative decoding's draft tokens for this request."""
+
+    drafted_tokens: int  # verified
+    accepted_tokens: int  # of which accepted
+
+
 class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    speculative: SpeculativeUsage | None = None  # (absent: nothing drafted)
 
 
 class CompletionResponse(ResponseModel):

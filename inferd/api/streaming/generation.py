@@ -86,15 +86,20 @@ class Generation:
         self.streams: list[RequestStream] = []
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the prefix cache supplied (each prompt's first choice)
+        self.drafted_tokens = self.accepted_tokens = 0  # speculation's, over every choice
 
     @property
     def prompt_tokens(self) -> int:
         return self.prepared.prompt_tokens
 
     def usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        """OpenAI's usage, and inferd's extension `speculative` where drafts were verified."""
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.drafted_tokens:
+            usage["speculative"] = {"drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens}
+        return usage
 
     def __enter__(self) -> Generation:
         ticket = self.ticket
@@ -132,6 +137,9 @@ class Generation:
             return
         if metrics is not None and out.index == 0:
             self.cached_tokens += metrics.cached_tokens
+        if metrics is not None:
+            self.drafted_tokens += metrics.drafted_tokens
+            self.accepted_tokens += metrics.accepted_tokens
         if self.ticket is not None and metrics is not None:
             self.ticket.finished(metrics)
         if record is None:
@@ -141,6 +149,9 @@ class Generation:
             return
         record.cached_tokens += metrics.cached_tokens if out.index == 0 else 0
         record.preemptions += metrics.preemptions
+        if metrics.drafted_tokens:
+            record.drafted_tokens = (record.drafted_tokens or 0) + metrics.drafted_tokens
+            record.accepted_tokens = (record.accepted_tokens or 0) + metrics.accepted_tokens
         for name in ("queue_time", "ttft"):
             value, seen = getattr(metrics, name), getattr(record, name)
             if value is not None and (seen is None or value > seen):

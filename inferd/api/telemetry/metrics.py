@@ -106,6 +106,17 @@ STATE_METRICS = (
      "checkpoint_evictions"),
 )
 
+# speculative decoding (EngineSnapshot.speculation): name, help, the snapshot's field
+SPEC_METRICS = (
+    ("inferd_spec_drafted_tokens", "Draft tokens verified (speculative decoding).", "drafted_tokens"),
+    ("inferd_spec_accepted_tokens", "Draft tokens accepted: handed out without a step of their own.",
+     "accepted_tokens"),
+    ("inferd_spec_verifications", "Decodes that verified drafts.", "verifications"),
+    ("inferd_spec_steps_drafted", "Engine steps in which some request verified drafts.", "steps_drafted"),
+    ("inferd_spec_steps_off", "Steps method auto ran without drafts (more requests decoding than its max_batch).",
+     "steps_off"),
+)
+
 
 def _cache_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
     yield GaugeMetricFamily("inferd_kv_blocks_total", "KV cache blocks.", value=stats.kv_blocks_total)
@@ -121,6 +132,9 @@ def _cache_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
     if (state := stats.state_slots) is not None:  # a hybrid model's linear-attention state
         for name, kind, doc, field in STATE_METRICS:
             yield kind(name, doc, value=getattr(state, field))
+    if (spec := stats.speculation) is not None:
+        for name, doc, field in SPEC_METRICS:
+            yield CounterMetricFamily(name, doc, value=getattr(spec, field))
 
 def _histograms(stats: EngineSnapshot, model: str) -> Iterator[Metric]:
     for name, (field, doc) in LATENCIES.items():

@@ -155,6 +155,9 @@ async def status(request: web.Request) -> web.Response:
             total=state.total, working=state.working, checkpoints=state.checkpoints,
             checkpoint_bytes=state.checkpoint_bytes, checkpoint_hits=state.checkpoint_hits,
             checkpoint_hit_tokens=state.checkpoint_hit_tokens, checkpoint_evictions=state.checkpoint_evictions),
+        speculation=None if (spec := stats.speculation) is None else s.SpeculationStatus(
+            method=spec.method, drafted_tokens=spec.drafted_tokens, accepted_tokens=spec.accepted_tokens,
+            verifications=spec.verifications, steps_off=spec.steps_off, off_reason=spec.off_reason),
         engine_healthy=stats.healthy, step_failures=stats.step_failures,
         oom_events_last_minute=stats.oom_events_last_minute, token_budget=stats.token_budget,
         resumable_streams_detached=request.app[RESUMABLE].detached,

@@ -116,6 +116,17 @@ class StateSlotsStatus(ResponseModel):
     checkpoint_evictions: int
 
 
+class SpeculationStatus(ResponseModel):
+    """Speculative decoding since start ([speculative])."""
+
+    method: str  # auto, suffix, ngram or off
+    drafted_tokens: int  # verified
+    accepted_tokens: int  # of which accepted
+    verifications: int  # decodes that verified drafts
+    steps_off: int  # steps "auto" ran without drafts: too many requests decoding
+    off_reason: str | None = None  # why this model cannot speculate
+
+
 class DriftStatus(ResponseModel):
     """Traffic now against the baseline (the first requests): [request_log], api/telemetry/drift.py."""
 
@@ -197,6 +208,7 @@ class StatusResponse(ResponseModel):
     throughput: Throughput
     device_memory: DeviceMemory | None  # CUDA only
     state_slots: StateSlotsStatus | None = None  # a hybrid model's (linear-attention layers)
+    speculation: SpeculationStatus | None = None
     engine_healthy: bool = True  # false after failed steps in a row, until it recovers
     step_failures: dict[str, int] = {}  # by kind: forward, request, oom
     oom_events_last_minute: int = 0

@@ -21,14 +21,10 @@ flat slot `table[p // block_size] * block_size + p % block_size`.
                                                ^^ ^^ free room in the last block: the next
                                                      two appended tokens need no new block
 
-Fork (parallel sampling, beam search) makes the child share every block of the parent (refcount
-+1). Full blocks are never written again, so sharing them is free. The last block may be partly
-filled; the first sequence that appends to a *shared* partial block gets a fresh copy instead:
-
-    parent [7, 2, 5*]  child [7, 2, 5*]     (5* refcount 2, holds positions 8..9)
-    child.append(1) -> copy-on-write pair (5, 4): the caller copies block 5 into block 4 in the
-    KV cache, then writes position 10 into block 4.
-    parent [7, 2, 5]   child [7, 2, 4]
+Fork (parallel sampling) makes the child share every block of the parent (refcount +1): full
+blocks are never written again. The first sequence that appends to a *shared*, partly filled last
+block gets a copy instead: parent and child [7, 2, 5*] (5* shared) -> child.append(1) returns the
+copy-on-write pair (5, 4); the caller copies block 5 into 4, then writes there: child [7, 2, 4].
 
 Prefix caching: once a block is full and computed, `commit` files it in the prefix cache under a
 key that hashes its tokens and every token before them (prefix_cache.py draws it). `allocate`
@@ -45,13 +41,14 @@ State slots (kv/state_slots.py): with `state` given (a hybrid model's linear lay
 sequence also holds a working slot, a prefix hit is cut back to the longest one that ends at a
 state checkpoint, and `commit` files the checkpoints a chunk wrote under its blocks' keys.
 
-Swap: `swap_out` copies a sequence's blocks to host blocks and frees them; `swap_in` brings
-them back into fresh ones. The caller copies, in one step: swap-out, swap-in, then copy-on-write
-pairs, then runs the model.
+Swap: `swap_out` copies a sequence's blocks to host blocks and frees them; `swap_in` brings them
+back into fresh ones. The caller copies, in one step: swap-out, swap-in, copy-on-write pairs, then
+runs the model. Speculation: a step that verifies drafts appends room for them all; `truncate`
+gives back what the rejected ones took.
 
 Check, then act: `can_allocate` / `can_append` / `can_swap_in` / `can_swap_out` answer whether
-memory suffices; `allocate`, `append`, `swap_in` and `swap_out` return None when it does not, and
-then nothing has changed, so the scheduler can pick a sequence to preempt and try again.
+memory suffices; `allocate`, `append`, `swap_in` and `swap_out` return None when it does not (and
+nothing has changed), so the scheduler can pick a sequence to preempt and try again.
 """
 
 from __future__ import annotations
@@ -156,10 +153,6 @@ class BlockManager:
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def slot(self, seq_id: int, position: int, group: int = 0) -> int:
-        if not 0 <= position < self._num_tokens.get(seq_id, 0):
-            self._table(seq_id)
-            raise IndexError(f"position {position} outside seq {seq_id} "
-                             f"of {self._num_tokens[seq_id]} tokens")
         return self.slots(seq_id, position, position + 1, group)[0]
 
     def cached_prefix(self, token_ids: Sequence[int] | None, root: bytes = b"") -> int:
@@ -263,11 +256,23 @@ class BlockManager:
         self._num_tokens[seq_id] = total
         return pairs
 
+    def truncate(self, seq_id: int, num_tokens: int) -> None:
+        """Give back the room past the first `num_tokens` tokens (a speculative step's rejected
+        drafts), tail first. Those blocks were never committed: commit counts computed tokens."""
+        tables, starts, keep = self._table(seq_id), self._starts[seq_id], self.blocks_for(num_tokens)
+        if not 0 <= num_tokens <= self._num_tokens[seq_id]:
+            raise ValueError(f"seq {seq_id}: truncate to {num_tokens} of {self._num_tokens[seq_id]} tokens")
+        for g, table in enumerate(tables):
+            for i in reversed(range(keep, len(table))):
+                if i >= starts[g]:  # (entries before a window's start hold nothing)
+                    self.pool.decref(table[i])
+            del table[keep:]
+            starts[g] = min(starts[g], keep)
+        self._num_tokens[seq_id] = num_tokens
+
     def commit(self, seq_id: int, num_computed_tokens: int, tokens: Callable[[int, int], Sequence[int]]) -> None:
         """Cache every block that the first `num_computed_tokens` tokens now fill, then give back
-        the sliding groups' blocks that no later query can see.
-
-        `tokens(start, end)` returns the sequence's token ids [start, end); it is called once per
+        the sliding groups' blocks that no later query can see. `tokens(start, end)` returns the sequence's token ids [start, end); it is called once per
         newly full block, so calling commit after every step costs O(1) when none became full.
         A block whose key another block already holds stays uncached (and is freed as usual).
         """
@@ -317,11 +322,8 @@ class BlockManager:
             self.state.free(seq_id)
 
     def swap_out(self, seq_id: int) -> list[tuple[int, int]] | None:
-        """Copy a sequence to host blocks and free its device blocks; None if host blocks are short.
-
-        Returns the (device_block, host_block) pairs the caller copies before anything else this
-        step. The freed device blocks may be handed out again in the same step.
-        """
+        """Copy a sequence to host blocks and free its device blocks (which the same step may hand
+        out again): the (device, host) block pairs to copy first; None if host blocks are short."""
         if not self.can_swap_out(seq_id):
             return None
         tables, starts = self._tables[seq_id], self._starts[seq_id]
@@ -335,11 +337,8 @@ class BlockManager:
         return pairs
 
     def swap_in(self, seq_id: int, reserve: int = 0) -> list[tuple[int, int]] | None:
-        """Bring a swapped-out sequence back into fresh device blocks; None if short.
-
-        Returns the (host_block, device_block) pairs to copy (after the swap-out pairs). The new
-        blocks are not cached again, even where the old ones were.
-        """
+        """Bring a swapped-out sequence back into fresh device blocks (not cached again): the (host,
+        device) block pairs to copy after the swap-out pairs; None if short."""
         if not self.can_swap_in(seq_id, reserve):
             return None
         if self.state is not None:

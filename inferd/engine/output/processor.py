@@ -54,10 +54,12 @@ class OutputProcessor:
         self._detokenizers.pop(seq_id, None)
         self._hooks.pop(seq_id, None)
 
-    def on_token(self, seq: Request, token: int, sampled: SamplerOutput, row: int) -> tuple[EngineOutput, str | None]:
-        """The choice's output for the token it just sampled, and how it ends if it does:
-        "stop" (a stop condition or a hook), "length" (max_tokens or the context), a hook's own
-        reason ("content_filter"), else None."""
+    def on_token(self, seq: Request, token: int, sampled: SamplerOutput, row: int,
+                 later: int = 0) -> tuple[EngineOutput, str | None]:
+        """The choice's output for a token it just sampled (`later`: how many more it sampled in
+        the same step, already in its output_ids), and how it ends if it does: "stop" (a stop
+        condition or a hook), "length" (max_tokens or the context), a hook's own reason
+        ("content_filter"), else None."""
         # NOTE: runs once per token of every running choice: kept to plain lookups and one call
         seq_id = seq.seq_id
         constraint_ends = seq.constraint is not None and seq.constraint.accept(token)
@@ -69,7 +71,7 @@ class OutputProcessor:
         ending: str | None = None
         if update.finished:
             ending, out.stop_reason = "stop", update.stop_reason
-        elif seq.num_tokens >= seq.max_total_tokens or constraint_ends:
+        elif seq.num_tokens - later >= seq.max_total_tokens or constraint_ends:
             ending = "stop" if constraint_ends else "length"
             out.text += detokenizer.flush()
         if self._hooks and seq_id in self._hooks:

@@ -10,9 +10,23 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from inferd.engine.protocol import ClassSnapshot, RequestSnapshot, Samples
+from inferd.engine.protocol import ClassSnapshot, RequestMetrics, RequestSnapshot, Samples
 from inferd.engine.sched.request import Request, RequestStatus
 from inferd.settings.policy import PriorityClass, SchedulingPolicy
+
+
+def request_metrics(request: Request, now: float) -> RequestMetrics:
+    """How a finished choice went, for its final output."""
+    arrival = request.arrival_time if request.arrival_time is not None else now
+
+    def since(t: float | None) -> float | None:
+        return None if t is None else t - arrival
+
+    return RequestMetrics(request.priority_class.name if request.priority_class else "-", len(request.prompt_ids),
+                          request.num_cached_tokens, len(request.output_ids), since(request.first_scheduled_time),
+                          since(request.first_token_time), now - arrival, request.num_preemptions,
+                          request.drafted_tokens, request.accepted_tokens)
+
 
 @dataclass
 class ClassStats:

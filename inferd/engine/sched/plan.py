@@ -22,6 +22,9 @@ class ScheduledChunk:
     # (in tokens) after which its state is also written to a checkpoint slot: (block end, slot)
     state_slot: int = -1
     state_saves: list[tuple[int, int]] = field(default_factory=list)
+    # speculative decoding: the draft tokens this decode verifies after its last sampled token
+    # (num_tokens = 1 + len(drafts); every row's logits are sampled and compared with the drafts)
+    drafts: list[int] = field(default_factory=list)
 
     @property
     def block_table(self) -> list[int]:
@@ -30,21 +33,21 @@ class ScheduledChunk:
 
     @property
     def samples(self) -> bool:
-        """True when the chunk reaches the last known token, so a next token is sampled."""
-        return self.start + self.num_tokens == self.request.num_tokens
+        """True when the chunk reaches the last known token (drafts aside), so a next token is sampled."""
+        return self.start + self.num_tokens - len(self.drafts) == self.request.num_tokens
 
     @property
     def is_decode(self) -> bool:
-        """One generated token. A prompt's tokens always take the prefill path, even one at a
-        time (the last one after a prefix-cache hit, a chunk's remainder): which arithmetic a
-        token meets must not depend on how its prompt was cut (batch invariance)."""
-        return self.num_tokens == 1 and self.start >= len(self.request.prompt_ids)
+        """One generated token, and any drafts after it. A prompt's tokens always take the prefill
+        path, even one at a time (the last one after a prefix-cache hit, a chunk's remainder):
+        which arithmetic a token meets must not depend on how its prompt was cut (batch invariance)."""
+        return self.num_tokens == 1 + len(self.drafts) and self.start >= len(self.request.prompt_ids)
 
 
 @dataclass
 class SchedulerOutput:
     prefills: list[ScheduledChunk] = field(default_factory=list)  # prompt tokens (and recomputed output)
-    decodes: list[ScheduledChunk] = field(default_factory=list)  # one generated token each (is_decode)
+    decodes: list[ScheduledChunk] = field(default_factory=list)  # one generated token each, and its drafts (is_decode)
     # KV copies the runner makes before the forward, in this order (a block that swap-out frees
     # may be reused by a swap-in or a copy-on-write of the same step)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
@@ -63,7 +66,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.prefills) + len(self.decodes)
+        return sum(c.num_tokens for c in self.prefills) + sum(c.num_tokens for c in self.decodes)
 
     @property
     def num_prefill_tokens(self) -> int:

@@ -82,6 +82,12 @@ class Request:
     pooling: PoolingParams | None = None
     pools_every_token: bool = False  # (mean or cls pooling) every prompt position computed: no cached prefix
     one_chunk: bool = False  # (bidirectional attention) its prompt computed in one step, never in chunks
+    # speculative decoding: tokens proposed to follow its last one, verified in its next step, and
+    # its totals, drafted and accepted (the engine's speculator, engine/spec/, writes these)
+    draft_ids: list[int] = field(default_factory=list)
+    draft_history: bool = False  # also from its tenant's recent outputs (EngineRequest.draft_history)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def reuses_cached_prefix(self) -> bool:

@@ -6,7 +6,8 @@ One `schedule()`:
 
     1. timeouts      end every request past a queue, TTFT, per-token or total deadline
     2. shedding      the load shedder's level caps the sheddable classes (running, max_tokens)
-    3. decodes       every running request with one token to compute, most important first
+    3. decodes       every running request with one token to compute (and its drafts, while the
+                     budget lasts: engine/spec/), most important first
     4. prefills      chunks of running prefills and admissions of waiting requests, merged in
                      order (class, then the tenants' fair shares, then earliest deadline),
                      within the step's token budget
@@ -17,9 +18,9 @@ is the earliest of the request's TTFT target and its hard deadlines (engine/sche
 With `fairness = "vtc"` tenants share each rank: the next is the head, in that order, of the
 tenant with the fewest tokens served per weight, this step's admissions counted (fairness.py).
 When blocks or `max_num_seqs` run short, a waiting request may preempt running requests of a
-*lower class*; a running one that needs a block may preempt requests of its own class or lower.
-Whom to preempt is victims.py's choice. With vtc, a tenant below half
-its share of a rank's seats (or blocks) may take them from one over its share (fairness.py).
+*lower class*; a running one that needs a block may preempt requests of its own class or lower
+(victims.py). With vtc, a tenant below half its share of a rank's seats (or blocks) may take
+them from one over its share (fairness.py).
 A preempted request either frees its blocks and recomputes later (reusing the prefix cache) or
 has them copied to host memory (swap); it keeps its arrival, so it keeps its place.
 """
@@ -121,17 +122,23 @@ class Scheduler:
         if len(self.running) > self._budget:
             self.running.sort(key=lambda r: order_key(r, now, self.policy.aging_seconds))
         bm = self.block_manager
+        spare = self._budget - len(self.running)  # (what drafts may take: every decode has its token first)
         for req in list(self.running):
             if self._budget <= 0:
                 break
             if req.status == RequestStatus.RUNNING and req.num_tokens - req.num_computed_tokens == 1 and not req.paused:
                 # (the common case inline: blocks suffice; _grow preempts when they do not)
-                copies = bm.append(req.seq_id, 1, reserve=self._reserve[req.priority_class.name])
+                reserve = self._reserve[req.priority_class.name]
+                drafts = req.draft_ids[:max(0, spare)]  # (short of blocks for them: none, never a preemption)
+                copies = bm.append(req.seq_id, 1 + len(drafts), reserve=reserve) if drafts else None
+                if copies is None:
+                    drafts, copies = [], bm.append(req.seq_id, 1, reserve=reserve)
                 if copies is None:
                     self._grow(req, 1, out)
                 else:
+                    spare -= len(drafts)
                     out.block_copies += copies
-                    self._add_chunk(out, req, 1, copies)
+                    self._add_chunk(out, req, 1 + len(drafts), copies, drafts)
 
         # prefills: running chunks and admissions, merged in order
         candidates = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1] + self.waiting
@@ -206,14 +213,14 @@ class Scheduler:
 
         def victim(by_blocks: bool, need: int) -> Request | None:
             lower = None if fair_only else self._pick_victim(req, strictly_lower=True)
-            return lower if lower is not None else self._fair_victim(req, by_blocks, need)
+            return lower if lower is not None else victims.fair_victim(
+                self.fair, req, lambda: self._rank_view(req.rank, by_blocks), need)
 
         bm = self.block_manager
         reserve = self._reserve[cls.name]
-        if self._applied_level >= 2 and cls.sheddable:
-            cap = self.policy.shedding.max_running
-            if sum(1 for r in self.running if r.priority_class is cls) >= cap:
-                return _SKIP
+        if self._applied_level >= 2 and cls.sheddable and self.policy.shedding.max_running <= sum(
+                1 for r in self.running if r.priority_class is cls):
+            return _SKIP
         while len(self.running) + 1 + len(req.forks_pending) > self.max_num_seqs:
             if (given := victim(False, 1 + len(req.forks_pending))) is None:
                 return _STOP
@@ -274,9 +281,10 @@ class Scheduler:
             self.accounting.on_start(req, now)
             out.started.append(req)
 
-    def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, copies: list[tuple[int, int]]) -> None:
+    def _add_chunk(self, out: SchedulerOutput, req: Request, n: int, copies: list[tuple[int, int]],
+                   drafts: list[int] | None = None) -> None:
         bm = self.block_manager
-        chunk = ScheduledChunk(req, req.num_computed_tokens, n, bm.block_tables(req.seq_id))
+        chunk = ScheduledChunk(req, req.num_computed_tokens, n, bm.block_tables(req.seq_id), drafts=drafts or [])
         if bm.state is not None:  # (a hybrid model's) the chunk's state slot, and its checkpoints if caching
             chunk.state_slot = bm.state.slot(req.seq_id)
             if bm.enable_prefix_caching:
@@ -299,17 +307,6 @@ class Scheduler:
         assert self.fair is not None
         return victims.rank_view(self.fair, rank, self.waiting, self.running, self.block_manager,
                                  self.max_num_seqs, by_blocks)
-
-    def _fair_victim(self, needy: Request, by_blocks: bool, need: int) -> Request | None:
-        """(vtc) Whom to preempt so that a tenant below its share of the rank's seats (or blocks)
-        gets `need` more; None under fcfs, or when none may give (fairness.py)."""
-        if self.fair is None or not self.fair.shared:  # (one tenant, the common case: no O(n) view)
-            return None
-        given = self.fair.victim(needy, self._rank_view(needy.rank, by_blocks), need,
-                                 lambda r: not victims.protected(r))
-        if given is not None:
-            self.fair.record_preemption(given.tenant)
-        return given
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
@@ -345,7 +342,7 @@ class Scheduler:
 
     def _expire(self, now: float, out: SchedulerOutput) -> None:
         for req in [*self.running, *self.waiting]:
-            if (kind := expired(req, now)) is not None:
+            if kind := expired(req, now):
                 req.timeout_kind = kind
                 self.accounting.on_timeout(req, kind)
                 self.finish(req, RequestStatus.FINISHED_TIMEOUT)
@@ -355,13 +352,8 @@ class Scheduler:
         """Apply the shedder's level to the sheddable classes (level 1 acts at the door)."""
         shed = self.policy.shedding
         if level >= 2:
-            for cls in self.policy.classes:
-                if not cls.sheddable:
-                    continue
-                members = [r for r in self.running if r.priority_class is cls and not victims.protected(r)]
-                members.sort(key=lambda r: r.num_computed_tokens)  # cheapest to resume first
-                for victim in members[: max(0, len(members) - shed.max_running)]:
-                    self._preempt(victim, out)
+            for victim in victims.over_shed_cap(self.running, self.policy.classes, shed.max_running):
+                self._preempt(victim, out)
         if (level >= 3) != (self._applied_level >= 3):
             cap = shed.max_tokens if level >= 3 else None
             for req in [*self.running, *self.waiting]:
@@ -371,12 +363,11 @@ class Scheduler:
 
     # -------------------------------------------------------------------- results, snapshots
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, int]) -> None:
-        """Record a finished step: computed counts and the sampled token of each request.
-
-        A request with pending forks (n > 1) hands its blocks to them at its first token: each
-        fork shares the prompt's blocks (copy-on-write later) and starts with its own token.
-        """
+    def update(self, out: SchedulerOutput, sampled: dict[int, int], accepted: dict[int, list[int]] | None = None) -> None:
+        """Record a finished step: computed counts and the token each request sampled, after the
+        drafts it verified and `accepted` (a rejected draft's room is given back). A request with
+        pending forks (n > 1) hands its blocks to them at its first token: each fork shares the
+        prompt's blocks (copy-on-write later) and starts with its own token."""
         now = self.clock()
         bm = self.block_manager
         block_size = bm.block_size
@@ -385,11 +376,19 @@ class Scheduler:
         for chunks in (out.prefills, out.decodes):  # out.chunks' order, without the copy
             for chunk in chunks:
                 req = chunk.request
-                req.num_computed_tokens += chunk.num_tokens
+                drafts = accepted.get(req.seq_id, []) if chunk.drafts and accepted else []
+                if chunk.drafts:  # the last token and the accepted drafts are computed, not the rest
+                    req.num_computed_tokens += 1 + len(drafts)
+                    bm.truncate(req.seq_id, req.num_computed_tokens)
+                    req.output_ids += drafts  # (before commit, which hashes them)
+                else:
+                    req.num_computed_tokens += chunk.num_tokens
                 if req.num_computed_tokens // block_size != chunk.start // block_size:  # a block filled up
                     bm.commit(req.seq_id, req.num_computed_tokens, req.token_ids)
                 if chunk.start < len(req.prompt_ids):
                     acct.on_prefill(req, chunk.start)
+                for _ in drafts:
+                    on_token(req, now)
                 token = sampled.get(req.seq_id)
                 if token is None:
                     continue

@@ -9,11 +9,12 @@ before it has made progress, unless nothing else can give way.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from inferd.engine.kv.block_manager import BlockManager
 from inferd.engine.sched.fairness import FairShare, RankView
 from inferd.engine.sched.request import Request
+from inferd.settings.policy import PriorityClass
 
 
 def protected(req: Request) -> bool:
@@ -40,6 +41,29 @@ def lowest(running: Sequence[Request], needy: Request, strictly_lower: bool, fai
     # still lets the most important of them progress, so nothing waits forever.
     victim = max(pool, key=worse)
     return None if victim is needy else victim
+
+
+def over_shed_cap(running: Sequence[Request], classes: Sequence[PriorityClass], max_running: int) -> list[Request]:
+    """Load shedding's level 2: each sheddable class's running requests past `max_running`, the
+    cheapest to resume first (protected ones aside)."""
+    out: list[Request] = []
+    for cls in classes:
+        if cls.sheddable:
+            members = [r for r in running if r.priority_class is cls and not protected(r)]
+            members.sort(key=lambda r: r.num_computed_tokens)
+            out += members[: max(0, len(members) - max_running)]
+    return out
+
+
+def fair_victim(fair: FairShare | None, needy: Request, view: Callable[[], RankView], need: int) -> Request | None:
+    """(vtc) The request to preempt so that `needy`'s tenant, below its share of the rank's seats
+    or blocks (`view()`), gets `need` more; None under fcfs, or when none may give."""
+    if fair is None or not fair.shared:  # (one tenant, the common case: no O(n) view)
+        return None
+    given = fair.victim(needy, view(), need, lambda r: not protected(r))
+    if given is not None:
+        fair.record_preemption(given.tenant)
+    return given
 
 
 def rank_view(fair: FairShare, rank: int, waiting: Sequence[Request], running: Sequence[Request],

@@ -104,7 +104,8 @@ class DecodeGraphs:
     # ------------------------------------------------------------------------------ replay
 
     def covers(self, decodes: list[ScheduledChunk]) -> bool:
-        return bool(self._graphs) and 0 < len(decodes) <= self._largest and all(c.samples for c in decodes)
+        return (bool(self._graphs) and 0 < len(decodes) <= self._largest
+                and all(c.samples and not c.drafts for c in decodes))
 
     def run(self, decodes: list[ScheduledChunk]) -> torch.Tensor:  # [len(decodes), vocab] float32
         n = len(decodes)

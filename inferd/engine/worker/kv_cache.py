@@ -24,6 +24,7 @@ import os
 import torch
 
 from inferd.engine.kv.groups import KVLayout
+from inferd.engine.protocol import DeviceMemory
 from inferd.model.families.config import ModelConfig
 from inferd.kernels.tensors import device_tensor, to_device
 
@@ -97,6 +98,14 @@ def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> in
     layout = kv_layout(cfg)
     per_token = sum(heads * head_dim for heads, head_dim in kv_shapes(cfg, layout))
     return 2 * layout.group_size * block_size * per_token * itemsize
+
+
+def device_memory(device: torch.device) -> DeviceMemory | None:
+    """CUDA: the device's memory in use, for the status page (None on the CPU)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(used_bytes=total - free, total_bytes=total)
 
 
 def available_memory(device: torch.device) -> int:

@@ -9,6 +9,7 @@ import torch
 from inferd.engine.protocol import TokenLogprob
 from inferd.engine.worker.cuda_graphs import DecodeGraphs
 from inferd.engine.worker.kv_cache import KVCache
+from inferd.engine.worker.speculation import accepted_rows, rewind, sampling_rows, saved_states, select
 from inferd.engine.structured.masks import MaskFiller
 from inferd.engine.sched.request import Request
 from inferd.engine.sched.plan import ScheduledChunk, SchedulerOutput
@@ -22,7 +23,9 @@ from inferd.kernels.tensors import device_tensor
 
 @dataclass
 class StepResult:
-    seq_ids: list[int]  # the sequences (choices) that sampled a token, in row order
+    # the sequences (choices) that sampled a token, in row order; one that verified drafts has a
+    # row for each draft accepted, then one for the token it sampled after them
+    seq_ids: list[int]
     sampled: SamplerOutput
     # choices whose own logits constraint raised: their row sampled unconstrained, to be failed
     failed: dict[int, Exception] = field(default_factory=dict)
@@ -80,21 +83,18 @@ class ModelRunner:
         self.kv_cache.apply_state_ops(out.state_ops)
 
     def run(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk]) -> StepResult:
-        """Forward these chunks and sample a token for each that ends its prompt or decodes."""
+        """Forward these chunks and sample a token for each that ends its prompt or decodes (and
+        verify a decode's drafts: speculation.py)."""
         prefills = sorted(prefills, key=lambda c: not _dense_prefill(c))  # (dense rows first: StepAttention)
         chunks = prefills + decodes
-        # one row per sampling request, plus one per fork (n > 1) that starts from the same logits
-        rows: list[Request] = []
-        logit_rows: list[int] = []
-        # (a pooling request samples nothing: its hidden states are pooled, _pool)
-        for i, chunk in enumerate(c for c in chunks if c.samples and c.request.pooling is None):
-            for request in (chunk.request, *chunk.request.forks_pending):
-                rows.append(request)
-                logit_rows.append(i)
+        # one row per sampling request, plus one per fork (n > 1) that starts from the same logits,
+        # plus one per draft (its logits sample the token after it, as if the draft were output)
+        rows = sampling_rows(chunks)
+        requests = [r.request for r in rows]
         prompt_rows = _prompt_rows(prefills)
         extra = [i for _, _, indices in prompt_rows for i in indices]
         # the grammar masks are computed while the model runs; never left running past this call
-        pending = self.masks.start([r.constraint for r in rows])
+        pending = self.masks.start([r.constraint for r in requests])
         pools = _pool_rows(prefills)
         try:
             logits, hidden = self._forward(prefills, decodes, extra, [i for _, _, indices in pools for i in indices])
@@ -105,19 +105,26 @@ class ModelRunner:
         if extra:  # (their rows come after the sampled ones)
             prompt_logprobs = _prompt_logprobs(prompt_rows, logits[-len(extra):])
             logits = logits[: -len(extra)]
+        logit_rows = [r.logits_row for r in rows]
         if len(logit_rows) != logits.shape[0]:
             logits = logits[logit_rows]
         if not rows:  # (pooling requests alone)
             return StepResult([], SamplerOutput([], None, None), {}, prompt_logprobs, pooled)
+        generators = [self._generator(r) for r in requests]
+        states = saved_states(rows, generators)
         sampled = self.sampler(
             logits,
-            [r.params for r in rows],
-            [r.output_ids for r in rows],
-            [self._generator(r) for r in rows],
+            [r.params for r in requests],
+            [r.history for r in rows],
+            generators,
             None if masks is None else torch.from_numpy(masks).to(self.device, non_blocking=True),
         )
-        return StepResult([r.seq_id for r in rows], sampled, {rows[i].seq_id: e for i, e in failed_rows.items()},
-                          prompt_logprobs, pooled)
+        failed = {requests[i].seq_id: e for i, e in failed_rows.items()}
+        if len(rows) == len(chunks) or not any(r.drafts for r in rows):
+            return StepResult([r.seq_id for r in requests], sampled, failed, prompt_logprobs, pooled)
+        kept = accepted_rows(rows, sampled.token_ids)
+        rewind(states, rows, kept, generators, logits)
+        return StepResult([requests[i].seq_id for i in kept], select(sampled, kept), failed, prompt_logprobs, pooled)
 
     def _forward(self, prefills: list[ScheduledChunk], decodes: list[ScheduledChunk],
                  extra_rows: list[int] | None = None,
@@ -205,13 +212,16 @@ class ModelRunner:
         for c in chunks:
             start, n = c.start, c.num_tokens
             end = start + n
-            ids += c.request.token_ids(start, end)
+            if c.drafts:  # a decode verifying drafts: its last token, then the drafts
+                ids += c.request.token_ids(start, start + 1) + c.drafts
+            else:
+                ids += c.request.token_ids(start, end)
             if n == 1:
                 positions.append(start)
             else:
                 positions += range(start, end)
             if c.samples and c.request.pooling is None:
-                logits_indices.append(len(ids) - 1)
+                logits_indices += range(len(ids) - 1 - len(c.drafts), len(ids))
             seq_lens.append(end)
             query_lens.append(n)
         dense = sum(1 for c in prefills if _dense_prefill(c))  # (first: run sorted them)
