@@ -187,3 +187,26 @@ def test_usage_counts_the_drafts(served_weights) -> None:
     assert final.metrics.drafted_tokens >= final.metrics.accepted_tokens > 0
     assert sum(len(o.new_token_ids) for o in outs) == final.metrics.output_tokens
     assert len(outs) < final.metrics.output_tokens  # several tokens in some steps' outputs
+
+
+def test_a_tenant_that_opted_in_drafts_from_its_own_earlier_outputs(served_weights) -> None:
+    """The second request writes what the first one wrote (the same prompt, greedy): drafted from
+    the tenant's history, most of it is accepted; another tenant never drafts from that history,
+    and without the opt-in nothing is kept."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    accepted = {}
+    for tenant, opted in (("a", True), ("b", False)):
+        eng = engine(served_weights, "suffix")
+        ids = eng.tokenizer.encode("Write one sentence about a red boat on a calm lake.")
+        list(run_one(eng, EngineRequest(1, ids, params, "interactive", tenant=tenant, draft_history=opted)))
+        outs = list(run_one(eng, EngineRequest(2, ids, params, "interactive", tenant=tenant, draft_history=opted)))
+        accepted[tenant] = outs[-1].metrics.accepted_tokens
+        other = list(run_one(eng, EngineRequest(3, ids, params, "interactive", tenant="c", draft_history=True)))
+        assert other[-1].metrics.accepted_tokens < 16  # c's history is its own (empty)
+    assert accepted["a"] >= 16 > accepted["b"]
+
+
+def run_one(eng: LLMEngine, request: EngineRequest):
+    eng.add_request(request)
+    while eng.has_work():
+        yield from eng.step().outputs
