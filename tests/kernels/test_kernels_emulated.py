@@ -177,7 +177,7 @@ def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path, fam
             attn_logit_softcapping=5.0, tie_word_embeddings=False, **shape)), 0, norm_centre=0.0)
     model.save_pretrained(tmp_path, safe_serialization=True)
     engine = LLMEngine.from_config(EngineConfig.of(model=str(tmp_path), dtype="float32", kv_cache_memory=16 * 2**20,
-                                                block_size=16, max_num_seqs=8))
+                                                block_size=16, max_num_seqs=8, speculative="suffix"))
     cfg = engine.model.cfg
     engine.model.set_attention(CudaAttention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, 8, engine.max_model_len,
                                              torch.device("cpu")))
@@ -186,8 +186,18 @@ def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path, fam
         prompts.append(engine.tokenizer.encode(" ".join(tm.PROMPTS) * 30)[:530])  # the split kernel's range
     with tm.torch_threads(1):
         expected = tm.greedy_reference(model, prompts, 8)
+    # speculation: each decode verifies the reference's next tokens with the last one wrong (several
+    # rows of a sequence through the decode kernel, accepted and rejected drafts)
+    answers = {tuple(p): e for p, e in zip(prompts, expected)}
+
+    def drafts(req, room: int) -> list[int]:
+        right = answers[tuple(req.prompt_ids)][len(req.output_ids):][:room]
+        return right[:-1] + [(right[-1] + 1) % cfg.vocab_size] if right else []
+
+    engine.speculator._propose = drafts
     completions = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert [c.token_ids for c in completions] == expected
+    assert engine.speculator.accepted_tokens > 0 and engine.speculator.accepted_tokens < engine.speculator.drafted_tokens
     assert engine.block_manager.num_free_blocks == engine.block_manager.pool.num_blocks
 
 
