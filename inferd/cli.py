@@ -259,7 +259,8 @@ BENCH_HELP = """Load-test an OpenAI-compatible server; report vLLM `bench serve`
     - token counts from the server's usage where sent, else counted chunks (token_source);
     - for inferd servers, preemptions, rejections, timeouts and prefix-cache hits (/metrics deltas);
     - with --retries, attempts per request, retries by cause; a retried request's TTFT and e2e count from its first send, backoff included;
-    - with --workload conversation (chat, closed loop: --concurrency conversations at once, each turn sent when the last one's answer has streamed, --turns turns a conversation under one shared system prompt, each later turn adding the answer and a tool result), TTFT of first turns and of later turns apart, and later turns' mean prompt tokens.
+    - with --workload conversation (chat, closed loop: --concurrency conversations at once, each turn sent when the last one's answer has streamed, --turns turns a conversation under one shared system prompt, each later turn adding the answer and a tool result), TTFT of first turns and of later turns apart, and later turns' mean prompt tokens;
+    - with --workload agent (the same loop: --concurrency sessions of 6 turns under a ~1.2k-token system prompt of rules and tool schemas, each later turn adding a file read or a command's output, turns 4 and 6 asking for a file of the context back whole, edited; contexts to ~6k tokens), also TTFT of copy turns apart, decode tok/s of copy and other turns, cached prompt tokens (usage.prompt_tokens_details.cached_tokens) and speculation's accepted / drafted tokens (usage.speculative) where the server reports them.
     """
 
 
@@ -291,7 +292,7 @@ def bench_run(
     timeout: Annotated[float, typer.Option(help="seconds a request may go without a byte")] = 600.0,
     retries: Annotated[int, typer.Option(help="resend after a connection refused or reset, HTTP 429/503, or a stream cut mid-way (from the start; the cut part is not counted), up to N times")] = 0,
     retry_base: Annotated[float, typer.Option(help="seconds: retry k waits uniform(0, min(30, base*2^k)) (full jitter), plus Retry-After (up to 30 s) when sent")] = 1.0,
-    workload: Annotated[str, typer.Option(help="requests (independent prompts) or conversation (multi-turn chats under one shared system prompt, the context growing each turn)")] = "requests",
+    workload: Annotated[str, typer.Option(help="requests (independent prompts), conversation (multi-turn chats under one shared system prompt, the context growing each turn) or agent (coding-agent sessions: tool schemas, files, command output, copy-heavy edits; a fixed shape, the conversation options do not apply)")] = "requests",
     turns: Annotated[int, typer.Option(help="conversation: requests a conversation, each after the last one's answer")] = 7,
     system_tokens: Annotated[int, typer.Option(help="conversation: the shared system prompt's tokens")] = 1250,
     tool_tokens: Annotated[str, typer.Option(help="conversation: each later turn's tool result, MIN-MAX tokens (uniform)")] = "300-800",

@@ -127,7 +127,7 @@ def peer_version(binary: Path) -> str:
 
 
 def llama_args(threads: int, workload: str, sessions: int) -> list[str]:
-    if workload == "conversation":  # a slot per session, each with the model's whole context
+    if workload in ("conversation", "agent"):  # a slot per session, each with the model's whole context
         return ["-np", str(sessions), "-c", str(LLAMA_CONTEXT_PER_SESSION * sessions), "-t", str(threads)]
     return ["-np", "16", "-c", "16384", "-t", str(threads)]
 
@@ -192,7 +192,10 @@ def vllm_args(served_name: str, max_seqs: int) -> list[str]:
 def vllm_env(install: VllmInstall, threads: int, tmp: Path) -> dict[str, str]:
     """The environment `vllm serve` runs in: loopback only, no usage reports, its CPU settings."""
     cores = sorted(os.sched_getaffinity(0))[:threads]
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "LD_PRELOAD")}
+    # NOTE: not ONEDNN_MAX_CPU_ISA either: importing inferd sets it in this process (AVX-512 BF16, for
+    # batch invariance), and vLLM capped by it runs its bf16 products without AMX (FACTS.md)
+    dropped = ("PYTHONPATH", "VIRTUAL_ENV", "LD_PRELOAD", "ONEDNN_MAX_CPU_ISA")
+    env = {k: v for k, v in os.environ.items() if k not in dropped}
     return env | {
         "VLLM_HOST_IP": "127.0.0.1",  # else it asks the network for this host's address
         "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",  # else it reports usage

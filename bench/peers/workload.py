@@ -15,7 +15,7 @@ REPO = Path(__file__).resolve().parents[2]  # (bench/peers/workload.py: the repo
 DEFAULT_PEER_BIN = Path(os.environ.get("INFERD_PEER_DIR", Path.home() / ".cache/inferd/llama-server")) / "bin/llama-server"
 PREPARE_VLLM = REPO / "bench" / "prepare_vllm_cpu.sh"
 DEFAULT_RESULTS = REPO / "bench" / "RESULTS.md"
-CONCURRENCIES = {"requests": (1, 4, 16, 32), "conversation": (1, 8)}  # conversation: sessions at once
+CONCURRENCIES = {"requests": (1, 4, 16, 32), "conversation": (1, 8), "agent": (1, 8)}  # conversation, agent: sessions
 OUTPUT_LEN = 128
 WARMUP = 2
 MAX_OTHER_CORES = 0.2  # other processes' CPU above this: the run is repeated once
@@ -34,6 +34,10 @@ REQUESTS_ARGS = (
 # Multi-turn sessions (the driver's own shapes: shared system prompt, tool results, answers),
 # streamed chat completions, answers of the length asked (EOS ignored), a fixed seed.
 CONVERSATION_ARGS = ("--workload", "conversation", "--endpoint", "chat", "--ignore-eos", "--seed", "0")
+# Coding-agent sessions (the driver's agent workload: tool schemas, files read, command output, two
+# turns a session that copy a file back), the same way, after one warm-up first turn (the shared
+# system prompt cached, as an agent server's steady state has it).
+AGENT_ARGS = ("--workload", "agent", "--endpoint", "chat", "--ignore-eos", "--seed", "0", "--warmup", "1")
 
 # where each compared metric is in a run's `summary` of the driver's JSON ({"runs": [{"summary":
 # ...}]}), and the factor that makes it tokens/s or seconds
@@ -72,4 +76,6 @@ def bench_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The driver's workload flags, the same for every side."""
     if args.workload == "requests":
         return REQUESTS_ARGS
+    if args.workload == "agent":
+        return AGENT_ARGS
     return CONVERSATION_ARGS + (("--turns", str(args.turns)) if args.turns else ())

@@ -9,6 +9,9 @@
 
 `--workload conversation` runs multi-turn chats instead (bench_conversation): C conversations at
 once, each turn waiting for the last one's answer, reported with first-turn and later-turn TTFT.
+`--workload agent` runs coding-agent sessions in the same loop (bench_agent: tool schemas, files
+and command output, two turns a session that copy a file), reported with copy turns apart, the
+prefix cache's share of prompt tokens and speculation's acceptance.
 
 The modules: bench_config (the options, checked once), bench_workload (prompts, lengths, classes, arrivals), bench_http (the streamed
 request, /v1/models, inferd's /metrics counters), bench_retry (--retries: what is retried, the
@@ -36,6 +39,7 @@ import aiohttp
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from inferd.client.bench_agent import AgentWorkload, render_agent
 from inferd.client.bench_conversation import (
     ConversationWorkload, conversation_loop, summarize_turns,
 )
@@ -65,7 +69,7 @@ class _Context:
     model: str
     workload: Workload
     progress: Progress | None
-    conversations: ConversationWorkload | None = None  # --workload conversation
+    conversations: ConversationWorkload | AgentWorkload | None = None  # --workload conversation or agent
     t0: float = 0.0  # the current run's start (perf_counter)
 
     async def request(self, i: int, stream: str) -> RequestRecord:
@@ -191,7 +195,8 @@ async def _warmup(ctx: _Context, point: Point) -> None:
 
 
 async def _bench(
-    config: BenchConfig, workload: Workload, out: Console, err: Console, conversations: ConversationWorkload | None,
+    config: BenchConfig, workload: Workload, out: Console, err: Console,
+    conversations: ConversationWorkload | AgentWorkload | None,
 ) -> dict[str, Any]:
     root = root_url(config.url)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=config.timeout)
@@ -225,9 +230,7 @@ async def _bench(
                 result["server"]["inferd"] = before is not None
                 records, duration = await _run_point(ctx, point, f"point{k}")
                 after = await read_counters(session, root, config.api_key)
-                summary = summarize(records, slo, duration)
-                if conversations is not None:
-                    summary |= summarize_turns(records, config.turns)
+                summary = summarize(records, slo, duration) | _session_summary(config, conversations, records)
                 run = {
                     "label": point.label, "concurrency": point.concurrency, "rate": point.rate,
                     "burstiness": config.burstiness if point.rate is not None else None,
@@ -237,8 +240,9 @@ async def _bench(
                 }
                 result["runs"].append(run)
                 progress.stop()
-                kind = config.endpoint if conversations is None else f"conversations of {config.turns} turns, chat"
-                out.print(render_run(run, f"{point.label}  ({kind}, {model} at {root})"))
+                out.print(render_run(run, f"{point.label}  ({_kind(config, conversations)}, {model} at {root})"))
+                if isinstance(conversations, AgentWorkload):
+                    out.print(render_agent(summary))
                 progress.start()
                 fatal = next((r for r in records if is_fatal(r)), None)
                 if fatal is not None and not any(r.ok for r in records):
@@ -247,6 +251,20 @@ async def _bench(
     if len(result["runs"]) > 1:
         out.print(render_sweep(result))
     return result
+
+
+def _session_summary(config: BenchConfig, conversations: ConversationWorkload | AgentWorkload | None,
+                     records: list[RequestRecord]) -> dict[str, Any]:
+    """The conversation or agent workload's own figures (none for the requests workload)."""
+    if isinstance(conversations, AgentWorkload):
+        return conversations.summarize(records)
+    return {} if conversations is None else summarize_turns(records, config.turns)
+
+
+def _kind(config: BenchConfig, conversations: ConversationWorkload | AgentWorkload | None) -> str:
+    if isinstance(conversations, AgentWorkload):
+        return f"agent sessions of {conversations.turns} turns, chat"
+    return config.endpoint if conversations is None else f"conversations of {config.turns} turns, chat"
 
 
 async def _ok(request: Awaitable[RequestRecord]) -> bool:
@@ -269,7 +287,11 @@ def run(config: BenchConfig, out: Console | None = None, err: Console | None = N
             spread=config.spread, priority_mix=parse_mix(config.priority_mix), dataset=dataset,
         )
         shape = config.conversation
-        conversations = None if shape is None else ConversationWorkload(shape, config.seed)
+        conversations: ConversationWorkload | AgentWorkload | None = None
+        if config.workload == "agent":
+            conversations = AgentWorkload(seed=config.seed)
+        elif shape is not None:
+            conversations = ConversationWorkload(shape, config.seed)
         if conversations is not None:
             config = replace(config, endpoint="chat")  # a conversation is a chat
         parse_slo(config.slo)

@@ -15,8 +15,9 @@ from inferd.client.bench_retry import RETRY_BASE, RetryPolicy
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 DEFAULT_NUM_REQUESTS = 100
 JSON_VERSION = 1
-WORKLOADS = ("requests", "conversation")
+WORKLOADS = ("requests", "conversation", "agent")
 CONVERSATION_KEYS = ("workload", "turns", "system_tokens", "tool_tokens", "answer_tokens")
+SESSION_WORKLOADS = ("conversation", "agent")  # multi-turn: chat, closed loop, their own requests
 
 @dataclass(frozen=True)
 class Point:
@@ -109,23 +110,26 @@ class BenchConfig:
     def _check_workload(self) -> None:
         if self.workload not in WORKLOADS:
             raise ValueError(f"--workload is one of {', '.join(WORKLOADS)}, got {self.workload!r}")
-        shape = self.conversation
-        if shape is None:
+        if self.workload not in SESSION_WORKLOADS:
             return
         if self.rates:
-            raise ValueError("--workload conversation is a closed loop: give --concurrency or --sweep, not --rate")
+            raise ValueError(f"--workload {self.workload} is a closed loop: give --concurrency or --sweep, not --rate")
         for option, value in (("--dataset", self.dataset), ("--priority-mix", self.priority_mix)):
             if value:
-                raise ValueError(f"--workload conversation writes its own requests: drop {option}")
-        shape.check()
+                raise ValueError(f"--workload {self.workload} writes its own requests: drop {option}")
+        if (shape := self.conversation) is not None:
+            shape.check()
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d.pop("api_key")  # a secret: never written
         d["rates"], d["sweep"] = list(self.rates), list(self.sweep)
         if self.conversation is None:
-            for key in CONVERSATION_KEYS:  # the requests workload's JSON as it always was
-                d.pop(key)
+            # the requests workload's JSON as it always was; the agent's shape is bench_agent's own:
+            # only its name is kept
+            for key in CONVERSATION_KEYS:
+                if key != "workload" or self.workload == "requests":
+                    d.pop(key)
         else:
             d["tool_tokens"], d["answer_tokens"] = list(self.tool_tokens), list(self.answer_tokens)
         return d

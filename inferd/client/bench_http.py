@@ -156,6 +156,7 @@ class _Stream:
         self.events = 0  # `data:` lines read: none yet means nothing was generated
         self.done = False
         self.usage: dict[str, Any] | None = None
+        self.timings: dict[str, Any] | None = None
         self.text: list[str] = []  # the answer's pieces, in order
 
     def line(self, raw: bytes, now: float) -> None:
@@ -180,6 +181,8 @@ class _Stream:
             return
         if isinstance(event.get("usage"), dict):
             self.usage = event["usage"]
+        if isinstance(event.get("timings"), dict):  # llama-server's (its cache and draft counts)
+            self.timings = event["timings"]
         choices = event.get("choices")
         if choices and isinstance(choices[0], dict) and _token_text(choices[0]) is not None:
             record = self.record
@@ -204,10 +207,29 @@ class _Stream:
             record.output_tokens, record.token_source = record.chunks, "chunks"
         if isinstance(usage.get("prompt_tokens"), int):
             record.prompt_tokens = usage["prompt_tokens"]
+        _cache_and_drafts(record, usage, self.timings or {})
         if not self.done:
             record.fail("incomplete_stream", "the server closed the stream before [DONE]")
         elif record.chunks == 0:
             record.fail("empty_stream", "the stream ended without a token")
+
+
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _cache_and_drafts(record: RequestRecord, usage: dict[str, Any], timings: dict[str, Any]) -> None:
+    """Cached prompt tokens (OpenAI's usage.prompt_tokens_details.cached_tokens, else llama-server's
+    timings.cache_n) and speculation's drafted / accepted tokens (inferd's usage.speculative, else
+    llama-server's timings.draft_n / draft_n_accepted), where the server sends them."""
+    details = usage.get("prompt_tokens_details")
+    cached = _count(details.get("cached_tokens")) if isinstance(details, dict) else None
+    record.cached_tokens = cached if cached is not None else _count(timings.get("cache_n"))
+    spec = usage.get("speculative")
+    if isinstance(spec, dict) and _count(spec.get("drafted_tokens")) is not None:
+        record.drafted_tokens, record.accepted_tokens = spec["drafted_tokens"], _count(spec.get("accepted_tokens"))
+    elif _count(timings.get("draft_n")) is not None:
+        record.drafted_tokens, record.accepted_tokens = timings["draft_n"], _count(timings.get("draft_n_accepted"))
 
 
 async def send(

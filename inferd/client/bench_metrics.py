@@ -60,6 +60,9 @@ class RequestRecord:
     retry_after: str | None = None  # the last answer's Retry-After header, as sent
     turn: int | None = None  # --workload conversation: the turn (1: the first) of its conversation
     conversation: int | None = None  # --workload conversation: the conversation's index
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens; None when not sent
+    drafted_tokens: int | None = None  # speculative decoding's, where the server reports them (else None)
+    accepted_tokens: int | None = None
     text: str = field(default="", repr=False)  # the answer's text as streamed (not written to JSON)
 
     @property
@@ -88,7 +91,9 @@ class RequestRecord:
             "token_source": self.token_source, "chunks": self.chunks, "status": self.status,
             "error_type": self.error_type, "error": self.error,
             "attempts": self.attempts, "retry_causes": list(self.retry_causes), "retry_wait": r(self.retry_wait),
-        } | ({} if self.turn is None else {"turn": self.turn, "conversation": self.conversation})
+        } | ({} if self.turn is None else {"turn": self.turn, "conversation": self.conversation}) | {
+            key: value for key in ("cached_tokens", "drafted_tokens", "accepted_tokens")
+            if (value := getattr(self, key)) is not None}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> RequestRecord:

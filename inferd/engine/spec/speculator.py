@@ -29,8 +29,11 @@ from inferd.settings.engine import SpeculativeSettings
 
 log = logging.getLogger(__name__)
 
-COLD_ACCEPTANCE = 0.25  # "auto": below this share of drafts accepted (smoothed), a request is cold ...
-COLD_MATCH = 8  # ... and drafts only from a match at least this long
+# "auto": a request whose share of drafts accepted (smoothed) is below this is cold, and drafts
+# only from a match at least COLD_MATCH long. Alone, a draft row costs little beside the step's
+# weight reads; beside other requests it costs nearly a decode (bench/speculation/crossover.py)
+COLD_ACCEPTANCE = {True: 0.25, False: 0.75}  # by "alone"
+COLD_MATCH = 8
 SMOOTHING = 0.3  # the weight of the latest verification in a request's acceptance
 HISTORY_CONTEXT = 32  # a request's last tokens matched against its tenant's history
 
@@ -72,12 +75,13 @@ class Speculator:
         if self.method == "auto" and len(decoding) > self.settings.max_batch:
             self.steps_off += 1
             return
+        cold = COLD_ACCEPTANCE[len(decoding) == 1]
         for req in decoding:
             room = min(self.settings.max_draft_tokens, req.max_total_tokens - req.num_tokens - 1)
             if room > 0 and req.constraint is None and req.pooling is None:
-                req.draft_ids = self._propose(req, room)
+                req.draft_ids = self._propose(req, room, cold)
 
-    def _propose(self, req: Request, room: int) -> list[int]:
+    def _propose(self, req: Request, room: int, cold: float) -> list[int]:
         state = self._requests.get(req.seq_id)
         if state is None:
             index = NgramIndex() if self.method == "ngram" else SuffixIndex()
@@ -91,7 +95,7 @@ class Speculator:
             theirs = history.propose(req.token_ids(max(0, req.num_tokens - HISTORY_CONTEXT), req.num_tokens), room)
             if theirs.match_len > draft.match_len:
                 draft = theirs
-        if self.method == "auto" and state.acceptance < COLD_ACCEPTANCE and draft.match_len < COLD_MATCH:
+        if self.method == "auto" and state.acceptance < cold and draft.match_len < COLD_MATCH:
             return []
         return draft.tokens
 
