@@ -48,9 +48,10 @@ pytestmark = pytest.mark.served  # it starts a real server
 REPO = Path(__file__).resolve().parents[2]
 FLEET_SH = REPO / "deploy" / "fleet.sh"
 MODEL = "smollm2"
-# Light on a 2-core machine: one torch thread per replica (three share the cores), no idle probe.
+# Light on a 2-core machine: one torch thread per replica (three share the cores), no idle probe;
+# no speculation (streams that copy their prompt would end before a replica holds 3 of them)
 SERVE_ARGS = ("--host", "127.0.0.1", "--served-model-name", MODEL, "--dtype", "bfloat16",
-              "--kv-cache-memory", "64MiB", "--probe-interval", "0", "--threads", "1")
+              "--kv-cache-memory", "64MiB", "--probe-interval", "0", "--threads", "1", "--speculative", "off")
 # NOTE: r1, the one killed, runs 2 sequences at a time, so that it holds streams of both kinds
 # when it dies: running ones (with tokens: cut) and queued ones (no event yet: resent).
 MAX_NUM_SEQS = {"r1": 2, "r2": 8, "r3": 8}

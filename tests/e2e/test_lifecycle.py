@@ -24,7 +24,7 @@ pytestmark = pytest.mark.served  # it starts a real server
 
 MODEL = "smollm2"
 BODY = {"model": MODEL, "prompt": "Tell me about the sea.", "max_tokens": 64, "temperature": 0,
-        "ignore_eos": True, "stream": True}
+        "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
 TINY_POSITIONS = 8192  # (room for the long stream of the second-signal test)
 MODELS = [pytest.param("gguf", marks=pytest.mark.soak), "tiny"]
 
@@ -50,7 +50,8 @@ def model_args(request: pytest.FixtureRequest, model: str) -> tuple[str, ...]:
 
 async def stream(session: aiohttp.ClientSession, url: str, started: asyncio.Event | None = None,
                  **extra: object) -> tuple[int, list[dict]]:
-    """(tokens, the events) of one streamed completion."""
+    """(tokens, the events) of one streamed completion (tokens: its final usage's; speculation may
+    put several in one event)."""
     events = []
     async with session.post(f"{url}/v1/completions", json={**BODY, **extra}) as r:
         assert r.status == 200
@@ -59,7 +60,8 @@ async def stream(session: aiohttp.ClientSession, url: str, started: asyncio.Even
                 events.append(json.loads(line[6:]))
                 if started is not None:
                     started.set()
-    return sum(1 for e in events if "choices" in e and e["choices"]), events
+    usage = [e["usage"] for e in events if e.get("usage")]
+    return (usage[-1]["completion_tokens"] if usage else 0), events
 
 
 @pytest.mark.parametrize("streams", [pytest.param(16, marks=pytest.mark.soak), 4])
@@ -85,7 +87,7 @@ def test_sigterm_drains_every_stream_then_exits_0(tmp_path: Path, streams: int) 
     assert server.proc.wait(timeout=60) == 0, server.log.read_text()
     assert time.monotonic() - start < 60
     for tokens, events in results:  # every stream ran to its end
-        assert tokens == 64 and events[-1]["choices"][0]["finish_reason"] == "length", events[-1]
+        assert tokens == 64 and events[-2]["choices"][0]["finish_reason"] == "length", events[-2]
         assert not any("error" in e for e in events)
     assert ready_status == 503
     assert refused["error"]["code"] == "draining" and retry_after

@@ -190,7 +190,7 @@ def test_a_model_on_the_cuda_backend_matches_transformers(kernels, tmp_path, fam
     # rows of a sequence through the decode kernel, accepted and rejected drafts)
     answers = {tuple(p): e for p, e in zip(prompts, expected)}
 
-    def drafts(req, room: int) -> list[int]:
+    def drafts(req, room: int, cold: float) -> list[int]:
         right = answers[tuple(req.prompt_ids)][len(req.output_ids):][:room]
         return right[:-1] + [(right[-1] + 1) % cfg.vocab_size] if right else []
 

@@ -16,10 +16,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     Field,
+    SerializerFunctionWrapHandler,
     ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     field_validator,
+    model_serializer,
 )
 
 from inferd.api.wire import RequestModel, ResponseModel
@@ -216,6 +218,13 @@ class Usage(ResponseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
     speculative: SpeculativeUsage | None = None  # (absent: nothing drafted)
+
+    @model_serializer(mode="wrap")
+    def _absent_when_nothing_drafted(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("speculative") is None:
+            data.pop("speculative", None)
+        return data
 
 
 class CompletionResponse(ResponseModel):

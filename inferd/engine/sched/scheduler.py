@@ -319,6 +319,8 @@ class Scheduler:
             self._budget += chunk.num_tokens
             if req.pooling is not None:
                 self._pooling_budget += chunk.num_tokens
+            if chunk.drafts:  # (their room too: a swapped-out table holds its tokens only)
+                self.block_manager.truncate(req.seq_id, chunk.start + 1)
         mode = "recompute"
         if self.policy.preemption_mode == "swap":
             pairs = self.block_manager.swap_out(req.seq_id)
@@ -365,9 +367,8 @@ class Scheduler:
 
     def update(self, out: SchedulerOutput, sampled: dict[int, int], accepted: dict[int, list[int]] | None = None) -> None:
         """Record a finished step: computed counts and the token each request sampled, after the
-        drafts it verified and `accepted` (a rejected draft's room is given back). A request with
-        pending forks (n > 1) hands its blocks to them at its first token: each fork shares the
-        prompt's blocks (copy-on-write later) and starts with its own token."""
+        drafts it verified and `accepted` (a rejected draft's room is given back). Pending forks
+        (n > 1) share their root's blocks (copy-on-write later) from its first token, each with its own."""
         now = self.clock()
         bm = self.block_manager
         block_size = bm.block_size

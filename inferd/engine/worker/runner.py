@@ -120,7 +120,7 @@ class ModelRunner:
             None if masks is None else torch.from_numpy(masks).to(self.device, non_blocking=True),
         )
         failed = {requests[i].seq_id: e for i, e in failed_rows.items()}
-        if len(rows) == len(chunks) or not any(r.drafts for r in rows):
+        if not any(c.drafts for c in decodes):
             return StepResult([r.seq_id for r in requests], sampled, failed, prompt_logprobs, pooled)
         kept = accepted_rows(rows, sampled.token_ids)
         rewind(states, rows, kept, generators, logits)

@@ -31,7 +31,7 @@ from inferd.model.sampler import SamplerOutput
 class SamplingRow:
     request: Request
     logits_row: int  # which row of the forward's logits
-    history: list[int]  # the output before this row's token: for penalties
+    history: list[int]  # the output before this row's token: for penalties (only where it has some)
     drafts: list[int]  # its chunk's drafts (empty: a plain row)
 
 
@@ -48,7 +48,8 @@ def sampling_rows(chunks: list[ScheduledChunk]) -> list[SamplingRow]:
         assert not drafts or request.constraint is None, "a constrained request verifies no drafts"
         for member in (request, *request.forks_pending):
             rows.append(SamplingRow(member, logits_row, member.output_ids, drafts))
-            rows += [SamplingRow(member, logits_row + j, member.output_ids + drafts[:j], drafts)
+            penalized = member.params.adjusts_logits  # (else the history is never read: no copies)
+            rows += [SamplingRow(member, logits_row + j, member.output_ids + drafts[:j] if penalized else [], drafts)
                      for j in range(1, len(drafts) + 1)]
         logits_row += 1 + len(drafts)
     return rows

@@ -99,13 +99,17 @@ async def resume(session: aiohttp.ClientSession, response_id: str, after: int, u
 
 
 @pytest.mark.parametrize(("length", "cuts"), [pytest.param(200, 10, marks=pytest.mark.soak), (48, 6)])
-async def test_resume_at_random_points_equals_an_uninterrupted_run(llm: LLMEngine, length: int, cuts: int) -> None:
+async def test_resume_at_random_points_equals_an_uninterrupted_run(served_weights: tuple, length: int,
+                                                                   cuts: int) -> None:
     """Seeded disconnect points (10 over 200 tokens in the soak tier, 6 over 48 in the default
     one), shared by two runs (each stream is resumed again after a second, third, ...
     disconnect): the same text, contiguous sequence numbers, as the same seeded request streamed
     without a break. The three run at once (a seeded choice's tokens do not depend on its batch,
     as for greedy ones)."""
     sampled, resumable = {**SAMPLED, "max_tokens": length}, {**RESUMABLE, "max_tokens": length}
+    # (speculation off: the cut points are event numbers, one token an event; with it on, how many
+    # tokens an event holds depends on what runs beside it)
+    llm = LLMEngine(*served_weights, EngineConfig.of(kv_cache_memory=128 * 2**20, speculative="off"))
     async with serve(llm, grace(30)) as server:
 
         async def uninterrupted() -> list[Event]:

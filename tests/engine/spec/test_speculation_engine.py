@@ -9,11 +9,14 @@ import collections
 import math
 from typing import Any
 
+import pytest
+
 
 from inferd.engine.config import EngineConfig
 from inferd.engine.llm_engine import Completion, LLMEngine
 from inferd.engine.protocol import EngineRequest
 from inferd.engine.structured.grammar import GrammarCompiler, json_schema_grammar
+from inferd.settings.policy import SchedulingPolicy
 from inferd.text.sampling_params import SamplingParams
 
 PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a small brass lamp and "
@@ -76,13 +79,15 @@ def test_seeded_sampling_gives_the_same_tokens(served_weights) -> None:
     assert eng.speculator.accepted_tokens > 0
 
 
-def test_n_choices_and_preemption(served_weights) -> None:
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_n_choices_and_preemption(served_weights, mode: str) -> None:
     """A pool of 12 blocks for copying requests (one of them with two choices, forked): preempted
-    and recomputed midway, each the same as without speculation and without preemption."""
+    (recomputed or swapped) midway, each the same as without speculation and without preemption."""
     prompts = [COPY[:300], COPY[:280], COPY[:260]]
     params = [SamplingParams(temperature=0.0, max_tokens=70), SamplingParams(temperature=0.0, max_tokens=70),
               SamplingParams(temperature=0.8, seed=7, max_tokens=70)]
-    small = {"kv_cache_memory": 12 * 16 * 30 * 2 * 3 * 64 * 2, "max_num_batched_tokens": 64}
+    small = {"kv_cache_memory": 12 * 16 * 30 * 2 * 3 * 64 * 2, "max_num_batched_tokens": 64,
+             "policy": SchedulingPolicy(preemption_mode=mode)}
     answers = {}
     for method, keys in (("off", {}), ("suffix", small)):
         eng = engine(served_weights, method, **keys)
