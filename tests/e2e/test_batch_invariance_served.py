@@ -1,7 +1,7 @@
 """Batch invariance in the default configuration, on a real `inferd serve` (bfloat16, packed
 weights, [model] deterministic on): concurrent greedy streams (64 in the soak tier, 6 in the
 default one) each give the tokens the same request gives alone; and speculative decoding keeps
-them: concurrent streams that copy their prompts (64 in the soak tier, 10 in the default one)
+them: concurrent streams that copy their prompts (64 in the soak tier, 6 in the default one)
 give the same text with `--speculative suffix` as with `--speculative off`, the drafts showing in
 each response's usage (inferd's `speculative` extension) and in /metrics. Driven by the official
 openai client."""
@@ -75,7 +75,7 @@ async def complete(client: openai.AsyncOpenAI, i: int) -> tuple[str, dict]:
         kwargs = {"temperature": 0.8, "seed": i}
     else:
         kwargs = {"temperature": 0}
-    chunks = await client.completions.create(model=MODEL, prompt=copy_prompt(i), max_tokens=48, stream=True,
+    chunks = await client.completions.create(model=MODEL, prompt=copy_prompt(i), max_tokens=32, stream=True,
                                              stream_options={"include_usage": True}, extra_body=extra, **kwargs)
     text, usage = "", {}
     async for c in chunks:
@@ -101,7 +101,7 @@ def counter(url: str, name: str) -> float:
     return float(match.group(1))
 
 
-@pytest.mark.parametrize("streams", [pytest.param(64, marks=pytest.mark.soak), 10])
+@pytest.mark.parametrize("streams", [pytest.param(64, marks=pytest.mark.soak), 6])
 def test_concurrent_streams_are_the_same_with_and_without_speculation(tmp_path: Path, streams: int) -> None:
     answers = {}
     for method in ("off", "suffix"):
@@ -118,7 +118,7 @@ def test_concurrent_streams_are_the_same_with_and_without_speculation(tmp_path: 
     off, on = answers["off"], answers["suffix"]
     differ = [i for i in range(streams) if off[i][0] != on[i][0]]
     assert not differ, [(i, off[i][0], on[i][0]) for i in differ]
-    assert sum(1 for text, _ in off if len(text) > 40) >= streams // 2
+    assert sum(1 for text, _ in off if len(text) > 30) >= streams // 2
     assert all("speculative" not in usage or usage["speculative"] is None for _, usage in off)
     drafted = [usage["speculative"] for _, usage in on if usage.get("speculative")]
     assert drafted and sum(d["accepted_tokens"] for d in drafted) > 0

@@ -79,7 +79,7 @@ def test_seeded_sampling_gives_the_same_tokens(served_weights) -> None:
     assert eng.speculator.accepted_tokens > 0
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
+@pytest.mark.parametrize("mode", ["recompute", pytest.param("swap", marks=pytest.mark.soak)])
 def test_n_choices_and_preemption(served_weights, mode: str) -> None:
     """A pool of 12 blocks for copying requests (one of them with two choices, forked): preempted
     (recomputed or swapped) midway, each the same as without speculation and without preemption."""
@@ -107,16 +107,16 @@ def test_n_choices_and_preemption(served_weights, mode: str) -> None:
 
 
 def test_unseeded_samples_keep_their_distribution(served_weights) -> None:
-    """The second and third tokens of a copy sampled at temperature 1, 240 times each way: a draft
+    """The second and third tokens of a copy sampled at temperature 1, 160 times each way: a draft
     is taken only where it is what the row before it sampled, so the two distributions are the
     same (two-sample chi-square over the pairs seen; p > 0.001)."""
     short = "Passage: the cat sat on the mat and looked at the moon.\nAgain, word for word: the cat sat on the"
     params = SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True)
     counts = {}
     for method in ("off", "suffix"):
-        out, eng = run(served_weights, method, [short] * 240, params, max_num_seqs=240)
+        out, eng = run(served_weights, method, [short] * 160, params, max_num_seqs=160)
         counts[method] = collections.Counter(tuple(c.token_ids[1:3]) for c in out)
-    assert eng.speculator.accepted_tokens > 50
+    assert eng.speculator.accepted_tokens > 30
     assert chi_square_p(counts["off"], counts["suffix"]) > 1e-3, counts
 
 
