@@ -1,9 +1,10 @@
 """Batch invariance in the default configuration, on a real `inferd serve` (bfloat16, packed
-weights, [model] deterministic on): concurrent greedy streams (64 in the soak tier, 6 in the
-default one) each give the tokens the same request gives alone; and speculative decoding keeps
-them: concurrent streams that copy their prompts (64 in the soak tier, 6 in the default one)
-give the same text with `--speculative suffix` as with `--speculative off`, the drafts showing in
-each response's usage (inferd's `speculative` extension) and in /metrics. Driven by the official
+weights, [model] deterministic on, speculation auto): concurrent greedy streams (64 in the soak
+tier, 6 in the default one) each give the tokens the same request gives alone; and speculative
+decoding keeps them: concurrent streams that copy their prompts (64 in the soak tier, 6 in the
+default one) give the same text with speculation as with `--speculative off`, the drafts showing
+in each response's usage (inferd's `speculative` extension) and in /metrics. The default tier
+runs both checks on one default server (and one with speculation off). Driven by the official
 openai client."""
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ async def together_and_alone(url: str, streams: int) -> tuple[list[str], list[st
     return together, alone
 
 
-@pytest.mark.parametrize("streams", [pytest.param(64, marks=pytest.mark.soak), 6])
+@pytest.mark.soak
+@pytest.mark.parametrize("streams", [64])
 def test_concurrent_greedy_streams_each_equal_the_request_alone(tmp_path: Path, streams: int) -> None:
     server = start_server(tmp_path, "--served-model-name", MODEL)  # no inferd.toml in its folder: defaults
     try:
@@ -101,21 +103,29 @@ def counter(url: str, name: str) -> float:
     return float(match.group(1))
 
 
-@pytest.mark.parametrize("streams", [pytest.param(64, marks=pytest.mark.soak), 6])
-def test_concurrent_streams_are_the_same_with_and_without_speculation(tmp_path: Path, streams: int) -> None:
-    answers = {}
-    for method in ("off", "suffix"):
-        folder = tmp_path / method
+@pytest.mark.parametrize(("streams", "methods"), [pytest.param(64, ("off", "suffix"), marks=pytest.mark.soak),
+                                                  (6, ("off", None))])
+def test_concurrent_streams_are_the_same_with_and_without_speculation(tmp_path: Path, streams: int,
+                                                                      methods: tuple[str, str | None]) -> None:
+    """methods: the server without speculation, then the one with (None: the default, auto; the
+    default tier's, which also checks batch invariance, the soak tier's test above)."""
+    answers, off_method, on_method = {}, *methods
+    for method in methods:
+        folder = tmp_path / str(method)
         folder.mkdir()
-        server = start_server(folder, "--served-model-name", MODEL, "--speculative", method)
+        server = start_server(folder, "--served-model-name", MODEL, *(("--speculative", method) if method else ()))
         try:
             answers[method] = asyncio.run(all_at_once(server.url, streams))
             accepted = counter(server.url, "inferd_spec_accepted_tokens")
+            if method is None:  # (the default server: batch invariance too)
+                together, alone = asyncio.run(together_and_alone(server.url, streams))
         finally:
             stop_server(server)
-        if method == "suffix":
+        if method != "off":
             assert accepted > 0
-    off, on = answers["off"], answers["suffix"]
+    if on_method is None:
+        assert together == alone and all(together)
+    off, on = answers[off_method], answers[on_method]
     differ = [i for i in range(streams) if off[i][0] != on[i][0]]
     assert not differ, [(i, off[i][0], on[i][0]) for i in differ]
     assert sum(1 for text, _ in off if len(text) > 30) >= streams // 2

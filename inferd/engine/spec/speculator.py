@@ -7,8 +7,9 @@ what was accepted. Pure and synchronous (no tensors), called by the engine threa
     method "auto"               suffix drafts, and only where they pay:
         per step     none in a step with more requests decoding than `max_batch`: a batch that
                      large is compute-bound, and verification rows cost nearly as much as decodes
-        per request  a request whose drafts keep being rejected drafts again only from a long
-                     match (a copy starting); an accepted draft warms it back up
+        per request  a request whose drafts keep being rejected (smoothed acceptance below 25%
+                     alone, below 75% beside other requests) drafts again only from a long match
+                     (a copy starting); accepted drafts warm it back up
     method "off"
 
 Drafts are capped by `max_draft_tokens` and by what the request may still write (max_tokens,
