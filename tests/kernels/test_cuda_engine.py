@@ -114,6 +114,27 @@ def test_float32_alone_and_batched_match_transformers_with_graphs_and_eagerly(ti
     assert_pool_whole(eager)
 
 
+def test_drafts_verified_on_cuda_give_the_reference_tokens(tiny) -> None:
+    """Speculation's verification on the GPU: each decode verifies the reference's next tokens with
+    the last one wrong (several rows of a sequence through the decode kernels, accepted and
+    rejected drafts, no CUDA graph for those steps): the tokens stay transformers'."""
+    folder, model, tm = tiny
+    engine = engine_on_cuda(folder, "float32")
+    prompts = prompts_for(engine, tm)
+    expected, _ = reference(model.float(), prompts)
+    answers = {tuple(p): e for p, e in zip(prompts, expected)}
+
+    def drafts(req, room: int, cold: float) -> list[int]:
+        right = answers[tuple(req.prompt_ids)][len(req.output_ids):][:room]
+        return right[:-1] + [(right[-1] + 1) % engine.model.cfg.vocab_size] if right else []
+
+    engine.speculator._propose = drafts
+    engine.speculator.method = "suffix"
+    assert [c.token_ids for c in greedy(engine, prompts)] == expected
+    assert 0 < engine.speculator.accepted_tokens < engine.speculator.drafted_tokens
+    assert_pool_whole(engine)
+
+
 class ForcedTokens:
     """A LogitsConstraint that allows exactly one next token (so the mask decides every token)."""
 

@@ -70,7 +70,8 @@ class Speculator:
             return
         decoding = []
         for r in running:
-            r.draft_ids = []  # (any left from a step that did not run it)
+            if r.draft_ids:  # (any left from a step that did not run it)
+                r.draft_ids = []
             if r.num_tokens - r.num_computed_tokens == 1 and not r.paused and r.status == RequestStatus.RUNNING:
                 decoding.append(r)
         if self.method == "auto" and len(decoding) > self.settings.max_batch:
