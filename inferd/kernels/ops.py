@@ -10,7 +10,8 @@ device, dtype and shapes; a call then goes straight to the bound function, with 
 on the hot path. The ops:
 - a decoder layer's small ops (`LayerOps`): RMSNorm, residual add + RMSNorm, the gated
   activation, RoPE + the KV cache write;
-- attention over the paged cache (`Attention` backends), each over its own kind of `AttentionPlan`;
+- attention over the paged cache (`Attention` backends), each over its own kind of `AttentionPlan`,
+  its K/V in the model's dtype or in 8 bits (kv_quant.QuantizedCache, the backend's `kv_format`);
 - products over block-quantized weights (`block_matmul`);
 - linear attention's short convolution and gated delta rule (`LinearAttentionOps`).
 """
@@ -25,6 +26,8 @@ import torch
 
 from inferd.kernels import cpu, linear_attention, reference
 from inferd.kernels.cuda import launch as cuda
+from inferd.kernels.kv_quant import QuantizedCache
+from inferd.kernels.reference import Cache
 from inferd.kernels.tensors import device_tensor
 
 log = logging.getLogger(__name__)
@@ -63,9 +66,12 @@ class TorchAttention:
     name = "torch"
     row_prefill = False  # decode plans may hold prefill rows too, one per token (CpuAttention)
 
-    def __init__(self, kv_block: int | None = None) -> None:
+    def __init__(self, kv_block: int | None = None, kv_format: str | None = None) -> None:
         # contexts padded to a multiple of this: batch-invariant rows ([model] deterministic)
         self.kv_block = kv_block
+        # the cache's 8-bit format (kv_quant.FORMATS), None: the model's dtype; every backend reads
+        # either, this tells layer_ops which KV write to bind
+        self.kv_format = kv_format
 
     def plan_prefill(self, block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
                      block_size: int, device: torch.device, window: int | None = None,
@@ -85,17 +91,17 @@ class TorchAttention:
                     device: torch.device, window: int | None = None) -> AttentionPlan:
         return self.plan_prefill(block_tables, seq_lens, [1] * len(seq_lens), block_size, device, window)
 
-    def write_kv(self, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
+    def write_kv(self, key: Tensor, value: Tensor, key_cache: Cache, value_cache: Cache,
                  slot_mapping: Tensor) -> None:
         reference.write_kv(key, value, key_cache, value_cache, slot_mapping)
 
-    def prefill(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan,
+    def prefill(self, query: Tensor, key_cache: Cache, value_cache: Cache, plan: AttentionPlan,
                 scale: float, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
         """sinks: [num_heads] float32 on the cache's device, a softmax logit per head with no value (gpt-oss)."""
         assert isinstance(plan, GatherPlan)
         return reference.attention_planned(query, key_cache, value_cache, plan, scale, softcap, sinks)
 
-    def decode(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan,
+    def decode(self, query: Tensor, key_cache: Cache, value_cache: Cache, plan: AttentionPlan,
                scale: float, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
         assert isinstance(plan, GatherPlan)
         return reference.attention_planned(query, key_cache, value_cache, plan, scale, softcap, sinks)
@@ -113,9 +119,14 @@ class CpuAttention(TorchAttention):
         return RowPlan(device_tensor(block_tables, torch.int32, device), device_tensor(seq_lens, torch.int32, device),
                        window)
 
-    def decode(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan,
+    def decode(self, query: Tensor, key_cache: Cache, value_cache: Cache, plan: AttentionPlan,
                scale: float, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
         assert isinstance(plan, RowPlan)
+        if isinstance(key_cache, QuantizedCache):
+            assert isinstance(value_cache, QuantizedCache)
+            return cpu.decode_attention_8bit(query, key_cache.data, key_cache.exponents, value_cache.data,
+                                             value_cache.exponents, plan.block_tables, plan.seq_lens, scale,
+                                             plan.window, softcap, sinks)
         return cpu.decode_attention(query, key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
                                     plan.window, softcap, sinks)
 
@@ -128,8 +139,8 @@ class CudaAttention(TorchAttention):
     name = "cuda"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_num_seqs: int, max_model_len: int,
-                 device: torch.device) -> None:
-        super().__init__()
+                 device: torch.device, kv_format: str | None = None) -> None:
+        super().__init__(kv_format=kv_format)
         self.num_kv_heads = num_kv_heads
         self.num_sms = cuda.num_sms(device.index or 0)
         # the split variant's scratch, sized for the worst case once, shared by all layers
@@ -149,15 +160,17 @@ class CudaAttention(TorchAttention):
         num_partitions = cuda.choose_num_partitions(seq_lens.shape[0], self.num_kv_heads, max_seq_len, self.num_sms)
         return RowPlan(block_tables, seq_lens, window, max_seq_len, num_partitions, self.workspace)
 
-    def write_kv(self, key: Tensor, value: Tensor, key_cache: Tensor, value_cache: Tensor,
+    def write_kv(self, key: Tensor, value: Tensor, key_cache: Cache, value_cache: Cache,
                  slot_mapping: Tensor) -> None:
-        cuda.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        cuda.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)  # type: ignore[arg-type]
 
-    def decode(self, query: Tensor, key_cache: Tensor, value_cache: Tensor, plan: AttentionPlan,
+    def decode(self, query: Tensor, key_cache: Cache, value_cache: Cache, plan: AttentionPlan,
                scale: float, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
         assert isinstance(plan, RowPlan)
+        # (an 8-bit cache's QuantizedCache goes as it is: launch.py reads both layouts)
         return cuda.decode_attention(
-            query.contiguous(), key_cache, value_cache, plan.block_tables, plan.seq_lens, scale,
+            query.contiguous(), key_cache, value_cache,  # type: ignore[arg-type]
+            plan.block_tables, plan.seq_lens, scale,
             max_seq_len=plan.max_seq_len, num_partitions=plan.num_partitions, workspace=plan.workspace,
             window=plan.window, softcap=softcap, sinks=sinks)
 
@@ -167,26 +180,27 @@ Attention = TorchAttention  # the backends' common face: CpuAttention and CudaAt
 
 def select_attention(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                      block_size: int, max_num_seqs: int, max_model_len: int,
-                     deterministic: bool = False) -> TorchAttention:
+                     deterministic: bool = False, kv_format: str | None = None) -> TorchAttention:
     """Our kernels where the device (CuPy on CUDA, a compiler on the CPU) and the shapes allow;
     otherwise the reference. `deterministic`: prefill contexts padded to whole blocks (the CPU's
-    batch-invariant mode; decode on our CPU kernel is invariant as it is)."""
+    batch-invariant mode; decode on our CPU kernel is invariant as it is). `kv_format`: the
+    cache's 8-bit format (kv_quant.FORMATS), None for the model's dtype."""
     if device.type != "cuda":
         kv_block = reference.KV_BLOCK if deterministic else None
         if cpu.supports(head_dim, num_heads, num_kv_heads) and cpu.available():
-            return CpuAttention(kv_block)
-        return TorchAttention(kv_block)
+            return CpuAttention(kv_block, kv_format)
+        return TorchAttention(kv_block, kv_format)
     if deterministic:
         log.warning("[model] deterministic is a CPU mode: on CUDA, results may still vary with the batch")
     if not cuda.is_available():
         log.warning("CuPy is not installed (pip install 'inferd[cuda]'): attention runs on the torch reference")
-        return TorchAttention()
+        return TorchAttention(kv_format=kv_format)
     if not cuda.supports(dtype, head_dim, block_size):
         log.warning("no CUDA kernel for %s, head size %d, block size %d (kernels cover head sizes %s, block sizes "
                     "%s): attention runs on the torch reference", dtype, head_dim, block_size, cuda.HEAD_SIZES,
                     cuda.BLOCK_SIZES)
-        return TorchAttention()
-    return CudaAttention(num_heads, num_kv_heads, head_dim, max_num_seqs, max_model_len, device)
+        return TorchAttention(kv_format=kv_format)
+    return CudaAttention(num_heads, num_kv_heads, head_dim, max_num_seqs, max_model_len, device, kv_format)
 
 
 # ------------------------------------------------------------------------------ a layer's small ops
@@ -218,14 +232,15 @@ class LayerOps:
     add_norm_: Callable[[Tensor, Tensor, Tensor], Tensor]  # (x, delta, weight): x += delta; norm(x)
     gated: Callable[[Tensor], Tensor]  # [T, 2I] -> [T, I]: activation(gate) x up
     # (qkv [T, (H + 2 KV) D], cos, signed_sin, key_cache, value_cache, slot_mapping) -> q [T, H, D]
-    rope_write_kv: Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+    rope_write_kv: Callable[[Tensor, Tensor, Tensor, Cache, Cache, Tensor], Tensor]
     head_norm: Callable[[Tensor, Tensor], Tensor]  # q/k heads' and sandwich norms: always the reference's
 
 
 def layer_ops(shape: LayerShape, dtype: torch.dtype, device: torch.device, attention: TorchAttention) -> LayerOps:
     """Bind each small op once: our CPU kernels for Llama-shaped layers in bfloat16 on the CPU (the
     default serving path: the same roundings, fewer passes), the reference elsewhere, whose KV
-    write is the attention backend's (CUDA's kernel on a GPU)."""
+    write is the attention backend's (CUDA's kernel on a GPU). An 8-bit cache (the backend's
+    `kv_format`) is written by the backend's write_kv: the fused RoPE + write stores bfloat16."""
     eps, offset, heads, kv_heads = shape.eps, shape.norm_offset, shape.num_heads, shape.num_kv_heads
 
     def head_norm(x: Tensor, weight: Tensor) -> Tensor:
@@ -236,7 +251,8 @@ def layer_ops(shape: LayerShape, dtype: torch.dtype, device: torch.device, atten
              and cpu.available())
     if fused:
         kernels = cpu.kernels()
-        rope_fused = not shape.partial_rotary and shape.head_dim % 32 == 0 and not shape.qk_norm
+        rope_fused = (not shape.partial_rotary and shape.head_dim % 32 == 0 and not shape.qk_norm
+                      and attention.kv_format is None)
         return LayerOps(
             "cpu",
             norm=lambda x, weight: kernels.rms_norm(x, weight, eps),
@@ -260,7 +276,7 @@ def layer_ops(shape: LayerShape, dtype: torch.dtype, device: torch.device, atten
 
 
 def _rope_then_write(attention: TorchAttention, heads: int,
-                     kv_heads: int) -> Callable[[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]:
+                     kv_heads: int) -> Callable[[Tensor, Tensor, Tensor, Cache, Cache, Tensor], Tensor]:
     """reference.rope_write_kv, its KV write the attention backend's (CUDA's kernel on a GPU)."""
     write = attention.write_kv
     return lambda qkv, cos, sin, kc, vc, slots: reference.rope_write_kv(qkv, cos, sin, kc, vc, slots, heads, kv_heads,

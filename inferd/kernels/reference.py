@@ -5,7 +5,8 @@ where no device kernel covers a model's shapes; tests/kernels checks every kerne
 
 Paged attention:
 
-The KV cache of one layer is two tensors `[num_blocks, block_size, n_kv_heads, head_dim]`.
+The KV cache of one layer is two tensors `[num_blocks, block_size, n_kv_heads, head_dim]`, in the
+model's dtype or in 8 bits (kv_quant.QuantizedCache: written quantized, gathered dequantized).
 A sequence's token at position p lives in slot `block_table[p // block_size] * block_size +
 p % block_size` of the flattened `[num_blocks * block_size, n_kv_heads, head_dim]` view.
 
@@ -28,15 +29,24 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from inferd.kernels import kv_quant
+from inferd.kernels.kv_quant import QuantizedCache
+
+Cache = torch.Tensor | QuantizedCache  # one layer's K (or V): the model's dtype, or 8 bits (kv_quant)
+
 
 def write_kv(
     key: torch.Tensor,  # [T, n_kv_heads, head_dim]
     value: torch.Tensor,  # [T, n_kv_heads, head_dim]
-    key_cache: torch.Tensor,  # [num_blocks, block_size, n_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, n_kv_heads, head_dim]
+    key_cache: Cache,  # [num_blocks, block_size, n_kv_heads, head_dim]
+    value_cache: Cache,  # [num_blocks, block_size, n_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
-    """Store each token's K and V in its cache slot (the `reshape_and_cache` kernel's spec)."""
+    """Store each token's K and V in its cache slot (the `reshape_and_cache` kernel's spec); an
+    8-bit cache quantizes them (kv_quant.write)."""
+    if isinstance(key_cache, QuantizedCache):
+        kv_quant.write(key, value, key_cache, value_cache, slot_mapping)  # type: ignore[arg-type]
+        return
     key_cache.view(-1, *key_cache.shape[2:]).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, *value_cache.shape[2:]).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
@@ -86,7 +96,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 
 def rope_write_kv(qkv: torch.Tensor,  # [T, (H + 2 KV) x D]
                   cos: torch.Tensor, signed_sin: torch.Tensor,  # [T, rotary_dim] each
-                  key_cache: torch.Tensor, value_cache: torch.Tensor,  # [blocks, block_size, KV, D] each
+                  key_cache: Cache, value_cache: Cache,  # [blocks, block_size, KV, D] each
                   slot_mapping: torch.Tensor,  # [T] int64
                   num_heads: int, num_kv_heads: int,
                   write: Callable[..., None] | None = None) -> torch.Tensor:  # q: [T, H, D]
@@ -171,8 +181,8 @@ def plan_attention(
 
 def attention_planned(
     query: torch.Tensor,  # [T, n_heads, head_dim], T = sum of query_lens
-    key_cache: torch.Tensor,  # [num_blocks, block_size, n_kv_heads, head_dim]
-    value_cache: torch.Tensor,  # [num_blocks, block_size, n_kv_heads, head_dim]
+    key_cache: Cache,  # [num_blocks, block_size, n_kv_heads, head_dim]
+    value_cache: Cache,  # [num_blocks, block_size, n_kv_heads, head_dim]
     plan: AttentionPlan,
     scale: float,
     softcap: float | None = None,  # scores s -> tanh(s / softcap) * softcap before the mask (Gemma 2)
@@ -192,8 +202,12 @@ def attention_planned(
     flat_slots = plan.slots.view(-1)
     # NOTE: index_select beats advanced indexing ~5x here; SDPA with enable_gqa reads each KV
     # head once for its query heads and beat explicit matmuls 2-8x on this CPU (bench notes).
-    k = key_cache.view(-1, n_kv, head_dim).index_select(0, flat_slots)  # [N * L, kv, D]
-    v = value_cache.view(-1, n_kv, head_dim).index_select(0, flat_slots)  # [N * L, kv, D]
+    if isinstance(key_cache, QuantizedCache):  # 8 bits: dequantized to the query's dtype as gathered
+        k = kv_quant.gather(key_cache, flat_slots, query.dtype)  # [N * L, kv, D]
+        v = kv_quant.gather(value_cache, flat_slots, query.dtype)  # type: ignore[arg-type]
+    else:
+        k = key_cache.view(-1, n_kv, head_dim).index_select(0, flat_slots)  # [N * L, kv, D]
+        v = value_cache.view(-1, n_kv, head_dim).index_select(0, flat_slots)  # [N * L, kv, D]
     k = k.view(n, ctx_len, n_kv, head_dim).transpose(1, 2)  # [N, kv, L, D]
     v = v.view(n, ctx_len, n_kv, head_dim).transpose(1, 2)  # [N, kv, L, D]
     q = query.view(n, q_len, n_heads, head_dim).transpose(1, 2)  # [N, H, Q, D]
@@ -242,8 +256,8 @@ def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
 
 def decode_attention(
     query: torch.Tensor,  # [N, n_heads, head_dim]: one query per sequence
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: Cache,
+    value_cache: Cache,
     block_tables: torch.Tensor,  # [N, max_blocks]
     seq_lens: torch.Tensor,  # [N]
     scale: float,
@@ -257,8 +271,8 @@ def decode_attention(
 
 def prefill_attention(
     query: torch.Tensor,  # [T, n_heads, head_dim]: each sequence's chunk, concatenated
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: Cache,
+    value_cache: Cache,
     block_tables: torch.Tensor,  # [N, max_blocks]
     query_lens: torch.Tensor,  # [N]: the chunk lengths
     seq_lens: torch.Tensor,  # [N]: cached prefix + chunk

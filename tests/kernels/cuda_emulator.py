@@ -1,8 +1,9 @@
 """Runs inferd's CUDA kernel sources on the CPU, for machines without a GPU (tests only).
 
-The sources in inferd/kernels/cuda/csrc are compiled by g++ against `emu/` (cuda_fp16.h, cuda_bf16.h
-and cuda_emu.h, a model of CUDA's threads: one fiber per CUDA thread, barriers for
-__syncthreads and for warp shuffles) into a shared library. `install(monkeypatch)` then makes
+The sources in inferd/kernels/cuda/csrc are compiled by g++ against `emu/` (cuda_fp16.h, cuda_bf16.h,
+cuda_fp8.h and cuda_emu.h, a model of CUDA's threads: one fiber per CUDA thread, barriers for
+__syncthreads and for warp shuffles, float arithmetic flushing subnormals as CuPy's -ftz=true
+makes it) into a shared library. `install(monkeypatch)` then makes
 `inferd.kernels.cuda.launch` launch through it instead of CuPy, so its host code (argument packing,
 grids, partition layout, workspace) runs unchanged and the kernels' code runs for real, on CPU
 tensors. What it cannot show: speed, and anything about the GPU's memory model beyond the

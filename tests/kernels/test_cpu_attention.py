@@ -1,12 +1,14 @@
 """Our CPU decode kernel (inferd/kernels/cpu/csrc/cpu_attention.cpp) against its specification, the
-torch reference: random paged caches, GQA shapes, contexts across block edges, strided queries."""
+torch reference: random paged caches, GQA shapes, contexts across block edges, strided queries;
+the same over 8-bit caches (inferd/kernels/kv_quant.py), whose values it reads exactly."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from inferd.kernels import cpu, reference
+from inferd.kernels import cpu, kv_quant, reference
+from inferd.kernels.kv_quant import FORMATS, QuantizedCache
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -117,3 +119,121 @@ def test_a_long_row_gets_the_same_bits_alone_and_beside_others() -> None:
         out = cpu.decode_attention(queries, key_cache, value_cache, tables, torch.tensor(lens, dtype=torch.int32),
                                    0.125)
         assert torch.equal(out[-1], alone), others
+
+
+# ------------------------------------------------------------------------------ 8-bit caches
+
+
+def quantized_caches(fmt: str, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                     seed: int) -> tuple[QuantizedCache, QuantizedCache]:
+    """Every slot written through the spec (kv_quant.write) from rows of varied magnitudes (about
+    the bfloat16 tests' own, whose tolerances these use)."""
+    gen = torch.Generator().manual_seed(seed)
+    caches = []
+    for _ in range(2):
+        data = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=torch.uint8).view(FORMATS[fmt][0])
+        caches.append(QuantizedCache(data, torch.zeros(num_blocks, block_size, kv_heads, dtype=torch.int8)))
+    n = num_blocks * block_size
+    rows = [torch.randn(n, kv_heads, head_dim, generator=gen) * torch.exp(0.5 * torch.randn(n, kv_heads, 1,
+                                                                                               generator=gen))
+            for _ in range(2)]
+    kv_quant.write(rows[0], rows[1], caches[0], caches[1], torch.arange(n))
+    return caches[0], caches[1]
+
+
+def decode_8bit(query: torch.Tensor, key_cache: QuantizedCache, value_cache: QuantizedCache, tables: torch.Tensor,
+                seq_lens: torch.Tensor, scale: float, window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
+    return cpu.decode_attention_8bit(query, key_cache.data, key_cache.exponents, value_cache.data,
+                                     value_cache.exponents, tables.int(), seq_lens.int(), scale, window, softcap, sinks)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (4, 1, 16), (8, 2, 48)])
+def test_8bit_decode_matches_the_reference(fmt: str, dtype: torch.dtype, heads: int, kv_heads: int,
+                                           head_dim: int) -> None:
+    """GQA shapes on the AVX-512 path and (head size 48) the plain one, contexts of several spans."""
+    torch.manual_seed(heads * head_dim)
+    block_size, num_blocks = 16, 80
+    key_cache, value_cache = quantized_caches(fmt, num_blocks, block_size, kv_heads, head_dim, heads * head_dim)
+    lens = [1, 15, 17, 100, 513, 37]
+    tables = torch.stack([torch.randperm(num_blocks)[: -(-max(lens) // block_size)] for _ in lens])
+    query = torch.randn(len(lens), heads + 2 * kv_heads, head_dim, dtype=dtype)[:, :heads]  # (strided rows)
+    seq_lens = torch.tensor(lens)
+    expected = reference.decode_attention(query, key_cache, value_cache, tables, seq_lens, head_dim**-0.5)
+    got = decode_8bit(query, key_cache, value_cache, tables, seq_lens, head_dim**-0.5)
+    assert got.dtype == dtype and got.shape == expected.shape
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("window,softcap,sinks", [(5, None, False), (21, 3.0, False), (600, None, True),
+                                                  (None, 3.0, True)])
+def test_8bit_windowed_capped_and_sunk_decode_matches_the_reference(fmt: str, window: int | None,
+                                                                     softcap: float | None, sinks: bool) -> None:
+    torch.manual_seed(window or 1)
+    heads, kv_heads, head_dim, block_size, num_blocks = 12, 4, 32, 16, 100
+    key_cache, value_cache = quantized_caches(fmt, num_blocks, block_size, kv_heads, head_dim, 5)
+    lens = [1, 5, 17, 33, 100, 1100]
+    tables = torch.stack([torch.randperm(num_blocks)[: -(-max(lens) // block_size)] for _ in lens])
+    query = torch.randn(len(lens), heads, head_dim, dtype=torch.bfloat16)
+    sink = torch.linspace(-2.0, 4.0, heads) if sinks else None
+    args = (tables, torch.tensor(lens), 0.3, window, softcap, sink)
+    expected = reference.decode_attention(query, key_cache, value_cache, *args)
+    got = decode_8bit(query, key_cache, value_cache, *args)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("head_dim", [64, 48])  # (the AVX-512 path, the plain one)
+def test_8bit_values_are_read_exactly(fmt: str, head_dim: int) -> None:
+    """A context of one key returns its value: every finite code, at exponents from -127 up, read
+    as float(code) * 2**exponent to the bit."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes[~torch.isfinite(codes.view(FORMATS[fmt][0]).float())] = 0
+    rows = -(-256 // head_dim)
+    data = torch.zeros(1, rows, 1, head_dim, dtype=torch.uint8)
+    data.view(-1)[:256] = codes
+    exponents = torch.zeros(1, rows, 1, dtype=torch.int8)
+    for e in (-127, -60, -5, 0, 3, 40, 100):
+        exponents.fill_(e)
+        cache = QuantizedCache(data.view(FORMATS[fmt][0]), exponents)
+        expected = kv_quant.dequantize(cache.data, cache.exponents, torch.float32)  # [1, rows, 1, D]
+        for row in range(rows):
+            out = decode_8bit(torch.zeros(1, 2, head_dim), cache, cache, torch.tensor([[0]]), torch.tensor([row + 1]),
+                              0.1, window=1)
+            assert torch.equal(out[0], expected[0, row].expand(2, head_dim)), (e, row)
+
+
+def test_8bit_long_row_gets_the_same_bits_alone_and_beside_others() -> None:
+    torch.manual_seed(3)
+    key_cache, value_cache = quantized_caches("fp8_e4m3", 600, 16, 3, 64, 6)
+    own_len = 3000
+    own = torch.randperm(600)[: -(-own_len // 16)]
+    query = torch.randn(1, 9, 64, dtype=torch.bfloat16)
+    alone = decode_8bit(query, key_cache, value_cache, own[None], torch.tensor([own_len]), 0.125)[0]
+    for others in ([5], [700, 40, 1], [64] * 31):
+        lens = others + [own_len]
+        width = max(-(-n // 16) for n in lens)
+        tables = torch.stack([torch.randint(0, 600, (width,)) for _ in others]
+                             + [torch.nn.functional.pad(own, (0, width - own.numel()))])
+        queries = torch.cat([torch.randn(len(others), 9, 64, dtype=torch.bfloat16), query])
+        out = decode_8bit(queries, key_cache, value_cache, tables, torch.tensor(lens), 0.125)
+        assert torch.equal(out[-1], alone), others
+
+
+def test_8bit_caches_are_checked() -> None:
+    key_cache, value_cache = quantized_caches("fp8_e4m3", 2, 16, 2, 32, 7)
+    args = (torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0, 0, 0.0, None)
+    query = torch.randn(1, 4, 32)
+    with pytest.raises(RuntimeError, match="float8"):
+        cpu.decode_attention_8bit(query, key_cache.data, key_cache.exponents, value_cache.data.view(torch.float8_e5m2),
+                                  value_cache.exponents, *args)
+    with pytest.raises(RuntimeError, match="exponents"):
+        cpu.decode_attention_8bit(query, key_cache.data, key_cache.exponents.float(), value_cache.data,
+                                  value_cache.exponents, *args)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        cpu.decode_attention_8bit(query.double(), key_cache.data, key_cache.exponents, value_cache.data,
+                                  value_cache.exponents, *args)

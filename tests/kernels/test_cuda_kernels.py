@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from inferd.kernels import reference
+from inferd.kernels import kv_quant, reference
 
 
 def cuda_ready() -> bool:
@@ -335,6 +335,89 @@ def test_choose_num_partitions(kernels: ModuleType) -> None:
     assert kernels.choose_num_partitions(1, 8, 1, num_sms) == 1
     # one sequence, 8 KV heads, 16k tokens: a single pass would keep a few SMs of a hundred busy
     assert kernels.choose_num_partitions(1, 8, 16384, num_sms) > 1
+
+
+# ---------------------------------------------------------------------------------------------
+# 8-bit caches (kv_quant.py): writes bit for bit as kv_quant.write on the CPU; decode vs the reference
+
+TOP_CODE = {"fp8_e4m3": 0x7E, "fp8_e5m2": 0x7B}  # each format's largest finite code
+
+
+@pytest.mark.parametrize("fmt", TOP_CODE)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_8bit_reshape_and_cache_equals_kv_quant_write(kernels: ModuleType, dtype: torch.dtype, fmt: str) -> None:
+    """K/V rows at magnitudes 2**-40 .. 2**40 (float16: 2**-14 .. 2**8), zero rows, subnormal floats, and
+    rows of every code and every tie between neighbours after the format's largest value (exponent 0)."""
+    num_tokens, block_size, fp8 = 257, 16, kv_quant.FORMATS[fmt][0]
+    values, f16 = torch.arange(TOP_CODE[fmt] + 1, dtype=torch.uint8).view(fp8).float(), dtype == torch.float16
+    for head_dim, n_kv in ((hd, n) for hd in HEAD_SIZES for n in (1, 8)):
+        gen = torch.Generator().manual_seed(head_dim * 10 + n_kv)
+        rows = torch.randn(2 * num_tokens * n_kv, head_dim, generator=gen)  # K and V: [T * 2 kv, D]
+        rows *= torch.exp2(torch.randint(-14 if f16 else -40, 9 if f16 else 41, (len(rows), 1), generator=gen).float())
+        rows[3::11] = 0.0
+        rows[5::13] = torch.randn(rows[5::13].shape, generator=gen) * 2.0 ** (-14 if f16 else -135)
+        ties = torch.cat((values, (values[1:] + values[:-1]) / 2, values.new_zeros(head_dim)))  # + padding
+        ties = torch.cat((values[-1:].expand(len(ties) // (head_dim - 1), 1),  # the largest value first
+                          ties[: len(ties) // (head_dim - 1) * (head_dim - 1)].view(-1, head_dim - 1)), 1)
+        rows[1 : 1 + 2 * len(ties) : 2] = ties * torch.where(torch.rand(ties.shape, generator=gen) < 0.5, -1.0, 1.0)
+        qkv = torch.cat((torch.randn(num_tokens, 4 * n_kv, head_dim, generator=gen),
+                         rows.view(num_tokens, 2 * n_kv, head_dim)), 1).to(dtype)  # [T, 6 kv, D]: K, V strided
+        shape = (2 * num_tokens // block_size + 3, block_size, n_kv, head_dim)
+        slots = torch.randperm(shape[0] * block_size, generator=gen)[:num_tokens]
+        slots[torch.rand(num_tokens, generator=gen) < 0.2] = -1
+        expected = [kv_quant.QuantizedCache(torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8).view(fp8),
+                                            torch.randint(-127, 128, shape[:3], generator=gen, dtype=torch.int8))
+                    for _ in range(2)]  # random bytes: a skipped slot keeps them
+        caches = [kv_quant.QuantizedCache(c.data.to(DEVICE), c.exponents.to(DEVICE)) for c in expected]
+        kv_quant.write(*qkv[slots >= 0, 4 * n_kv :].split(n_kv, 1), *expected, slots[slots >= 0])
+        kernels.reshape_and_cache(*qkv.to(DEVICE)[:, 4 * n_kv :].split(n_kv, 1), *caches, slots.to(DEVICE))
+        for got, want, what in zip(caches, expected, (f"{kv} head_dim={head_dim} n_kv={n_kv}" for kv in "KV")):
+            assert torch.equal(got.exponents.cpu(), want.exponents), f"{what}: exponents"
+            assert torch.equal(got.data.cpu().view(torch.uint8), want.data.view(torch.uint8)), f"{what}: codes"
+
+
+def make_paged_kv_8bit(capacity: list[int], block_size: int, n_kv: int, head_dim: int, fmt: str, seed: int):
+    """make_paged_kv's caches in 8 bits, dequantized (float32), tables. A 1-token sequence's V row holds
+    distinct codes of every kind, exponent -8 .. 0 (so float16 too holds it): its output, exactly."""
+    key_cache, value_cache, tables = make_paged_kv(capacity, block_size, n_kv, head_dim, torch.float32, seed)
+    caches = [kv_quant.QuantizedCache(*kv_quant.quantize(c, fmt)) for c in (key_cache, value_cache)]
+    gen = torch.Generator().manual_seed(seed)
+    finite = torch.cat((torch.arange(TOP_CODE[fmt] + 1), torch.arange(TOP_CODE[fmt] + 1) | 0x80))
+    for s in (s for s, n in enumerate(capacity) if n == 1):
+        slot = divmod(int(tables[s, 0]) * block_size, block_size)
+        codes = finite[torch.randperm(len(finite), generator=gen)].repeat(n_kv * head_dim // len(finite) + 1)
+        caches[1].data.view(torch.uint8)[slot] = codes[: n_kv * head_dim].view(n_kv, head_dim).to(DEVICE, torch.uint8)
+        caches[1].exponents[slot] = torch.randint(-8, 1, (n_kv,), generator=gen, dtype=torch.int8).to(DEVICE)
+    return caches, [kv_quant.dequantize(c.data, c.exponents, torch.float32) for c in caches], tables
+
+
+# (query dtype, head size, block size): every lane layout of 8-code loads, each dtype; GQA 1 and 4; single
+# pass and split, with and without a window, a soft-cap and sinks
+CASES_8BIT = [(torch.bfloat16, 64, 16), (torch.bfloat16, 128, 32), (torch.float16, 256, 16), (torch.float32, 128, 16)]
+
+
+@pytest.mark.parametrize("case", CASES_8BIT, ids=lambda c: f"{str(c[0])[6:]}-d{c[1]}-b{c[2]}")
+@pytest.mark.parametrize("fmt", TOP_CODE)
+def test_8bit_decode_matches_reference(kernels: ModuleType, fmt: str, case) -> None:
+    dtype, head_dim, block_size = case
+    lengths = decode_lengths(block_size, 2 * kernels.MIN_PARTITION_SIZE)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    live, ones = seq_lens > 0, [s for s, n in enumerate(lengths) if n == 1]
+    for group in (1, 4):
+        n_kv, seed = KV_HEADS_OF_GROUP[group], head_dim * 1000 + block_size * 10 + group
+        caches, plain, tables = make_paged_kv_8bit(lengths, block_size, n_kv, head_dim, fmt, seed)
+        query = random_query(len(lengths), group * n_kv, head_dim, dtype, seed)
+        extras = dict(window=600, softcap=5.0, sinks=torch.randn(group * n_kv, device=DEVICE) + 1.0)
+        expected = [reference_decode(query, *plain, tables, seq_lens)[live], reference.decode_attention(
+            query[live].float(), *plain, tables[live], seq_lens[live], head_dim**-0.5, **extras)]
+        rows = plain[1].view(-1, n_kv, head_dim)[tables[ones, 0].long() * block_size]  # [len(ones), kv, D]
+        for num_partitions, extra in ((n, e) for n in (1, 5, None) for e in (0, 1)):
+            out = kernels.decode_attention(query, *caches, tables, seq_lens, head_dim**-0.5,
+                                           num_partitions=num_partitions, **(extras if extra else {}))
+            what = f"group={group} num_partitions={num_partitions}{' window, softcap, sinks' * extra}"
+            assert_matches(out[live], expected[extra], dtype, what)
+            if not extra:  # (one token: its output is its V row, which the dtype holds exactly)
+                assert torch.equal(out[ones], rows.repeat_interleave(group, 1).to(dtype)), f"{what}: not exact"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Every CUDA kernel source compiles for Ampere (sm_80) and Hopper (sm_90) through NVRTC, the
 compiler CuPy uses at run time, on any machine: the nvidia-cuda-nvrtc and nvidia-cuda-runtime
-wheels bring the compiler and the fp16/bf16 headers, no GPU needed. NVRTC is stricter than nvcc
-(no implicit host headers), so this is the check that a kernel will build where it runs.
+wheels bring the compiler and the fp16/bf16/fp8 headers, no GPU needed. NVRTC is stricter than
+nvcc (no implicit host headers), so this is the check that a kernel will build where it runs.
 
-The default tier compiles every specialization to PTX for the virtual compute_80 (the front end,
+The specializations are launch.covering_specializations(): every code path, the 8-bit KV cache's
+included (kv_quant.py: the write's conversion from cuda_fp8.h, the decode's exact widening). The
+default tier compiles every specialization to PTX for the virtual compute_80 (the front end,
 where NVRTC's strictness bites, in a fifth of the time); the soak tier builds the machine code
 (CUBIN) for both real architectures, which adds register allocation and ptxas' own checks.
 """
@@ -14,6 +16,7 @@ import concurrent.futures
 import importlib.util
 
 import pytest
+import torch
 
 from inferd.kernels.cuda import launch as cuda
 
@@ -64,6 +67,15 @@ def test_every_kernel_compiles_with_nvrtc(file: str, archs: tuple[str, ...]) -> 
         failures = [f for f in pool.map(compile_for, archs) if f is not None]
     if failures:
         pytest.fail("\n".join(failures))
+
+
+def test_the_8bit_cache_variants_are_covered() -> None:
+    """Both 8-bit formats, for the write (every dtype) and for decode, are among what compiles."""
+    names = cuda.covering_specializations()
+    for fmt in ("fp8_e4m3", "fp8_e5m2"):
+        assert {cuda.cache_kernel_name(dt, fmt) for dt in cuda.DTYPES} <= set(names["reshape_and_cache.cu"])
+        assert {cuda.decode_kernel_name(dt, 128, 16, 4, fmt) for dt in cuda.DTYPES} <= set(names["paged_attention.cu"])
+    assert cuda.decode_kernel_name(torch.bfloat16, 64, 16, 3) == "paged_decode<__nv_bfloat16, 64, 16, 3, 0>"
 
 
 def test_a_broken_kernel_fails_to_compile() -> None:

@@ -1,5 +1,5 @@
-"""Our CPU kernels, batch-invariant by construction: paged decode attention
-(csrc/cpu_attention.cpp), products over block-quantized weights on AVX-512 VNNI
+"""Our CPU kernels, batch-invariant by construction: paged decode attention over a cache in the
+model's dtype or in 8 bits (csrc/cpu_attention.cpp), products over block-quantized weights on AVX-512 VNNI
 (csrc/cpu_matmul.cpp; inferd.model.layers.quant packs the weights for them) and a decoder layer's
 small bfloat16 ops fused (csrc/cpu_layer_ops.cpp: RMSNorm, residual add + RMSNorm, SiLU x up,
 RoPE + the KV cache write), registered as torch ops in csrc/bindings.cpp. inferd.kernels.reference
@@ -100,3 +100,21 @@ def decode_attention(query: torch.Tensor,  # [N, heads, head_dim]
                      sinks: torch.Tensor | None = None) -> torch.Tensor:  # [heads] float32 -> [N, heads, head_dim]
     return torch.ops.inferd_cpu.decode_attention(query, key_cache, value_cache, block_tables, seq_lens, scale,
                                                  window or 0, softcap or 0.0, sinks)
+
+
+def decode_attention_8bit(query: torch.Tensor,  # [N, heads, head_dim] bfloat16 or float32
+                          key_codes: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float8
+                          key_exponents: torch.Tensor,  # [num_blocks, block_size, kv_heads] int8
+                          value_codes: torch.Tensor,
+                          value_exponents: torch.Tensor,
+                          block_tables: torch.Tensor,  # [N, width] int32
+                          seq_lens: torch.Tensor,  # [N] int32
+                          scale: float,
+                          window: int | None = None,
+                          softcap: float | None = None,
+                          sinks: torch.Tensor | None = None) -> torch.Tensor:  # -> [N, heads, head_dim]
+    """decode_attention over an 8-bit cache (inferd.kernels.kv_quant's layout: each row
+    float(code) * 2**exponent, e4m3fn or e5m2 codes)."""
+    return torch.ops.inferd_cpu.decode_attention_8bit(query, key_codes, key_exponents, value_codes, value_exponents,
+                                                      block_tables, seq_lens, scale, window or 0, softcap or 0.0,
+                                                      sinks)

@@ -1,11 +1,12 @@
 """The CUDA path's kernels: CUDA C in `csrc/`, compiled at run time by NVRTC through CuPy and
 launched on torch's current stream.
 
-Each kernel is a template; a specialization (dtype, head size, block size, GQA group) is compiled
-the first time it is asked for and kept (CuPy also caches the binary on disk). Tensors cross from
-torch to the kernels as raw device pointers, without copies; a launch neither allocates nor
-synchronizes, so it can be captured in a CUDA graph (call each specialization once before
-capturing, so that its compilation happens outside the capture).
+Each kernel is a template; a specialization (dtype, head size, block size, GQA group, the KV
+cache's format: the model's dtype, or 8 bits as kv_quant.py lays out) is compiled the first time
+it is asked for and kept (CuPy also caches the binary on disk). Tensors cross from torch to the
+kernels as raw device pointers, without copies; a launch neither allocates nor synchronizes, so it
+can be captured in a CUDA graph (call each specialization once before capturing, so that its
+compilation happens outside the capture).
 
 The pure-torch functions in `reference.py` are the specification; `tests/kernels/test_cuda_*.py`
 check every kernel against them.
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from inferd.kernels.kv_quant import QuantizedCache
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = ("reshape_and_cache.cu", "paged_attention.cu", "linear_attention.cu")
@@ -31,6 +33,8 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 HEAD_SIZES = (64, 128, 256)
 BLOCK_SIZES = (16, 32)
 _CTYPE = {torch.float32: "float", torch.float16: "__half", torch.bfloat16: "__nv_bfloat16"}
+# a cache's format -> the kernels' KV template argument (common.cuh): None, the model's dtype
+KV_FORMATS = {None: 0, "fp8_e4m3": 1, "fp8_e5m2": 2}
 
 THREADS = 128  # per CTA of the decode kernels (kDecodeThreads in paged_attention.cu)
 PARTITION_ALIGN = 128  # partition sizes are multiples of this (and so of every block size)
@@ -70,28 +74,36 @@ def source(name: str) -> str:
     return (CSRC / name).read_text()
 
 
-def decode_kernel_name(dtype: torch.dtype, head_dim: int, block_size: int, group: int) -> str:
-    return f"paged_decode<{_CTYPE[dtype]}, {head_dim}, {block_size}, {group}>"
+def decode_kernel_name(dtype: torch.dtype, head_dim: int, block_size: int, group: int,
+                       kv_format: str | None = None) -> str:
+    return f"paged_decode<{_CTYPE[dtype]}, {head_dim}, {block_size}, {group}, {KV_FORMATS[kv_format]}>"
 
 
 def reduce_kernel_name(dtype: torch.dtype, head_dim: int) -> str:
     return f"paged_decode_reduce<{_CTYPE[dtype]}, {head_dim}>"
 
 
-def cache_kernel_name(dtype: torch.dtype) -> str:
-    return f"reshape_and_cache<{_CTYPE[dtype]}>"
+def cache_kernel_name(dtype: torch.dtype, kv_format: str | None = None) -> str:
+    if kv_format is None:
+        return f"reshape_and_cache<{_CTYPE[dtype]}>"
+    return f"reshape_and_cache_fp8<{_CTYPE[dtype]}, {KV_FORMATS[kv_format]}>"
 
 
 def covering_specializations() -> dict[str, list[str]]:
     """Per source file, a set of specializations that takes every code path: each kernel at every
     dtype x head size x block size (what changes vector widths, lanes per row and passes per
-    block), and the decode kernel at the GQA groups of common models (SmolLM2: 3, Llama 3: 4).
+    block), and the decode kernel at the GQA groups of common models (SmolLM2: 3, Llama 3: 4); on an
+    8-bit cache (whose loads are 8 codes whatever the dtype), every head size and block size in
+    bfloat16 on e4m3, and each format with each dtype once.
     CI compiles these for each target architecture; bench/kernels/kernel_resources.py reports them."""
+    fp8 = [f for f in KV_FORMATS if f is not None]
     return {
-        "reshape_and_cache.cu": [cache_kernel_name(dt) for dt in DTYPES],
+        "reshape_and_cache.cu": [cache_kernel_name(dt, f) for f in (None, *fp8) for dt in DTYPES],
         "paged_attention.cu": [
             *(decode_kernel_name(dt, hd, bs, 4) for dt in DTYPES for hd in HEAD_SIZES for bs in BLOCK_SIZES),
             *(decode_kernel_name(torch.bfloat16, 64, 16, g) for g in (1, 3, 8)),
+            *(decode_kernel_name(torch.bfloat16, hd, bs, 4, "fp8_e4m3") for hd in HEAD_SIZES for bs in BLOCK_SIZES),
+            *(decode_kernel_name(dt, 128, 16, 4, f) for f in fp8 for dt in DTYPES if (dt, f) != (torch.bfloat16, fp8[0])),
             *(reduce_kernel_name(dt, hd) for dt in DTYPES for hd in HEAD_SIZES),
         ],
         "linear_attention.cu": [
@@ -137,29 +149,62 @@ def num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
+Cache = torch.Tensor | QuantizedCache  # a layer's K or V: the model's dtype, or 8 bits (kv_quant.py)
+
+
+def _cache_operands(key_cache: Cache, value_cache: Cache, dtype: torch.dtype) -> tuple[str | None, tuple]:
+    """(the caches' 8-bit format, None for the model's dtype; the kernels' key_cache, value_cache,
+    key_exps, value_exps pointers, the last two null for a plain cache), or a ValueError that says
+    why the caches do not fit the kernels."""
+    quantized = isinstance(key_cache, QuantizedCache), isinstance(value_cache, QuantizedCache)
+    if key_cache.shape != value_cache.shape:
+        raise ValueError(f"K and V caches differ in shape: {tuple(key_cache.shape)}, {tuple(value_cache.shape)}")
+    if not any(quantized):
+        if key_cache.dtype != dtype or value_cache.dtype != dtype:
+            raise ValueError(f"the caches must be {dtype}, got {key_cache.dtype} and {value_cache.dtype}")
+        if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
+            raise ValueError("the caches must be contiguous")
+        null = np.uint64(0)
+        return None, (_ptr(key_cache), _ptr(value_cache), null, null)
+    if not all(quantized) or key_cache.data.dtype != value_cache.data.dtype:
+        raise ValueError("K and V must be both 8-bit caches of one format, or both plain")
+    for c in (key_cache, value_cache):
+        if not (c.data.is_contiguous() and c.exponents.is_contiguous()) or c.exponents.dtype != torch.int8 \
+                or c.exponents.shape != c.data.shape[:3]:
+            raise ValueError("an 8-bit cache's codes and its int8 exponents [num_blocks, block_size, n_kv] "
+                             "must be contiguous")
+    return key_cache.format, (_ptr(key_cache.data), _ptr(value_cache.data), _ptr(key_cache.exponents),
+                              _ptr(value_cache.exponents))
+
+
 def reshape_and_cache(
     key: torch.Tensor,  # [T, n_kv, D], heads and dims contiguous (a row may be a strided slice)
     value: torch.Tensor,  # [T, n_kv, D], likewise
-    key_cache: torch.Tensor,  # [num_blocks, block_size, n_kv, D], contiguous
-    value_cache: torch.Tensor,  # [num_blocks, block_size, n_kv, D], contiguous
+    key_cache: Cache,  # [num_blocks, block_size, n_kv, D], contiguous (QuantizedCache: its codes and exponents)
+    value_cache: Cache,  # likewise, of key_cache's kind
     slot_mapping: torch.Tensor,  # [T] int64; negative: skip this row
 ) -> None:
-    """Store each token's K and V in its cache slot (spec: `reference.write_kv`)."""
+    """Store each token's K and V in its cache slot (spec: `reference.write_kv`; for 8-bit caches
+    `kv_quant.write`, bit for bit)."""
     num_tokens, n_kv, head_dim = key.shape
     if num_tokens == 0:
         return
     for name, t in (("key", key), ("value", value)):
         if t.stride(2) != 1 or t.stride(1) != head_dim:
             raise ValueError(f"{name}: heads and dims must be contiguous, got strides {t.stride()}")
-        if t.dtype != key_cache.dtype:
-            raise ValueError(f"{name} is {t.dtype}, the cache {key_cache.dtype}")
-    if not (key_cache.is_contiguous() and value_cache.is_contiguous()):
-        raise ValueError("the caches must be contiguous")
+        if t.dtype != key.dtype or t.dtype not in DTYPES:
+            raise ValueError(f"{name} is {t.dtype}: key and value must be one of {DTYPES}")
+    if tuple(key_cache.shape[2:]) != (n_kv, head_dim):
+        raise ValueError(f"the caches' rows are {tuple(key_cache.shape[2:])}, the keys' {(n_kv, head_dim)}")
     if slot_mapping.dtype != torch.int64:
         raise ValueError(f"slot_mapping must be int64, got {slot_mapping.dtype}")
-    kernel = _kernel("reshape_and_cache.cu", cache_kernel_name(key.dtype), key.device.index or 0)
-    args = (_ptr(key), _ptr(value), _ptr(key_cache), _ptr(value_cache), _ptr(slot_mapping),
-            np.int64(key.stride(0)), np.int64(value.stride(0)), np.int32(n_kv * head_dim))
+    kv_format, caches = _cache_operands(key_cache, value_cache, key.dtype)
+    kernel = _kernel("reshape_and_cache.cu", cache_kernel_name(key.dtype, kv_format), key.device.index or 0)
+    strides = (np.int64(key.stride(0)), np.int64(value.stride(0)))
+    if kv_format is None:
+        args = (_ptr(key), _ptr(value), *caches[:2], _ptr(slot_mapping), *strides, np.int32(n_kv * head_dim))
+    else:
+        args = (_ptr(key), _ptr(value), *caches, _ptr(slot_mapping), *strides, np.int32(n_kv), np.int32(head_dim))
     _launch(kernel, key.device, (num_tokens,), args)
 
 
@@ -207,18 +252,18 @@ def partition_layout(max_seq_len: int, num_partitions: int) -> tuple[int, int]:
     return size, max(1, math.ceil(max_seq_len / size))
 
 
-def _check_decode_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                       block_tables: torch.Tensor, seq_lens: torch.Tensor, sinks: torch.Tensor | None) -> None:
-    """decode_attention's arguments fit its kernels, or a ValueError says which does not."""
+def _check_decode_args(query: torch.Tensor, key_cache: Cache, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                       sinks: torch.Tensor | None) -> None:
+    """decode_attention's arguments fit its kernels, or a ValueError says which does not (the
+    caches: _cache_operands)."""
     _, num_heads, head_dim = query.shape
     _, block_size, n_kv, _ = key_cache.shape
     if num_heads % n_kv:
         raise ValueError(f"{num_heads} query heads do not share {n_kv} KV heads evenly")
-    if not supports(query.dtype, head_dim, block_size):
+    if not supports(query.dtype, head_dim, block_size) or key_cache.shape[3] != head_dim:
         raise ValueError(f"no decode kernel for {query.dtype}, head size {head_dim}, block size {block_size}")
-    if query.dtype != key_cache.dtype or not (query.is_contiguous() and key_cache.is_contiguous()
-                                              and value_cache.is_contiguous()):
-        raise ValueError("query and caches must be contiguous and of one dtype")
+    if not query.is_contiguous():
+        raise ValueError("query must be contiguous")
     if block_tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or not block_tables.is_contiguous():
         raise ValueError("block_tables (contiguous) and seq_lens must be int32")
     if sinks is not None and (sinks.dtype != torch.float32 or sinks.shape != (num_heads,)
@@ -228,8 +273,8 @@ def _check_decode_args(query: torch.Tensor, key_cache: torch.Tensor, value_cache
 
 def decode_attention(
     query: torch.Tensor,  # [N, H, D], contiguous
-    key_cache: torch.Tensor,  # [num_blocks, block_size, n_kv, D], contiguous
-    value_cache: torch.Tensor,  # [num_blocks, block_size, n_kv, D], contiguous
+    key_cache: Cache,  # [num_blocks, block_size, n_kv, D], contiguous: query's dtype, or 8 bits
+    value_cache: Cache,  # [num_blocks, block_size, n_kv, D], of key_cache's kind
     block_tables: torch.Tensor,  # [N, max_blocks] int32
     seq_lens: torch.Tensor,  # [N] int32: context length incl. the new token; 0 = padding row
     scale: float,
@@ -242,11 +287,14 @@ def decode_attention(
     softcap: float | None = None,  # scores s -> tanh(s / softcap) * softcap
     sinks: torch.Tensor | None = None,  # [H] float32, contiguous: a softmax logit per head with no value
 ) -> torch.Tensor:
-    """One query token per sequence against its paged context (spec: `reference.decode_attention`).
-    Capturable in a CUDA graph when max_seq_len, num_partitions, out and workspace are given."""
+    """One query token per sequence against its paged context (spec: `reference.decode_attention`;
+    an 8-bit cache is read as `kv_quant.gather` dequantizes it, exactly, but that a value under 2**-126
+    is read as 0: CuPy compiles with -ftz=true, common.cuh). Capturable in a CUDA graph
+    when max_seq_len, num_partitions, out and workspace are given."""
     n, num_heads, head_dim = query.shape
     _, block_size, n_kv, _ = key_cache.shape
-    _check_decode_args(query, key_cache, value_cache, block_tables, seq_lens, sinks)
+    _check_decode_args(query, key_cache, block_tables, seq_lens, sinks)
+    kv_format, caches = _cache_operands(key_cache, value_cache, query.dtype)
     if out is None:
         out = torch.empty_like(query)
     if n == 0:
@@ -258,8 +306,9 @@ def decode_attention(
         num_partitions = choose_num_partitions(n, n_kv, max_seq_len, num_sms(index))
     partition_size, num_partitions = partition_layout(max(max_seq_len, 1), num_partitions)
     group = num_heads // n_kv
-    decode = _kernel("paged_attention.cu", decode_kernel_name(query.dtype, head_dim, block_size, group), index)
-    common = (_ptr(query), _ptr(key_cache), _ptr(value_cache), _ptr(block_tables), _ptr(seq_lens),
+    decode = _kernel("paged_attention.cu", decode_kernel_name(query.dtype, head_dim, block_size, group, kv_format),
+                     index)
+    common = (_ptr(query), *caches, _ptr(block_tables), _ptr(seq_lens),
               np.int32(block_tables.shape[1]), np.float32(scale), np.int32(partition_size),
               np.int32(window or 0), np.float32(softcap or 0.0))
     null = np.uint64(0)

@@ -4,13 +4,20 @@
 //   __syncthreads      a barrier over the CTA's fibers
 //   __shfl_xor_sync    lanes exchange through memory between two barriers of their warp
 //   __shared__         a static: one copy, which the (sequential) CTAs take turns using
-// It checks what real hardware would fault on: vector loads from misaligned addresses.
+// It checks what real hardware would fault on: vector loads from misaligned addresses. And it runs
+// the kernels' float arithmetic as CuPy compiles it, with -ftz=true (CuPy adds it to every NVRTC
+// compile): subnormal inputs and results of float operations are flushed to zero of their sign
+// (SSE's DAZ and FTZ modes while a launch runs; on other processors they are not flushed).
 #pragma once
 
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include <ucontext.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define INFERD_EMU_FLUSH_SUBNORMALS 1
+#endif
 
 #include <algorithm>
 #include <cstdio>
@@ -38,6 +45,9 @@ struct alignas(16) float4 {
 };
 struct alignas(8) float2 {
     float x, y;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
 };
 
 namespace emu {
@@ -78,8 +88,22 @@ inline void fiber_main() {
     swapcontext(&fibers[current].context, &scheduler);
 }
 
+#ifdef INFERD_EMU_FLUSH_SUBNORMALS
+constexpr unsigned kFlushSubnormals = 0x8040;  // MXCSR: FTZ (bit 15) and DAZ (bit 6)
+inline unsigned flush_subnormals() {  // -> the previous MXCSR
+    const unsigned mxcsr = _mm_getcsr();
+    _mm_setcsr(mxcsr | kFlushSubnormals);
+    return mxcsr;
+}
+inline void restore_subnormals(unsigned mxcsr) { _mm_setcsr(mxcsr); }
+#else
+inline unsigned flush_subnormals() { return 0; }
+inline void restore_subnormals(unsigned) {}
+#endif
+
 template <typename Kernel, typename... Args>
 void launch(dim3 grid, dim3 block, Kernel kernel, Args... args) {
+    const unsigned mxcsr = flush_subnormals();  // (before the fibers' getcontext: they inherit it)
     const unsigned n = block.x * block.y * block.z;
     grid_dim = grid;
     block_dim = block;
@@ -124,6 +148,7 @@ void launch(dim3 grid, dim3 block, Kernel kernel, Args... args) {
                 }
             }
     fibers = nullptr;
+    restore_subnormals(mxcsr);
 }
 }  // namespace emu
 
@@ -143,10 +168,38 @@ inline float __shfl_xor_sync(unsigned, float value, int offset) {
     return other;
 }
 
+inline unsigned __shfl_xor_sync(unsigned mask, unsigned value, int offset) {  // (the bits, moved as they are)
+    float bits;
+    memcpy(&bits, &value, 4);
+    const float other = __shfl_xor_sync(mask, bits, offset);
+    memcpy(&value, &other, 4);
+    return value;
+}
+
 inline float __int_as_float(int bits) {
     float f;
     memcpy(&f, &bits, 4);
     return f;
+}
+
+inline int __float_as_int(float f) {
+    int bits;
+    memcpy(&bits, &f, 4);
+    return bits;
+}
+
+// byte i of the result is byte (selector >> 4i) & 7 of y:x (the sign-replicating mode is not modelled)
+inline unsigned __byte_perm(unsigned x, unsigned y, unsigned selector) {
+    const uint64_t bytes = (uint64_t)y << 32 | x;
+    unsigned result = 0;
+    for (int i = 0; i < 4; ++i) result |= (unsigned)((bytes >> (8 * ((selector >> (4 * i)) & 7))) & 0xff) << (8 * i);
+    return result;
+}
+
+inline unsigned __float_as_uint(float f) {
+    unsigned bits;
+    memcpy(&bits, &f, 4);
+    return bits;
 }
 
 using std::max;

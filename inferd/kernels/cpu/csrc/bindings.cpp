@@ -8,6 +8,10 @@ TORCH_LIBRARY(inferd_cpu, m) {
   m.def("decode_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale, int window, float softcap, Tensor? sinks=None) -> Tensor");
   m.impl("decode_attention", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::decode_attention));
+  m.def("decode_attention_8bit(Tensor query, Tensor key_codes, Tensor key_exponents, Tensor value_codes, "
+        "Tensor value_exponents, Tensor block_tables, Tensor seq_lens, float scale, int window, float softcap, "
+        "Tensor? sinks=None) -> Tensor");
+  m.impl("decode_attention_8bit", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::decode_attention_8bit));
 
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::rms_norm));

@@ -14,6 +14,11 @@ namespace inferd_cpu {
 at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
                             double softcap, const std::optional<at::Tensor>& sinks);
+// the same over an 8-bit cache (inferd/kernels/kv_quant.py): float8 codes [B, S, KV, D], int8 exponents [B, S, KV]
+at::Tensor decode_attention_8bit(const at::Tensor& query, const at::Tensor& key_codes, const at::Tensor& key_exponents,
+                                 const at::Tensor& value_codes, const at::Tensor& value_exponents,
+                                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                                 int64_t window, double softcap, const std::optional<at::Tensor>& sinks);
 
 // a decoder layer's small bfloat16 ops (cpu_layer_ops.cpp)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);

@@ -3,7 +3,10 @@
 // Layout (element offsets; T is float, __half or __nv_bfloat16; every tensor contiguous):
 //   query         [num_seqs, num_heads, HEAD_DIM]
 //   key_cache     [num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM]: context position p of a
-//   value_cache   sequence lives in block block_tables[seq][p / BLOCK_SIZE], row p % BLOCK_SIZE
+//   value_cache   sequence lives in block block_tables[seq][p / BLOCK_SIZE], row p % BLOCK_SIZE;
+//                 of T (KV = kKvPlain), or 8-bit codes (kKvE4M3, kKvE5M2: common.cuh)
+//   key_exps      [num_blocks, BLOCK_SIZE, num_kv_heads] int8: an 8-bit cache's row exponents
+//   value_exps    (value = float(code) * 2**exponent); null for a plain cache
 //   block_tables  [num_seqs, max_blocks] int32
 //   seq_lens      [num_seqs] int32: context length, the new token included (its K/V are already
 //                 in the cache); 0 marks a padding row, whose output is zeros
@@ -21,11 +24,13 @@
 // Grid: (num_kv_heads, num_seqs, num_partitions), 128 threads. A CTA serves the GROUP query heads
 // of one KV head, so every K and V row is read from memory once for all of them. It walks its
 // partition of the context in tiles of 4 blocks (one per warp) with an online softmax:
-//   1. q.k: lanes in groups of HEAD_DIM / 8 (16-bit types) load a K row in 16-byte vectors, each
-//      group one token at a time; the scores go to shared memory;
+//   1. q.k: lanes in groups of HEAD_DIM / 8 (16-bit types) load a K row in 16-byte vectors (8-byte
+//      ones of 8 codes for an 8-bit cache, widened exactly; the row's scale, a power of two, then
+//      multiplies its dot product), each group one token at a time; the scores go to shared memory;
 //   2. the running max and sum per head are updated, scores become exp(score - max);
-//   3. p.v: each thread owns 16 bytes of a V row and accumulates GROUP partial outputs in
-//      registers, rescaled when the running max grows.
+//   3. p.v: each thread owns a vector of a V row (an 8-bit row's scale goes into its softmax
+//      weights) and accumulates GROUP partial outputs in registers, rescaled when the running max
+//      grows.
 // With num_partitions == 1 the CTA covers the whole context and writes `out`. Otherwise
 // (flash-decoding, for long contexts and few sequences) partition z covers positions
 // [z * partition_size, (z + 1) * partition_size) and writes its normalized output, max and sum;
@@ -38,15 +43,17 @@ constexpr int kDecodeWarps = 4;
 constexpr int kDecodeThreads = kDecodeWarps * INFERD_WARP;
 }  // namespace inferd
 
-template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP>
+template <typename T, int HEAD_DIM, int BLOCK_SIZE, int GROUP, int KV>
 __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode(
     T* __restrict__ out,
     float* __restrict__ part_out,
     float* __restrict__ part_max,
     float* __restrict__ part_sum,
     const T* __restrict__ query,
-    const T* __restrict__ key_cache,
-    const T* __restrict__ value_cache,
+    const typename inferd::KvCache<T, KV>::type* __restrict__ key_cache,
+    const typename inferd::KvCache<T, KV>::type* __restrict__ value_cache,
+    const signed char* __restrict__ key_exps,
+    const signed char* __restrict__ value_exps,
     const int* __restrict__ block_tables,
     const int* __restrict__ seq_lens,
     const int max_blocks,
@@ -57,8 +64,9 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode(
     const float* __restrict__ sinks)
 {
     using namespace inferd;
-    constexpr int VEC = Vec16<T>::N;                          // elements per 16-byte load
-    static_assert(HEAD_DIM % VEC == 0, "head size must fill whole 16-byte vectors");
+    using C = typename KvCache<T, KV>::type;                  // a cache element
+    constexpr int VEC = KvCache<T, KV>::VEC;                  // cache elements per vector load
+    static_assert(HEAD_DIM % VEC == 0, "head size must fill whole vectors");
     constexpr int VECS = HEAD_DIM / VEC;                      // vectors per K or V row
     constexpr int K_LANES = VECS < INFERD_WARP ? VECS : INFERD_WARP;  // lanes sharing one K row
     constexpr int K_VECS = VECS / K_LANES;                    // vectors per lane per K row
@@ -146,7 +154,7 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode(
         const int block_first = block_index * BLOCK_SIZE;
         const int block = block_first < end ? table[block_index] : 0;
         if (lane == 0) tile_blocks[warp] = block;
-        const T* k_block = key_cache + (long long)block * BLOCK_SIZE * slot_elems + kv_head * HEAD_DIM;
+        const C* k_block = key_cache + (long long)block * BLOCK_SIZE * slot_elems + kv_head * HEAD_DIM;
 #pragma unroll
         for (int pass = 0; pass < BLOCK_SIZE / K_TOKENS; ++pass) {
             const int row = pass * K_TOKENS + lane / K_LANES;
@@ -155,16 +163,22 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode(
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) dot[g] = 0.f;
             if (valid) {
-                const T* kp = k_block + row * slot_elems;
+                const C* kp = k_block + row * slot_elems;
 #pragma unroll
                 for (int i = 0; i < K_VECS; ++i) {
                     float k[VEC];
-                    load16(kp + (k_sub + i * K_LANES) * VEC, k);
+                    load_kv<KV>(kp + (k_sub + i * K_LANES) * VEC, k);
 #pragma unroll
                     for (int g = 0; g < GROUP; ++g) {
 #pragma unroll
                         for (int e = 0; e < VEC; ++e) dot[g] += q[g][i][e] * k[e];
                     }
+                }
+                if constexpr (KV != kKvPlain) {  // the row's scale, a power of 2, once on its dot product
+                    const long long k_row = ((long long)block * BLOCK_SIZE + row) * num_kv_heads + kv_head;
+                    const float k_scale = row_scale<KV>(key_exps, k_row);
+#pragma unroll
+                    for (int g = 0; g < GROUP; ++g) dot[g] *= k_scale;
                 }
             }
 #pragma unroll
@@ -215,10 +229,11 @@ __global__ void __launch_bounds__(inferd::kDecodeThreads) paged_decode(
         for (int i = v_row; i < tile_len; i += V_ROWS) {
             const long long slot = (long long)tile_blocks[i / BLOCK_SIZE] * BLOCK_SIZE + i % BLOCK_SIZE;
             float v[VEC];
-            load16(value_cache + slot * slot_elems + kv_head * HEAD_DIM + v_col, v);
+            load_kv<KV>(value_cache + slot * slot_elems + kv_head * HEAD_DIM + v_col, v);
+            const float v_scale = row_scale<KV>(value_exps, slot * num_kv_heads + kv_head);  // (1: plain)
 #pragma unroll
             for (int g = 0; g < GROUP; ++g) {
-                const float p = scores[g][i];
+                const float p = scores[g][i] * v_scale;  // the row's scale, in its weight
 #pragma unroll
                 for (int e = 0; e < VEC; ++e) acc[g][e] += p * v[e];
             }
