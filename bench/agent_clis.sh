@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One turn of each agent CLI against a real `inferd serve`: Codex (`codex exec`, the Responses API)
-# and Claude Code (`claude -p`, the Anthropic Messages API). Issue 29's acceptance item.
+# and Claude Code (`claude -p`, the Anthropic Messages API). Issue 29's acceptance item. Then a
+# second Claude Code turn of the same session (`--continue`): the share of its prompt the server's
+# prefix cache served (issue 43: the billing header dropped, the session's prefix retained).
 #
 #   bench/agent_clis.sh [--url URL] [--out DIR] [--api-key KEY] [--timeout S] [--no-isolate]
 #
@@ -17,9 +19,9 @@
 # `--system-prompt`, its tools by `--tools ""`. Codex keeps its default tools (function tools and
 # a `namespace` of sub-agent functions), Claude Code its default request fields.
 #
-# Out ($OUT, default a new temp folder): codex.jsonl (its --json events), claude.json (its
-# --output-format json result), serve.log and requests.jsonl (the server's one line per request:
-# path and status) when the script started the server, summary.json. Exit 0 when both CLIs exit 0
+# Out ($OUT, default a new temp folder): codex.jsonl (its --json events), claude.json and
+# claude-2.json (its --output-format json results), serve.log and requests.jsonl (the server's one line per request:
+# path, status, cached tokens) when the script started the server, summary.json. Exit 0 when both CLIs exit 0
 # with a non-empty answer; the last line printed is the summary's path.
 set -euo pipefail
 
@@ -31,6 +33,7 @@ API_KEY="${INFERD_API_KEY:-none}"
 TIMEOUT=900
 ISOLATE=1
 PROMPT="What is the capital of France? Answer in one word."
+PROMPT2="And of Italy? Answer in one word."
 SYSTEM="You are a helpful assistant. Answer briefly."
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -152,46 +155,63 @@ mkdir -p "$OUT/claude-home"
 # max_tokens makes Claude Code ask again for a shorter one, three times, then fail; greedy, it can
 # repeat itself to the limit as well. So: greedy, the answer's first line (a stop sequence; both
 # through CLAUDE_CODE_EXTRA_BODY, merged into its request body) and 200 tokens at most.
+claude() {  # claude ARGS...: one turn, in the same home and folder (so --continue finds the session)
+    (cd "$OUT/work" && env HOME="$OUT/claude-home" ANTHROPIC_BASE_URL="$URL" ANTHROPIC_API_KEY="$API_KEY" \
+        ANTHROPIC_MODEL="$MODEL" ANTHROPIC_SMALL_FAST_MODEL="$MODEL" ANTHROPIC_DEFAULT_HAIKU_MODEL="$MODEL" \
+        ANTHROPIC_DEFAULT_SONNET_MODEL="$MODEL" ANTHROPIC_DEFAULT_OPUS_MODEL="$MODEL" CLAUDE_CODE_SUBAGENT_MODEL="$MODEL" \
+        CLAUDE_CODE_MAX_OUTPUT_TOKENS=200 CLAUDE_CODE_EXTRA_BODY='{"temperature": 0, "stop_sequences": ["\n"]}' DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 DISABLE_ERROR_REPORTING=1 \
+        DISABLE_BUG_COMMAND=1 CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 timeout "$TIMEOUT" \
+        "$CLAUDE" -p "$@" --output-format json --system-prompt "$SYSTEM" --tools "" </dev/null)
+}
 start=$(date +%s)
 set +e
-(cd "$OUT/work" && env HOME="$OUT/claude-home" ANTHROPIC_BASE_URL="$URL" ANTHROPIC_API_KEY="$API_KEY" \
-    ANTHROPIC_MODEL="$MODEL" ANTHROPIC_SMALL_FAST_MODEL="$MODEL" ANTHROPIC_DEFAULT_HAIKU_MODEL="$MODEL" \
-    ANTHROPIC_DEFAULT_SONNET_MODEL="$MODEL" ANTHROPIC_DEFAULT_OPUS_MODEL="$MODEL" CLAUDE_CODE_SUBAGENT_MODEL="$MODEL" \
-    CLAUDE_CODE_MAX_OUTPUT_TOKENS=200 CLAUDE_CODE_EXTRA_BODY='{"temperature": 0, "stop_sequences": ["\n"]}' DISABLE_TELEMETRY=1 DISABLE_AUTOUPDATER=1 DISABLE_ERROR_REPORTING=1 \
-    DISABLE_BUG_COMMAND=1 CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC=1 timeout "$TIMEOUT" \
-    "$CLAUDE" -p "$PROMPT" --output-format json --system-prompt "$SYSTEM" --tools "" \
-    </dev/null >"$OUT/claude.json" 2>"$OUT/claude.err")
+claude "$PROMPT" >"$OUT/claude.json" 2>"$OUT/claude.err"
 CLAUDE_RC=$?
+# a second turn of the same session (issue 43: its prompt should come from the prefix cache)
+claude "$PROMPT2" --continue >"$OUT/claude-2.json" 2>"$OUT/claude-2.err"
+CLAUDE2_RC=$?
 set -e
 CLAUDE_S=$(( $(date +%s) - start ))
 
 # ---------------------------------------------------------------------------- the record
 [[ -f "$OUT/serve.log" ]] && { grep '"inferd.requests"' "$OUT/serve.log" >"$OUT/requests.jsonl" || true; }
 CODEX_V="$("$CODEX" --version 2>/dev/null)" CLAUDE_V="$("$CLAUDE" --version 2>/dev/null)" \
-CODEX_RC=$CODEX_RC CODEX_S=$CODEX_S CLAUDE_RC=$CLAUDE_RC CLAUDE_S=$CLAUDE_S OUT="$OUT" URL="$URL" MODEL="$MODEL" \
+CODEX_RC=$CODEX_RC CODEX_S=$CODEX_S CLAUDE_RC=$CLAUDE_RC CLAUDE2_RC=$CLAUDE2_RC CLAUDE_S=$CLAUDE_S OUT="$OUT" URL="$URL" MODEL="$MODEL" \
 ISOLATED=$([[ $ISOLATE == 2 ]] && echo true || echo false) node - <<'EOF'
 const fs = require("fs"), env = process.env, out = env.OUT;
 const read = (f) => (fs.existsSync(`${out}/${f}`) ? fs.readFileSync(`${out}/${f}`, "utf8") : "");
 const lines = (f) => read(f).split("\n").filter(Boolean).map((l) => { try { return JSON.parse(l); } catch { return null; } }).filter(Boolean);
 const events = lines("codex.jsonl");
 const said = events.filter((e) => e.type === "item.completed" && e.item?.type === "agent_message").map((e) => e.item.text);
-let claude = {};
+let claude = {}, claude2 = {};
 try { claude = JSON.parse(read("claude.json")); } catch {}
+try { claude2 = JSON.parse(read("claude-2.json")); } catch {}
+const records = lines("requests.jsonl");
+const messages = records.filter((r) => r.path === "/v1/messages" && r.status === 200);
+const last = messages[messages.length - 1] || {};
 const summary = {
   url: env.URL, model: env.MODEL, isolated: env.ISOLATED === "true",
   codex: { version: env.CODEX_V, exit: +env.CODEX_RC, seconds: +env.CODEX_S, answer: said.join("\n"),
            completed: events.some((e) => e.type === "turn.completed") },
   claude: { version: env.CLAUDE_V, exit: +env.CLAUDE_RC, seconds: +env.CLAUDE_S,
             answer: claude.is_error ? "" : (claude.result || ""), error: claude.is_error ? claude.result : null },
-  requests: lines("requests.jsonl").map((r) => ({ path: r.path, status: r.status, prompt_tokens: r.prompt_tokens,
-                                                   completion_tokens: r.completion_tokens, e2e: r.e2e })),
+  claude_second_turn: { exit: +env.CLAUDE2_RC, answer: claude2.is_error ? "" : (claude2.result || ""),
+                        prompt_tokens: last.prompt_tokens, cached_tokens: last.cached_tokens,
+                        cached_share: last.prompt_tokens ? last.cached_tokens / last.prompt_tokens : null,
+                        cache_miss: last.cache_miss },
+  requests: records.map((r) => ({ path: r.path, status: r.status, prompt_tokens: r.prompt_tokens,
+                                  cached_tokens: r.cached_tokens, cache_miss: r.cache_miss,
+                                  completion_tokens: r.completion_tokens, e2e: r.e2e })),
 };
 fs.writeFileSync(`${out}/summary.json`, JSON.stringify(summary, null, 1) + "\n");
 for (const name of ["codex", "claude"]) {
   const r = summary[name];
   console.error(`${name} ${r.version}: exit ${r.exit} in ${r.seconds} s, answer: ${JSON.stringify(r.answer)}`);
 }
-for (const r of summary.requests) console.error(`  server saw ${r.path} -> ${r.status}`);
+const t2 = summary.claude_second_turn;
+console.error(`claude's second turn (--continue): exit ${t2.exit}, prompt ${t2.prompt_tokens} tokens, ` +
+              `${t2.cached_tokens} from the prefix cache (${Math.round(100 * (t2.cached_share || 0))}%), miss: ${t2.cache_miss}`);
+for (const r of summary.requests) console.error(`  server saw ${r.path} -> ${r.status}, cached ${r.cached_tokens}/${r.prompt_tokens}`);
 EOF
 echo "$OUT/summary.json"
 ok() { [[ $1 == 0 ]] && node -e "process.exit(require('$OUT/summary.json').$2.answer.trim() ? 0 : 1)"; }

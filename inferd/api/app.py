@@ -32,6 +32,7 @@ from inferd.api.gateway.keys import auth_middleware, principal_of
 from inferd.api.gateway.tenants import Keyring
 from inferd.api.offload import OFFLOAD, Offload
 from inferd.api.conversation.tool_policy import DROPPED_TOOLS
+from inferd.api.conversation.volatile import VOLATILE, VolatileBlocks
 from inferd.api.pipeline.generate import ANSWERED_BY, FALLBACK_FROM, MAX_TOKENS_CLAMPED
 from inferd.api.responses.store import ResponseStore
 from inferd.api.responses.stored import RESPONSE_STORE, StoreCollector, sweep_forever
@@ -70,6 +71,7 @@ def create_app(registry: ModelRegistry, settings: Settings, api_keys: frozenset[
     app[SLOW_CLIENTS] = SlowClientCounts()
     app[EDGE] = EdgeCounts()
     app[OFFLOAD] = Offload()
+    app[VOLATILE] = VolatileBlocks(settings.cache.volatile_prompt_patterns)  # (a bad pattern: SettingsError)
     app[LOOP_LAG] = LoopLag()
     app[RESUMABLE] = StreamRegistry(server.resume_grace_seconds, server.resume_max_streams, server.keepalive_seconds,
                                     app[SSE_RESPONSES])

@@ -57,6 +57,9 @@ class RequestRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    host_cached_tokens: int = 0  # of which from the host tier
+    cache_miss: str | None = None  # why the cache served no more (RequestMetrics.cache_miss); None: a hit
+    volatile_blocks: int | None = None  # prompt blocks dropped as volatile (None: none)
     preemptions: int = 0
     drafted_tokens: int | None = None  # speculation: draft tokens verified (None: none drafted)
     accepted_tokens: int | None = None  # of which accepted

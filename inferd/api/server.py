@@ -18,6 +18,7 @@ import uvloop
 from aiohttp import web
 
 from inferd.api.app import create_app
+from inferd.api.conversation.volatile import compile_patterns
 from inferd.api.edge import connection_options
 from inferd.api.gateway.gate import GATEWAY
 from inferd.api.offload import prestarted_pool
@@ -41,6 +42,7 @@ async def serve(settings: Settings, api_keys: frozenset[str], load: Callable[[],
     """Serve the engine or the registry of engines `load` builds (the caller knows how: the API
     never imports torch); SIGHUP reads the keys and tenants again through `reload_keys`, and
     reloads every model whose table `read_specs` finds changed."""
+    compile_patterns(settings.cache.volatile_prompt_patterns)  # a bad one fails before the models load
     notifier = Notifier.from_environ()
     notifier.status("loading the models")
     asyncio.get_running_loop().set_default_executor(prestarted_pool())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 # content parts that are no text: every model inferd serves reads text only (a multimodal
 # checkpoint, Qwen3.5's, runs as its language model without the vision tower)
@@ -24,6 +24,19 @@ class RequestModel(BaseModel):
 
 class ResponseModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class PromptCacheUsage(ResponseModel):
+    """inferd's usage extension on every generation (each prompt's first choice, summed): how much
+    of the prompt the prefix cache served, and why not more."""
+
+    cached_tokens: int  # prompt tokens the prefix cache served
+    host_tokens: int  # of which came back from the host-memory tier (cache.kv_host_cache_memory)
+    # why it served less than the prompt's cacheable part ("evicted", "diverged at token N",
+    # "another tenant's namespace", "volatile block", "cold"); null: a full hit
+    miss: str | None
+    # prompt blocks dropped as volatile (cache.volatile_prompt_patterns); absent: none
+    volatile_blocks: int | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ErrorDetail(ResponseModel):

@@ -184,6 +184,12 @@ def _kv(s: dict[str, Any]) -> RenderableType:
                                    f"{fmt_int(state.get('checkpoints'))} checkpoints "
                                    f"({_bytes(state.get('checkpoint_bytes') or 0)}) of {fmt_int(state['total'])}, "
                                    f"{fmt_int(state.get('checkpoint_hits'))} hits"))
+    tiers = s.get("cache_tiers")
+    if isinstance(tiers, dict) and is_num(tiers.get("sessions")):
+        host = (f"host tier {fmt_int(tiers.get('host_blocks_used'))} / {fmt_int(tiers.get('host_blocks_total'))} blocks, "
+                f"{fmt_int(tiers.get('host_hit_tokens'))} tokens served; " if tiers.get("host_blocks_total") else "")
+        lines.append(Text.assemble(("tiers ", "dim"), f"{host}{fmt_int(tiers['sessions'])} sessions holding "
+                                   f"{fmt_int(tiers.get('session_blocks'))} blocks"))
     spec = s.get("speculation")
     if isinstance(spec, dict) and spec.get("method") not in (None, "off") and is_num(spec.get("drafted_tokens")):
         drafted, accepted = spec["drafted_tokens"], spec.get("accepted_tokens") or 0

@@ -16,8 +16,9 @@ import torch
 from inferd.engine.config import EngineConfig
 from inferd.engine.worker.cuda_graphs import DecodeGraphs
 from inferd.engine.worker.kv_cache import (KVCache, auto_kv_cache_memory, available_memory, host_blocks_for,
-                                           num_blocks_for, state_bytes_per_slot, state_slots_for)
+                                           kv_layout, num_blocks_for, state_bytes_per_slot, state_slots_for)
 from inferd.engine.worker.runner import ModelRunner
+from inferd.kernels.kv_quant import kv_format
 from inferd.kernels.ops import CudaAttention, TorchAttention, select_attention
 from inferd.text.errors import ModelLoadError
 from inferd.model.decoder import DecoderModel
@@ -75,11 +76,14 @@ class Execution:
     num_state_slots: int = 0  # a hybrid model's state slots (kv/state_slots.py), working and checkpoints
     num_working_slots: int = 0  # of which this many sequences may hold one at once (caps max_num_seqs)
     num_host_state_slots: int = 0
+    num_tier_blocks: int = 0  # the prefix cache's host tier (kv/host_tier.py; 0: none)
 
 
 def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: int) -> Execution:
-    """The KV cache (from `kv_cache_memory`), the attention backend, CUDA graphs, the runner."""
+    """The KV cache (from `kv_cache_memory`, in `kv_cache_dtype`), the attention backend, CUDA
+    graphs, the runner."""
     cfg = model.cfg
+    fmt = kv_format(config.cache.kv_cache_dtype)  # None: K/V in the model's dtype
     memory = config.cache.kv_cache_memory
     if memory is None:
         memory = auto_kv_cache_memory(cfg, model.dtype, model.device, config.scheduler.max_num_batched_tokens,
@@ -88,21 +92,27 @@ def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: in
     max_num_seqs, per_slot = config.scheduler.max_num_seqs, state_bytes_per_slot(cfg, model.dtype)
     # a hybrid model's state slots first, the blocks from the rest
     num_slots, working = state_slots_for(budget, cfg, model.dtype, max_num_seqs)
-    num_blocks = num_blocks_for(budget - num_slots * per_slot, cfg, config.cache.block_size, model.dtype, model.device)
+    num_blocks = num_blocks_for(budget - num_slots * per_slot, cfg, config.cache.block_size, model.dtype, model.device,
+                                fmt)
     num_host_blocks = num_host_slots = 0
     if config.policy.preemption_mode == "swap":
         swap = config.cache.swap_space
         num_host_slots = min(max_num_seqs, int(swap / 2 // per_slot)) if per_slot else 0
-        num_host_blocks = host_blocks_for(swap - num_host_slots * per_slot, cfg, config.cache.block_size, model.dtype)
+        num_host_blocks = host_blocks_for(swap - num_host_slots * per_slot, cfg, config.cache.block_size, model.dtype,
+                                          fmt)
+    num_tier_blocks = _tier_blocks(model, config, fmt)
     if working and working < max_num_seqs:
         log.warning("[cache] the state slots of %d sequences (%.1f MiB each) fit half of kv_cache_memory: "
                     "max_num_seqs lowered from %d", working, per_slot / 2**20, max_num_seqs)
     kv_cache = KVCache(cfg, num_blocks, config.cache.block_size, model.dtype, model.device,
-                       num_host_blocks=num_host_blocks, num_state_slots=num_slots, num_host_state_slots=num_host_slots)
+                       num_host_blocks=num_host_blocks, num_state_slots=num_slots, num_host_state_slots=num_host_slots,
+                       kv_format=fmt, num_tier_blocks=num_tier_blocks)
+    if fmt is not None:
+        log.info("[cache] K/V in %s: %d blocks of %d bytes", fmt, num_blocks, kv_cache.bytes_per_block)
     # a CPU mode, for bfloat16 only (the default dtype, where the drift was seen): in float32 the
     # one-row path is a fast matrix-vector product that two rows would give up (-38% at batch 1)
     deterministic = config.model.deterministic and model.dtype == torch.bfloat16 and model.device.type == "cpu"
-    model.set_attention(_attention(model, config, max_model_len, deterministic))
+    model.set_attention(_attention(model, config, max_model_len, deterministic, fmt))
     model.set_batch_invariant(deterministic)
     graphs = None
     # (a hybrid model's decode steps run eagerly: the graphs hold one block table per row)
@@ -115,19 +125,38 @@ def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: in
             log.warning("decode steps run without CUDA graphs: capturing them failed (%s)", e)
             graphs = None
     return Execution(kv_cache, ModelRunner(model, kv_cache, graphs=graphs), num_blocks, num_host_blocks, num_slots,
-                     working, num_host_slots)
+                     working, num_host_slots, num_tier_blocks)
 
 
-def _attention(model: DecoderModel, config: EngineConfig, max_model_len: int, deterministic: bool) -> TorchAttention:
-    """The device's attention backend for the model's layers. Where layers differ in K/V shape
-    (Gemma 4), the backend that serves every shape: the CPU kernel's if it covers them all, else
-    the reference (CUDA's decode scratch is sized for one head size)."""
+def _tier_blocks(model: DecoderModel, config: EngineConfig, fmt: str | None) -> int:
+    """The host tier's blocks from `kv_host_cache_memory` ("auto": none on a CPU, where the KV
+    cache is host memory already; on CUDA 8 GiB or a quarter of the free host memory, the less).
+    Models with sliding windows or linear layers have none: a hit there needs every group's
+    blocks, or a state checkpoint, which the tier does not keep."""
+    memory = config.cache.kv_host_cache_memory
+    if memory is None:
+        memory = min(8 * 2**30, available_memory(torch.device("cpu")) / 4) if model.device.type == "cuda" else 0
+    layout = kv_layout(model.cfg)
+    if not memory or not config.cache.prefix_caching or len(layout.groups) > 1 or layout.linear:
+        return 0
+    blocks = host_blocks_for(memory, model.cfg, config.cache.block_size, model.dtype, fmt)
+    log.info("[cache] host tier: %d blocks (%.0f MiB)", blocks, memory / 2**20)
+    return blocks
+
+
+def _attention(model: DecoderModel, config: EngineConfig, max_model_len: int, deterministic: bool,
+               fmt: str | None) -> TorchAttention:
+    """The device's attention backend for the model's layers, over K/V in `fmt` (8 bits) or the
+    model's dtype (None). Where layers differ in K/V shape (Gemma 4), the backend that serves
+    every shape: the CPU kernel's if it covers them all, else the reference (CUDA's decode
+    scratch is sized for one head size)."""
     cfg = model.cfg
     shapes = sorted({cfg.kv_shape(i) for i in range(cfg.num_layers)}) or [(cfg.num_kv_heads, cfg.head_dim)]
     backends = [select_attention(model.device, model.dtype, cfg.num_heads, kv_heads, head_dim,
-                                 config.cache.block_size, config.scheduler.max_num_seqs, max_model_len, deterministic)
+                                 config.cache.block_size, config.scheduler.max_num_seqs, max_model_len, deterministic,
+                                 fmt)
                 for kv_heads, head_dim in shapes]
     if len(backends) == 1 or (len({type(b) for b in backends}) == 1 and not isinstance(backends[0], CudaAttention)):
         return backends[0]
     log.warning("[model] layers of %d K/V shapes %s: attention runs on the torch reference", len(shapes), shapes)
-    return TorchAttention(backends[0].kv_block)
+    return TorchAttention(backends[0].kv_block, fmt)

@@ -29,6 +29,7 @@ FLAT: dict[str, tuple[str, str]] = {
     "embeddings": ("model", "embeddings"),
     "block_size": ("cache", "block_size"), "kv_cache_memory": ("cache", "kv_cache_memory"),
     "enable_prefix_caching": ("cache", "prefix_caching"), "swap_space": ("cache", "swap_space"),
+    "kv_cache_dtype": ("cache", "kv_cache_dtype"), "kv_host_cache_memory": ("cache", "kv_host_cache_memory"),
     "max_num_seqs": ("scheduler", "max_num_seqs"), "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "failure_window_seconds": ("health", "failure_window_seconds"),
     "failure_recover_seconds": ("health", "recover_seconds"),

@@ -33,7 +33,6 @@ from inferd.engine.protocol import (
     EngineRequest,
     EngineSnapshot,
     Histogram,
-    StateSlotsSnapshot,
     StepOutputs,
     TokenLogprob,
 )
@@ -91,7 +90,8 @@ class LLMEngine:
                                           num_host_blocks=execution.num_host_blocks,
                                           # (bidirectional attention: a block's K/V depend on what follows it)
                                           enable_prefix_caching=config.cache.prefix_caching and not model.cfg.bidirectional,
-                                          windows=self.kv_cache.layout.windows, state=state)
+                                          windows=self.kv_cache.layout.windows, state=state,
+                                          num_tier_blocks=execution.num_tier_blocks, session_share=config.cache.session_share)
         self.policy = config.policy
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    config.policy)
@@ -159,14 +159,14 @@ class LLMEngine:
         arrival = request.arrival_time if request.arrival_time is not None else self.scheduler.clock()
         group = request.group_id
         constraint = request.constraint
-        tenant, weight, salt = request.tenant, request.tenant_weight, request.cache_salt
+        shared = dict(tenant=request.tenant, tenant_weight=request.tenant_weight, cache_salt=request.cache_salt,
+                      draft_history=request.draft_history, session=request.session)
         root = Request(next(self._seq_ids), prompt_ids, request.params, self.max_model_len, group_id=group,
                        priority_class=cls, timeouts=request.timeouts, arrival_time=arrival, constraint=constraint,
-                       tenant=tenant, tenant_weight=weight, cache_salt=salt, draft_history=request.draft_history)
+                       **shared)  # type: ignore[arg-type]
         root.forks = [Request(next(self._seq_ids), prompt_ids, request.params, self.max_model_len, index=i,
                               group_id=group, constraint=constraint.fork() if constraint else None,
-                              tenant=tenant, tenant_weight=weight, cache_salt=salt,
-                              draft_history=request.draft_history)
+                              **shared)  # type: ignore[arg-type]
                       for i in range(1, n)]
         if request.pooling is not None:
             assert n == 1 and (request.pooling.task == "score" or self.pooler is not None), "a pooling request the door refuses"
@@ -227,6 +227,7 @@ class LLMEngine:
             step.outputs += self._timed_out(request)
         self.last_step_tokens = plan.num_tokens
         if not plan.chunks:
+            self.runner.apply_block_ops(plan)  # (copies a step may have without chunks: a swap-in, the host tier's)
             return step
         start = time.perf_counter()
         try:
@@ -399,17 +400,9 @@ class LLMEngine:
             step_failures=dict(self.health.failures), oom_events_last_minute=self.health.ooms_last_minute(),
             token_budget=scheduler.max_num_batched_tokens, tenants=scheduler.tenants_snapshot(),
             experts_routed=tuple(tuple(m.routed.tolist()) for m in self.model.mixtures() if m is not None),
-            state_slots=self._state_snapshot(), speculation=self.speculator.snapshot(),
+            state_slots=bm.state.snapshot(self.kv_cache.state_bytes_per_slot) if bm.state is not None else None,
+            speculation=self.speculator.snapshot(), cache_tiers=bm.tiers.snapshot(),
         )
-
-    def _state_snapshot(self) -> StateSlotsSnapshot | None:
-        state = self.block_manager.state
-        if state is None:
-            return None
-        stats = state.stats
-        return StateSlotsSnapshot(state.num_slots, state.num_working, state.num_checkpoints,
-                                  self.kv_cache.state_bytes_per_slot, stats.checkpoint_hits, stats.checkpoint_hit_tokens,
-                                  stats.checkpoints_filed, stats.evictions)
 
     # ------------------------------------------------------------------------------- offline
 

@@ -185,6 +185,17 @@ class PoolerInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class Session:
+    """A conversation whose newest prefix the KV cache keeps ahead of anonymous blocks for a while
+    (engine/kv/retention.py): named by the client (prompt_cache_key, x-session-id, Anthropic's
+    cache_control), scoped to its tenant at the door."""
+
+    key: str  # unique per tenant: the door prefixes the tenant's name
+    ttl: float  # seconds its prefix is kept after its last request ends
+    priority: int = 0  # higher: evicted later among sessions (the request's class's rank)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineRequest:
     """One prompt with its n choices, checked by the door against `EngineLimits`: the engine
     asserts what it relies on and does not check again."""
@@ -206,6 +217,7 @@ class EngineRequest:
     pooling: PoolingParams | None = None  # a prefill-only request (n = 1, params unused but its limits)
     # speculation may draft from its tenant's recent outputs (its tenant opted in; never another's)
     draft_history: bool = False
+    session: Session | None = None  # keep its prefix cached between turns (the tool pause)
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +241,10 @@ class RequestMetrics:
     preemptions: int
     drafted_tokens: int = 0  # speculation: draft tokens verified
     accepted_tokens: int = 0  # of which accepted (handed out without a step of their own)
+    host_cached_tokens: int = 0  # of cached_tokens, how many came back from the host tier
+    # why the prefix cache supplied less than the prompt's cacheable part (kv/misses.py's words:
+    # "evicted", "diverged at token N", "another tenant's namespace", "volatile block", "cold"); None: a full hit
+    cache_miss: str | None = None
 
 
 FAILURE_KINDS = ("forward", "request", "oom")  # EngineSnapshot.step_failures' keys (engine/health.py)
@@ -329,6 +345,21 @@ class SpeculationSnapshot:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheTiersSnapshot:
+    """The prefix cache's host tier and sessions (engine/kv/cache_tiers.py), counters since start."""
+
+    host_blocks_total: int  # the host tier's size (0: none)
+    host_blocks_used: int
+    host_hit_tokens: int  # prompt tokens it supplied
+    offloaded_blocks: int  # copied to it on eviction
+    onloaded_blocks: int  # copied back on a hit
+    dropped_blocks: int  # evicted with no room in it
+    sessions: int  # sessions holding a prefix now
+    session_blocks: int  # cache keys they hold now
+    session_released_blocks: int  # let go by a newer state or a tenant's bound
+
+
+@dataclass(frozen=True, slots=True)
 class StateSlotsSnapshot:
     """A hybrid model's state slots (engine/kv/state_slots.py)."""
 
@@ -378,6 +409,7 @@ class EngineSnapshot:
     experts_routed: tuple[tuple[int, ...], ...] = ()
     state_slots: StateSlotsSnapshot | None = None  # a hybrid model's (linear-attention layers)
     speculation: SpeculationSnapshot | None = None
+    cache_tiers: CacheTiersSnapshot | None = None
 
     @property
     def kv_usage_ratio(self) -> float:

@@ -57,6 +57,28 @@ class CacheSettings(Section):
     """Reuse cached KV blocks of shared prompt prefixes."""
     swap_space: float = Field(default=2**30, json_schema_extra=SIZE)
     """Host memory for swapped-out blocks (scheduler.preemption_mode "swap"), bytes like "1GiB"."""
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = "auto"
+    """K/V storage: "auto", the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2", 8 bits with a
+    power-of-two scale per token and KV head: about twice the tokens in the same memory, at a
+    small cost in quality (bench/RESULTS.md, issue 43)."""
+    kv_host_cache_memory: float | None = Field(default=None, json_schema_extra=AUTO_SIZE)
+    """A host-memory tier for the prefix cache: blocks evicted from the KV cache are kept there and
+    come back on a hit, bytes like "8GiB"; 0: none. "auto" (unset): none on a CPU-only box (the
+    KV cache is host memory already: give it the bytes instead), 8 GiB or a quarter of the free
+    host memory, the less, on CUDA."""
+    session_ttl_seconds: float = Field(default=300, ge=0, le=86400)
+    """How long a session's newest prefix (prompt_cache_key, x-session-id, Anthropic's
+    cache_control) is kept ahead of anonymous blocks after its last request; cache_control's
+    "ttl" may ask for longer, up to session_max_ttl_seconds."""
+    session_max_ttl_seconds: float = Field(default=3600, ge=0, le=86400)
+    """The longest a request may ask its session to be kept."""
+    session_share: float = Field(default=0.5, gt=0, le=1)
+    """The share of the KV cache one tenant's sessions may hold ahead of anonymous blocks (the
+    whole cache when no tenants are configured)."""
+    volatile_prompt_patterns: tuple[str, ...] = ("^x-anthropic-billing-header:",)
+    """Regular expressions: a system or message text block that matches one is dropped from the
+    prompt before tokenizing (it changes on every request and would defeat the prefix cache:
+    Claude Code's billing header). A change of the model's input; () turns it off."""
 
     @field_validator("block_size")
     @classmethod
@@ -65,10 +87,10 @@ class CacheSettings(Section):
             raise ValueError("must be a power of two in [1, 128]")
         return value
 
-    @field_validator("kv_cache_memory", "swap_space", mode="before")
+    @field_validator("kv_cache_memory", "swap_space", "kv_host_cache_memory", mode="before")
     @classmethod
     def _memory(cls, value: Any, info: ValidationInfo) -> float | None:
-        if info.field_name == "kv_cache_memory" and (value is None or value == "auto"):
+        if info.field_name != "swap_space" and (value is None or value == "auto"):
             return None
         return parse_memory(value)
 

@@ -56,6 +56,7 @@ SERVE_FLAGS = (
     Flag("--dtype", "model.dtype"),
     Flag("--device", "model.device"),
     Flag("--kv-cache-memory", "cache.kv_cache_memory", str),
+    Flag("--kv-cache-dtype", "cache.kv_cache_dtype"),
     Flag("--block-size", "cache.block_size"),
     Flag("--max-num-seqs", "scheduler.max_num_seqs"),
     Flag("--max-num-batched-tokens", "scheduler.max_num_batched_tokens"),

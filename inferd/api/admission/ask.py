@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from inferd.api.errors import APIError
 from inferd.api.gateway.tenants import Tenant
-from inferd.engine.protocol import LogitsConstraint, PoolingParams
+from inferd.engine.protocol import LogitsConstraint, PoolingParams, Session
 from inferd.settings.policy import PriorityClass, Timeouts
 from inferd.text.sampling_params import SamplingParams
 
@@ -72,6 +72,15 @@ class Sampling:
 
 
 @dataclass(frozen=True, slots=True)
+class SessionAsk:
+    """The session a request names (pipeline/sessions.py reads it from its protocol): the door
+    scopes the key to its tenant and settles the TTL (engine/protocol.py's Session)."""
+
+    key: str  # as the client named it (1 to 256 characters), or as its protocol derived it
+    ttl: float | None = None  # seconds asked (Anthropic's cache_control ttl); None: cache.session_ttl_seconds
+
+
+@dataclass(frozen=True, slots=True)
 class Ask:
     """One generation request as its front-end states it, before any limit is checked."""
 
@@ -100,6 +109,8 @@ class Ask:
     # a prompt-only request (embeddings, scores): one choice, nothing sampled, so the generation
     # fields above go unused; the door checks its prompts against what the model reads at once
     pooling: PoolingParams | None = None
+    session: SessionAsk | None = None  # keep its prefix cached between turns; None: anonymous blocks
+    volatile_blocks: int = 0  # prompt blocks dropped as volatile (conversation/volatile.py), for its usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +158,7 @@ class Prepared:
     cache_salt: str | None = None  # the request's own (Ask.cache_salt)
     tenant: Tenant | None = None  # who asks (its fair-share weight and prefix-cache scope); None: no tenant
     pooling: PoolingParams | None = None  # (Ask.pooling) a prompt-only request
+    session: Session | None = None  # (Ask.session) scoped to its tenant, its TTL settled; never for pooling
 
     @property
     def prompt_tokens(self) -> int:

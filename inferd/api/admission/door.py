@@ -9,7 +9,8 @@ the event loop.
 max_tokens (the server's limit, the default fitted to the context, the context, the functional
 ladder's ceiling, the class's ceiling, the class's KV capacity); logprobs against the output
 filter; the sampling values; logit_bias against the vocabulary; the grammar the front-end's shape
-made (its text compiled off the loop), within a thinking budget if one is asked. A pooling
+made (its text compiled off the loop), within a thinking budget if one is asked; then the
+session it names is scoped to its tenant (`session`). A pooling
 request (embeddings, scores: its prompt only) is checked for what it is instead: each prompt
 against what the model reads at once, one choice, the class's KV capacity. Each check reads
 the limits the engine published at start-up; nothing after `prepare` checks again, and the engine
@@ -28,18 +29,18 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from inferd.api.admission.ask import Ask, Grammar, Prepared, Refused, Thinking
+from inferd.api.admission.ask import Ask, Grammar, Prepared, Refused, SessionAsk, Thinking
 from inferd.api.admission.queues import AdmissionError, ClassQueues
 from inferd.api.errors import APIError, bad_request
 from inferd.api.gateway.tenants import Tenant
 from inferd.api.state import ServerState
 from inferd.engine.async_engine import AsyncEngine, RequestStream
-from inferd.engine.protocol import EngineLimits, EngineRequest, LogitsConstraint
+from inferd.engine.protocol import EngineLimits, EngineRequest, LogitsConstraint, Session
 from inferd.engine.structured.budget import ReasoningBudget
 from inferd.engine.structured.grammar import GrammarCompiler, GrammarError
 from inferd.text.sampling_params import SamplingParams
-from inferd.settings.config import LimitSettings
-from inferd.settings.policy import PriorityClass
+from inferd.settings.config import CacheSettings, LimitSettings
+from inferd.settings.policy import PriorityClass, SchedulingPolicy
 
 MAX_GRAMMAR_CHARS = 64 * 1024  # a larger schema or grammar is refused before it is compiled
 
@@ -61,10 +62,11 @@ class DoorCounts:
 
 class FrontDoor:
     def __init__(self, engine: AsyncEngine, server: ServerState, settings: LimitSettings,
-                 counts: DoorCounts | None = None) -> None:
+                 counts: DoorCounts | None = None, cache: CacheSettings | None = None) -> None:
         self.engine = engine
         self.limits: EngineLimits = engine.limits
         self.settings = settings
+        self.cache = cache or CacheSettings()  # (the sessions' TTLs)
         self.server = server  # (whether it drains)
         self.counts = counts or DoorCounts()
         self.queues = ClassQueues(self.limits.policy.classes, rejections=self.counts.rejections)
@@ -102,7 +104,17 @@ class FrontDoor:
                         timeouts=cls.timeouts.tightened(ask.timeouts),
                         segment="whole" if whole and ask.stream else ask.segment,
                         constraints=await self._constraints(ask, len(prompts)), cache_salt=ask.cache_salt,
-                        tenant=tenant)
+                        tenant=tenant, session=self.session(ask.session, cls, tenant))
+
+    def session(self, asked: SessionAsk | None, cls: PriorityClass, tenant: Tenant | None) -> Session | None:
+        """The engine's session for what a request named: its key in its tenant's scope (two
+        tenants' equal keys never meet), its TTL the one asked or cache.session_ttl_seconds, at
+        most cache.session_max_ttl_seconds, its priority its class's rank."""
+        if asked is None:
+            return None
+        ttl = self.cache.session_ttl_seconds if asked.ttl is None else asked.ttl
+        return Session(f"{tenant.name if tenant else ''}\x00{asked.key}", min(ttl, self.cache.session_max_ttl_seconds),
+                       class_rank(self.limits.policy, cls))
 
     def prepare_pooling(self, ask: Ask, prompts: Sequence[list[int]], cls: PriorityClass,
                         tenant: Tenant | None) -> Prepared:
@@ -257,7 +269,7 @@ class FrontDoor:
                 request = EngineRequest(self.engine.new_group_id(), prompt, prepared.params, cls.name, prepared.n,
                                         prepared.timeouts, arrival_time=arrival, tenant=tenant.name if tenant else None,
                                         tenant_weight=tenant.weight if tenant else 1.0, segment=prepared.segment,
-                                        cache_salt=salt, pooling=prepared.pooling,
+                                        cache_salt=salt, pooling=prepared.pooling, session=prepared.session,
                                         draft_history=tenant is not None and tenant.speculative_history,
                                         constraint=prepared.constraints[i] if prepared.constraints else None)
                 departure = functools.partial(self.queues.leave, cls.name, 1, len(prompt))
@@ -278,6 +290,13 @@ def cache_namespace(scope: str, salt: str | None) -> bytes:
     if not scope and salt is None:
         return b""
     return hashlib.blake2b(f"{scope}\0{salt or ''}".encode(), digest_size=16, person=b"inferd-kv-ns").digest()
+
+
+def class_rank(policy: SchedulingPolicy, cls: PriorityClass) -> int:
+    """A class's rank among the policy's: 0 for the least important, higher for more important
+    (a lower `priority` number runs first)."""
+    ranked = [c.name for c in policy.ranked]  # (most important first)
+    return len(ranked) - 1 - ranked.index(cls.name)
 
 
 def _sampling_params(ask: Ask, max_tokens: int) -> SamplingParams:

@@ -2,6 +2,7 @@
 
     wire.py       the request and reply models (pydantic: validated once, here)
     messages.py   POST /v1/messages (whole, or named stream events) and /v1/messages/count_tokens
+    cache.py      cache_control as a session (its key and TTL), and the volatile blocks dropped
     errors.py     errors in Anthropic's shape and status codes (429, 529 overloaded, 504 timeout)
     endpoints.py  its endpoints, and its error shape registered for them
 

@@ -3,7 +3,8 @@ template, one engine request, the answer as a `message` or its named stream even
 path (api/pipeline/) does the rest.
 
 Usage follows Anthropic's accounting: `input_tokens` are the prompt tokens the prefix cache did
-not serve, `cache_read_input_tokens` those it did (their sum is the prompt).
+not serve, `cache_read_input_tokens` those it did (their sum is the prompt); inferd's
+`prompt_cache` says why it did not serve more. cache_control asks for a session (cache.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
-from inferd.api.admission.ask import Ask, Grammar, Sampling, Shaped, build_grammar
+from inferd.api.admission.ask import Ask, Grammar, Sampling, SessionAsk, Shaped, build_grammar
+from inferd.api.anthropic.cache import cache_controls, drop_volatile, session_of
 from inferd.api.anthropic.wire import (
     CountTokensRequest,
     CountTokensResponse,
@@ -35,6 +37,7 @@ from inferd.api.conversation.reasoning_grammar import after_reasoning, thinking
 from inferd.api.conversation.render import render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
 from inferd.api.conversation.tool_grammar import tools_grammar
+from inferd.api.conversation.volatile import VOLATILE
 from inferd.api.errors import bad_request
 from inferd.api.pipeline.generate import generate
 from inferd.api.pipeline.prompts import make_prompts
@@ -126,23 +129,25 @@ def calls_grammar(body: MessagesRequest, tokenizer: Tokenizer) -> Grammar | None
         raise bad_request(str(e), param="tool_choice") from None
 
 
-def to_ask(body: MessagesRequest) -> Ask:
+def to_ask(body: MessagesRequest, session: SessionAsk | None = None, volatile_blocks: int = 0) -> Ask:
     """What the body asks for, in the engine's terms; the door checks every limit of it."""
     sampling = Sampling(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k or 0,
                         stop=tuple(body.stop_sequences or ()))
     return Ask(model=body.model, stream=body.stream, user=body.metadata.user_id if body.metadata else None,
-               max_tokens=body.max_tokens, clamp_max_tokens=True, sampling=sampling, prompt_param="messages")
+               max_tokens=body.max_tokens, clamp_max_tokens=True, sampling=sampling, prompt_param="messages",
+               session=session, volatile_blocks=volatile_blocks)
 
 
 def tool_use_id() -> str:
     return "toolu_" + secrets.token_hex(12)
 
 
-def _usage(reply: Reply) -> dict[str, int]:
+def _usage(reply: Reply) -> dict[str, Any]:
     usage = reply.usage()
     cached = usage["prompt_tokens_details"]["cached_tokens"]
     return {"input_tokens": usage["prompt_tokens"] - cached, "output_tokens": usage["completion_tokens"],
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0}
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": 0,
+            "prompt_cache": usage["prompt_cache"]}
 
 
 def stop_reason(body: MessagesRequest, finish: str | None, stop: str | int | None,
@@ -280,8 +285,13 @@ def _custom_tools_only(request: web.Request, body: Prompted) -> None:
 
 async def create_message(request: web.Request) -> web.StreamResponse:
     body = MessagesRequest.model_validate(await read_json(request))
+    controls = cache_controls(body)  # (before volatile blocks go: theirs ask too)
     _custom_tools_only(request, body)
-    return await generate(request, to_ask(body), MessagesShape(body))
+    volatile = request.app[VOLATILE]
+    dropped = drop_volatile(volatile, body)
+    volatile.dropped += dropped
+    session = session_of(request, body, controls, body.metadata.user_id if body.metadata else None)
+    return await generate(request, to_ask(body, session, dropped), MessagesShape(body))
 
 
 async def count_tokens(request: web.Request) -> web.Response:
@@ -289,6 +299,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     cache's share); 404 for a model that is not served."""
     body = CountTokensRequest.model_validate(await read_json(request))
     _custom_tools_only(request, body)
+    drop_volatile(request.app[VOLATILE], body)  # (as /v1/messages would; not counted: nothing is generated)
     engine = request.app[REGISTRY].slot(body.model).current.engine
     [tokens] = await make_prompts(request, engine.tokenizer, engine.limits.max_model_len,
                                   lambda tokenizer: [messages_prompt(tokenizer, body)])

@@ -12,18 +12,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from inferd.api.wire import RequestModel, ResponseModel, refuse_media
+from inferd.api.wire import PromptCacheUsage, RequestModel, ResponseModel, refuse_media
 
-# Sent by Claude Code and the SDK, and meaningless here: cache breakpoints (the prefix cache
-# finds shared prefixes by itself), a service tier, beta context editing, output effort, MCP
-# servers and containers (which only Anthropic's platform runs), cache-miss diagnostics, the
-# platform's user and workspace ids. Accepted, ignored.
+# Sent by Claude Code and the SDK, and meaningless here: a service tier, beta context editing,
+# output effort, MCP servers and containers (which only Anthropic's platform runs), cache-miss
+# diagnostics, the platform's user and workspace ids. Accepted, ignored. Cache breakpoints
+# (cache_control) are read only as a request for a session (cache.py): the prefix cache finds
+# shared prefixes by itself.
 HINTS = ("cache_control", "service_tier", "context_management", "output_config", "container", "mcp_servers",
          "inference_geo", "diagnostics", "user_profile_id", "workspace_id")
 
 
 class CacheHinted(RequestModel):
-    cache_control: dict[str, Any] | None = None  # a prompt-cache breakpoint: a hint (the prefix cache finds them)
+    cache_control: dict[str, Any] | None = None  # a prompt-cache breakpoint: asks for a session (cache.py)
 
 
 class TextBlock(CacheHinted):
@@ -182,6 +183,8 @@ class MessageUsage(ResponseModel):
     output_tokens: int
     cache_read_input_tokens: int = 0  # prompt tokens the prefix cache served
     cache_creation_input_tokens: int = 0  # (inferd caches every prompt as it goes: no separate write)
+    # inferd's extension (as OpenAI's usage has it): why the prefix cache served no more
+    prompt_cache: PromptCacheUsage | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class TextOut(ResponseModel):

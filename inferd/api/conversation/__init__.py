@@ -14,6 +14,8 @@
     harmony.py  gpt-oss's chat format through openai_harmony: the prompt rendered from the
                 messages, the answer's token ids parsed into the same parts (analysis, commentary
                 calls, final)
+    volatile.py the system and message text blocks dropped before rendering (Claude Code's
+                billing header: cache.volatile_prompt_patterns), and their count
 
 A protocol front-end (openai/, anthropic/, responses/) turns its own messages into template dicts
 (role, content, tool_calls, tool_call_id, reasoning_content) and its tools into OpenAI-style

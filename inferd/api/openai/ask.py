@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from inferd.api.admission.ask import Ask, Sampling
+from inferd.api.admission.ask import Ask, Sampling, SessionAsk
 from inferd.api.openai.wire import SamplingFields
 from inferd.settings.policy import Timeouts
 
 
 def to_ask(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None, fit_default: bool,
-           prompt_param: str) -> Ask:
+           prompt_param: str, session: SessionAsk | None = None, volatile_blocks: int = 0) -> Ask:
     """What the body asks for, in the engine's terms; the door checks every limit of it."""
     sampling = Sampling(
         temperature=body.temperature, top_p=body.top_p, top_k=max(body.top_k, 0), min_p=body.min_p,
@@ -20,4 +20,4 @@ def to_ask(body: SamplingFields, *, max_tokens: int | None, logprobs: int | None
     return Ask(model=body.model, n=body.n, stream=body.stream, priority=body.priority, user=body.user,
                max_tokens=max_tokens, fit_default=fit_default, logprobs=logprobs, sampling=sampling,
                timeouts=timeouts, segment=body.segment, resumable=body.resumable, cache_salt=body.cache_salt,
-               prompt_param=prompt_param)
+               prompt_param=prompt_param, session=session, volatile_blocks=volatile_blocks)

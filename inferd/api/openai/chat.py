@@ -16,6 +16,7 @@ from inferd.api.conversation.answer import (AnswerFormat, Finish, Part, Reasonin
                                             ToolCallStart, answer_format, decode_whole)
 from inferd.api.conversation.reasoning_grammar import EFFORT_BUDGETS, after_reasoning, thinking
 from inferd.api.conversation.render import call_arguments, render_prompt
+from inferd.api.conversation.volatile import VOLATILE, VolatileBlocks
 from inferd.api.openai.ask import to_ask
 from inferd.api.openai.events import StreamEvents, with_usage
 from inferd.api.openai.structured import request_grammar
@@ -32,6 +33,7 @@ from inferd.api.openai.chat_wire import (
 )
 from inferd.api.openai.wire import Usage
 from inferd.api.pipeline.generate import generate
+from inferd.api.pipeline.sessions import asked_session
 from inferd.api.pipeline.shape import Events, Reply
 from inferd.api.streaming.generation import ChoiceResult, Render
 from inferd.api.streaming.sse import dumps
@@ -181,9 +183,24 @@ def _delta(parts: list[Part], tools: bool) -> tuple[dict[str, Any], str | None]:
     return delta, _finish(finish.reason, finish.called) if finish else None
 
 
+def drop_volatile(volatile: VolatileBlocks, messages: Sequence[ChatMessage]) -> int:
+    """Drop the volatile text of every message but a tool's (its text parts, or its whole text)
+    before the prompt is rendered; how many blocks went."""
+    dropped = 0
+    for message in messages:
+        if message.role != "tool":
+            message.content, n = volatile.strip(message.content, lambda part: part.text)
+            dropped += n
+    return dropped
+
+
 async def create_chat_completion(request: web.Request) -> web.StreamResponse:
     body = ChatCompletionRequest.model_validate(await read_json(request))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    volatile = request.app[VOLATILE]
+    dropped = drop_volatile(volatile, body.messages)
+    volatile.dropped += dropped
     ask = to_ask(body, max_tokens=max_tokens, logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-                 fit_default=True, prompt_param="messages")
+                 fit_default=True, prompt_param="messages", session=asked_session(request, body.prompt_cache_key),
+                 volatile_blocks=dropped)
     return await generate(request, ask, ChatShape(body))

@@ -79,8 +79,7 @@ UNSUPPORTED_CHAT_FIELDS = {
     "audio": "inferd answers in text only", "prediction": "there are no predicted outputs",
     "verbosity": "not a setting of the models served here",
     "web_search_options": "there is no web search", "functions": "use tools", "function_call": "use tool_choice",
-    "metadata": "completions are not stored", "prompt_cache_key": "the prefix cache needs no key",
-    "safety_identifier": "use user",
+    "metadata": "completions are not stored", "safety_identifier": "use user",
 }
 
 
@@ -114,7 +113,7 @@ class ChatCompletionRequest(SamplingFields):
     functions: Any = None
     function_call: Any = None
     metadata: Any = None
-    prompt_cache_key: Any = None
+    prompt_cache_key: str | None = None  # a session: its prefix kept cached between turns (pipeline/sessions.py)
     safety_identifier: Any = None
 
     @field_validator("chat_template_kwargs")

@@ -18,6 +18,7 @@ from inferd.api.openai.logprobs import TokenTexts, completion_logprobs, echo_log
 from inferd.api.openai.structured import request_grammar
 from inferd.api.openai.wire import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse, Usage
 from inferd.api.pipeline.generate import generate
+from inferd.api.pipeline.sessions import asked_session
 from inferd.api.pipeline.shape import Events, Reply
 from inferd.api.streaming.generation import ChoiceResult, Render
 from inferd.api.streaming.sse import dumps
@@ -130,7 +131,7 @@ async def create_completion(request: web.Request) -> web.StreamResponse:
     if body.echo and body.stream:
         raise bad_request("echo is answered whole: set stream to false", param="echo")
     ask = to_ask(body, max_tokens=1 if body.max_tokens == 0 else body.max_tokens, logprobs=body.logprobs,
-                 fit_default=False, prompt_param="prompt")
+                 fit_default=False, prompt_param="prompt", session=asked_session(request))
     if body.echo and body.logprobs is not None:  # the prompt's own logprobs, from its prefill
         ask = dataclasses.replace(ask, sampling=dataclasses.replace(ask.sampling, prompt_logprobs=body.logprobs))
     return await generate(request, ask, CompletionShape(body))

@@ -20,7 +20,8 @@ from pydantic import Field
 
 from inferd.api.body import read_json
 from inferd.api.errors import bad_request
-from inferd.api.openai.chat import chat_prompt
+from inferd.api.conversation.volatile import VOLATILE
+from inferd.api.openai.chat import chat_prompt, drop_volatile
 from inferd.api.openai.chat_wire import ChatMessage, Tool
 from inferd.api.pipeline.prompts import make_prompts
 from inferd.api.routing.registry import REGISTRY
@@ -88,6 +89,8 @@ def _engine(request: web.Request, model: str | None) -> AsyncEngine:
 async def tokenize(request: web.Request) -> web.Response:
     body = parse_tokenize(await read_json(request))
     engine = _engine(request, body.model)
+    if isinstance(body, TokenizeChatRequest):  # (as the chat path renders them; not counted)
+        drop_volatile(request.app[VOLATILE], body.messages)
 
     def count(tokenizer: Tokenizer) -> list[list[int]]:
         if isinstance(body, TokenizeChatRequest):

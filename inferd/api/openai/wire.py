@@ -24,7 +24,7 @@ from pydantic import (
     model_serializer,
 )
 
-from inferd.api.wire import RequestModel, ResponseModel
+from inferd.api.wire import PromptCacheUsage, RequestModel, ResponseModel
 
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1 - 128  # torch generator range, less room for seed + choice
 
@@ -218,6 +218,7 @@ class Usage(ResponseModel):
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
     speculative: SpeculativeUsage | None = None  # (absent: nothing drafted)
+    prompt_cache: PromptCacheUsage | None = Field(default=None, exclude_if=lambda value: value is None)
 
     @model_serializer(mode="wrap")
     def _absent_when_nothing_drafted(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

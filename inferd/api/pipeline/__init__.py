@@ -7,7 +7,9 @@ sibling for embeddings, rerank and score (pooling.py):
 
 A front-end gives it two things per request:
     an `Ask` (admission/ask.py): model, n, stream, priority, user, max_tokens, logprobs,
-        sampling, timeouts, segment, resumable: plain data, no wire format in it;
+        sampling, timeouts, segment, resumable, the session it names (sessions.py reads the
+        x-session-id header and the body's key) and the volatile blocks its prompt lost
+        (conversation/volatile.py): plain data, no wire format in it;
     a `Shape` (shape.py): for the chosen model's tokenizer, in one call, the prompts' token ids,
         the grammar and the thinking budget (a `Shaped`, which goes into the Ask); then the
         prompt as text for the logs, a whole reply's JSON body, a stream's head, per-output

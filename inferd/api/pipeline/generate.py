@@ -87,7 +87,7 @@ async def answer(request: web.Request, ask: Ask, shape: Shape, choice: Choice, c
     request[ANSWERED_BY] = served.spec.label
     if choice.fallback_from is not None:
         request[FALLBACK_FROM] = choice.fallback_from
-    with Generation(served.door, prepared, shape.id_prefix, record, ticket) as gen:
+    with Generation(served.door, prepared, shape.id_prefix, record, ticket, ask.volatile_blocks) as gen:
         reply = Reply(gen.id, gen.created, model, tokenizer, gen.usage)
         if not ask.stream:
             results = await gen.gather(request)

@@ -16,15 +16,17 @@ from typing import Any
 
 from aiohttp import web
 
-from inferd.api.admission.ask import Ask, Grammar, Sampling, Shaped, build_grammar
+from inferd.api.admission.ask import Ask, Grammar, Sampling, SessionAsk, Shaped, build_grammar
 from inferd.api.body import read_json
 from inferd.api.conversation.answer import AnswerFormat, answer_format, decode_whole
 from inferd.api.conversation.reasoning_grammar import EFFORT_BUDGETS, after_reasoning, thinking
 from inferd.api.conversation.render import call_arguments, render_prompt
 from inferd.api.conversation.tool_policy import supported_tools
 from inferd.api.conversation.tool_grammar import tools_grammar
+from inferd.api.conversation.volatile import VOLATILE, VolatileBlocks
 from inferd.api.errors import bad_request
 from inferd.api.pipeline.generate import generate
+from inferd.api.pipeline.sessions import asked_session
 from inferd.api.pipeline.shape import Events, Reply
 from inferd.api.responses.events import EVENTS_PER_TOKEN, OutputItem, ResponseEvents, finish_status, item_id
 from inferd.api.responses.stored import RESPONSE_STORE, Keeper, add_stored_endpoints, not_found, store_full
@@ -126,18 +128,34 @@ def grammar(body: ResponsesRequest, tokenizer: Tokenizer) -> Grammar | None:
     return None
 
 
-def to_ask(body: ResponsesRequest) -> Ask:
+def to_ask(body: ResponsesRequest, session: SessionAsk | None = None, volatile_blocks: int = 0) -> Ask:
     """What the body asks for, in the engine's terms; the door checks every limit of it."""
     # (a background response's events are produced, and kept, even when its client is not streamed them)
     return Ask(model=body.model, stream=body.stream or body.background, user=body.user, max_tokens=body.max_output_tokens,
                fit_default=True, sampling=Sampling(temperature=body.temperature, top_p=body.top_p),
-               prompt_param="input")
+               prompt_param="input", session=session, volatile_blocks=volatile_blocks)
+
+
+def drop_volatile(volatile: VolatileBlocks, body: ResponsesRequest) -> int:
+    """Drop the volatile text of `instructions` and of the input's messages (their text parts, or
+    their whole text) before the prompt is rendered; how many blocks went."""
+    dropped = 0
+    if body.instructions is not None and volatile.matches(body.instructions):
+        body.instructions, dropped = None, 1
+    if isinstance(body.input, str):
+        body.input, n = volatile.strip(body.input, lambda part: part.text)
+        return dropped + n
+    for item in body.input:
+        if isinstance(item, MessageItem):
+            item.content, n = volatile.strip(item.content, lambda part: part.text)
+            dropped += n
+    return dropped
 
 
 def _usage(reply: Reply) -> ResponseUsage:
     usage = reply.usage()
     return ResponseUsage(input_tokens=usage["prompt_tokens"], output_tokens=usage["completion_tokens"],
-                         total_tokens=usage["total_tokens"],
+                         total_tokens=usage["total_tokens"], prompt_cache=usage["prompt_cache"],
                          input_tokens_details=InputTokensDetails(cached_tokens=usage["prompt_tokens_details"]["cached_tokens"]))
 
 
@@ -235,8 +253,11 @@ async def create_response(request: web.Request) -> web.StreamResponse:
     if body.tools:
         body.tools = supported_tools(request, body.tools, lambda tool: tool.get("type"), lambda kind: kind in TOOL_TYPES)
     history = _history(request, body)
+    volatile = request.app[VOLATILE]
+    dropped = drop_volatile(volatile, body)
+    volatile.dropped += dropped
     shape = ResponsesShape(body, history, _keeper(request, body))
-    return await generate(request, to_ask(body), shape)
+    return await generate(request, to_ask(body, asked_session(request, body.prompt_cache_key), dropped), shape)
 
 
 def _history(request: web.Request, body: ResponsesRequest) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 Strict, as the other protocols' models: an unknown field is a 400 naming it. Fields that clients
 send as hints and that ask for nothing inferd must do are accepted by name (Codex sends
-`prompt_cache_key` and `client_metadata`; the prefix cache finds shared prefixes itself).
+`client_metadata`); `prompt_cache_key` names a session (pipeline/sessions.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, field_validator
 
-from inferd.api.wire import RequestModel, ResponseModel, refuse_media
+from inferd.api.wire import PromptCacheUsage, RequestModel, ResponseModel, refuse_media
 
 
 class TextPart(RequestModel):
@@ -157,8 +157,8 @@ class ResponsesRequest(RequestModel):
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
     user: str | None = None
+    prompt_cache_key: str | None = None  # a session: its prefix kept cached between turns
     # hints, accepted and not read
-    prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     client_metadata: dict[str, Any] | None = None
     service_tier: str | None = None
@@ -236,6 +236,7 @@ class ResponseUsage(ResponseModel):
     output_tokens: int
     output_tokens_details: OutputTokensDetails = OutputTokensDetails()
     total_tokens: int
+    prompt_cache: PromptCacheUsage | None = Field(default=None, exclude_if=lambda value: value is None)  # inferd's
 
 
 class IncompleteDetails(ResponseModel):

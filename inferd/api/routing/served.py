@@ -47,7 +47,7 @@ class Served:
         self.spec = spec
         self.engine = engine
         self.settings = settings
-        self.door = FrontDoor(engine, server, settings.limits, counts)
+        self.door = FrontDoor(engine, server, settings.limits, counts, settings.cache)
         self.health = ModelHealth()
         self.probe = InferenceProbe(engine, self.health, settings.server.probe_interval_seconds, server)
         self._probing: asyncio.Task[None] | None = None

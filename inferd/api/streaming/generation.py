@@ -71,7 +71,7 @@ class Generation:
     outlives_handler = False  # a resumable stream: its producer's task ends it, not the `with` block
 
     def __init__(self, door: FrontDoor, prepared: Prepared, id_prefix: str, record: RequestRecord | None = None,
-                 ticket: Ticket | None = None) -> None:
+                 ticket: Ticket | None = None, volatile_blocks: int = 0) -> None:
         self.door = door
         self.prepared = prepared
         self.ticket = ticket  # its tenant's account: refunded and counted at the end
@@ -86,6 +86,11 @@ class Generation:
         self.streams: list[RequestStream] = []
         self.completion_tokens = 0
         self.cached_tokens = 0  # prompt tokens the prefix cache supplied (each prompt's first choice)
+        self.host_cached_tokens = 0  # of which from the host tier
+        self.misses: dict[int, str] = {}  # group id -> why its cache served no more (a miss only)
+        self.volatile_blocks = volatile_blocks  # prompt blocks its front-end dropped (Ask.volatile_blocks)
+        if record is not None and volatile_blocks:
+            record.volatile_blocks = volatile_blocks
         self.drafted_tokens = self.accepted_tokens = 0  # speculation's, over every choice
 
     @property
@@ -93,13 +98,27 @@ class Generation:
         return self.prepared.prompt_tokens
 
     def usage(self) -> dict[str, Any]:
-        """OpenAI's usage, and inferd's extension `speculative` where drafts were verified."""
+        """OpenAI's usage, and inferd's extensions: `prompt_cache` always, `speculative` where
+        drafts were verified."""
         usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                  "total_tokens": self.prompt_tokens + self.completion_tokens,
-                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}, "prompt_cache": self.prompt_cache()}
         if self.drafted_tokens:
             usage["speculative"] = {"drafted_tokens": self.drafted_tokens, "accepted_tokens": self.accepted_tokens}
         return usage
+
+    @property
+    def cache_miss(self) -> str | None:
+        """Why the prefix cache served no more: the first prompt's reason that missed (None: every hit)."""
+        return self.misses[min(self.misses)] if self.misses else None  # (group ids rise prompt by prompt)
+
+    def prompt_cache(self) -> dict[str, Any]:
+        """What the prefix cache served of the prompts, and why no more."""
+        cache: dict[str, Any] = {"cached_tokens": self.cached_tokens, "host_tokens": self.host_cached_tokens,
+                                 "miss": self.cache_miss}
+        if self.volatile_blocks:
+            cache["volatile_blocks"] = self.volatile_blocks
+        return cache
 
     def __enter__(self) -> Generation:
         ticket = self.ticket
@@ -137,6 +156,9 @@ class Generation:
             return
         if metrics is not None and out.index == 0:
             self.cached_tokens += metrics.cached_tokens
+            self.host_cached_tokens += metrics.host_cached_tokens
+            if metrics.cache_miss is not None:
+                self.misses[out.group_id] = metrics.cache_miss
         if metrics is not None:
             self.drafted_tokens += metrics.drafted_tokens
             self.accepted_tokens += metrics.accepted_tokens
@@ -147,7 +169,10 @@ class Generation:
         record.finish.append(out.finish_reason or "-")
         if metrics is None:
             return
-        record.cached_tokens += metrics.cached_tokens if out.index == 0 else 0
+        if out.index == 0:
+            record.cached_tokens += metrics.cached_tokens
+            record.host_cached_tokens += metrics.host_cached_tokens
+            record.cache_miss = self.cache_miss
         record.preemptions += metrics.preemptions
         if metrics.drafted_tokens:
             record.drafted_tokens = (record.drafted_tokens or 0) + metrics.drafted_tokens

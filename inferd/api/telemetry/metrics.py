@@ -28,6 +28,7 @@ from prometheus_client.registry import Collector
 
 from inferd.api.admission.ask import GRAMMAR_KINDS
 from inferd.api.admission.queues import REASONS
+from inferd.api.conversation.volatile import VOLATILE, VolatileBlocks
 from inferd.api.edge import EDGE, REFUSALS, EdgeCounts
 from inferd.api.gateway.gate import GATEWAY, Gateway
 from inferd.api.routing.registry import REGISTRY, ModelRegistry
@@ -118,6 +119,25 @@ SPEC_METRICS = (
 )
 
 
+# the prefix cache's host tier and sessions (EngineSnapshot.cache_tiers): name, kind, help, the field
+TIER_METRICS = (
+    ("inferd_host_cache_blocks_total", GaugeMetricFamily, "Host-tier blocks of the prefix cache (kv_host_cache_memory).",
+     "host_blocks_total"),
+    ("inferd_host_cache_blocks_used", GaugeMetricFamily, "Host-tier blocks holding an evicted prefix block.",
+     "host_blocks_used"),
+    ("inferd_host_cache_hits", CounterMetricFamily, "Prompt tokens the host tier served (copied back).",
+     "host_hit_tokens"),
+    ("inferd_host_cache_offloaded_blocks", CounterMetricFamily, "Evicted KV blocks copied to the host tier.",
+     "offloaded_blocks"),
+    ("inferd_host_cache_dropped_blocks", CounterMetricFamily, "Evicted KV blocks the host tier had no room for.",
+     "dropped_blocks"),
+    ("inferd_cache_sessions", GaugeMetricFamily, "Sessions holding a prefix ahead of anonymous blocks.", "sessions"),
+    ("inferd_cache_session_blocks", GaugeMetricFamily, "Prefix-cache blocks (keys) sessions hold.", "session_blocks"),
+    ("inferd_cache_session_released_blocks", CounterMetricFamily,
+     "Held blocks let go: a session's newer state, or its tenant's bound (session_share).", "session_released_blocks"),
+)
+
+
 def _cache_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
     yield GaugeMetricFamily("inferd_kv_blocks_total", "KV cache blocks.", value=stats.kv_blocks_total)
     yield GaugeMetricFamily("inferd_kv_blocks_used", "KV cache blocks held by requests.", value=stats.kv_blocks_used)
@@ -132,6 +152,9 @@ def _cache_metrics(stats: EngineSnapshot) -> Iterator[Metric]:
     if (state := stats.state_slots) is not None:  # a hybrid model's linear-attention state
         for name, kind, doc, field in STATE_METRICS:
             yield kind(name, doc, value=getattr(state, field))
+    if (tiers := stats.cache_tiers) is not None:
+        for name, kind, doc, field in TIER_METRICS:
+            yield kind(name, doc, value=getattr(tiers, field))
     if (spec := stats.speculation) is not None:
         for name, doc, field in SPEC_METRICS:
             yield CounterMetricFamily(name, doc, value=getattr(spec, field))
@@ -270,11 +293,23 @@ class EngineCollector(Collector):
                                     value=utilization / 100)
 
 
+class PromptCollector(Collector):
+    """What the API changed in the prompts it was sent."""
+
+    def __init__(self, volatile: VolatileBlocks) -> None:
+        self.volatile = volatile
+
+    def collect(self) -> Iterator[Metric]:
+        yield CounterMetricFamily("inferd_prompt_volatile_blocks", "Prompt blocks dropped before rendering: they "
+                                  "matched cache.volatile_prompt_patterns.", value=self.volatile.dropped)
+
+
 def setup_metrics(app: web.Application) -> None:
     registry = CollectorRegistry(auto_describe=False)
     journal = app.get(REQUEST_JOURNAL)
     registry.register(EngineCollector(app[REGISTRY], app[GATEWAY], app[STATE], app[SLOW_CLIENTS], app[EDGE],
                                       app[LOOP_LAG], app[RESUMABLE], None if journal is None else journal.drift))
+    registry.register(PromptCollector(app[VOLATILE]))
     app[COLLECTORS] = registry
     app.router.add_get("/metrics", metrics)
 

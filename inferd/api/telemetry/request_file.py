@@ -115,6 +115,7 @@ class RequestJournal:
                 "model": record.model or self.model, "revision": record.revision, "path": path, "status": status,
                 "task": record.task, "prompt_tokens": record.prompt_tokens,
                 "completion_tokens": record.completion_tokens, "cached_tokens": record.cached_tokens,
+                "host_cached_tokens": record.host_cached_tokens, "cache_miss": record.cache_miss,
                 "finish_reasons": texts.finish_reasons(), "queue_time": _round(record.queue_time),
                 "ttft": _round(record.ttft), "e2e": _round(e2e), "prompt": texts.prompt, "outputs": outputs}
         self._queue.put_nowait(logging.makeLogRecord({"msg": "request", "line": line}))

@@ -8,6 +8,7 @@ one of a single-model server); `models` has every model, `tenants` sums every en
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 
@@ -158,6 +159,7 @@ async def status(request: web.Request) -> web.Response:
         speculation=None if (spec := stats.speculation) is None else s.SpeculationStatus(
             method=spec.method, drafted_tokens=spec.drafted_tokens, accepted_tokens=spec.accepted_tokens,
             verifications=spec.verifications, steps_off=spec.steps_off, off_reason=spec.off_reason),
+        cache_tiers=None if stats.cache_tiers is None else s.CacheTiersStatus(**dataclasses.asdict(stats.cache_tiers)),
         engine_healthy=stats.healthy, step_failures=stats.step_failures,
         oom_events_last_minute=stats.oom_events_last_minute, token_budget=stats.token_budget,
         resumable_streams_detached=request.app[RESUMABLE].detached,

@@ -116,6 +116,20 @@ class StateSlotsStatus(ResponseModel):
     checkpoint_evictions: int
 
 
+class CacheTiersStatus(ResponseModel):
+    """The prefix cache's host tier and sessions (kv_host_cache_memory, session retention)."""
+
+    host_blocks_total: int  # 0: no host tier
+    host_blocks_used: int
+    host_hit_tokens: int  # prompt tokens it served, since start
+    offloaded_blocks: int
+    onloaded_blocks: int
+    dropped_blocks: int
+    sessions: int  # holding a prefix now
+    session_blocks: int
+    session_released_blocks: int
+
+
 class SpeculationStatus(ResponseModel):
     """Speculative decoding since start ([speculative])."""
 
@@ -209,6 +223,7 @@ class StatusResponse(ResponseModel):
     device_memory: DeviceMemory | None  # CUDA only
     state_slots: StateSlotsStatus | None = None  # a hybrid model's (linear-attention layers)
     speculation: SpeculationStatus | None = None
+    cache_tiers: CacheTiersStatus | None = None
     engine_healthy: bool = True  # false after failed steps in a row, until it recovers
     step_failures: dict[str, int] = {}  # by kind: forward, request, oom
     oom_events_last_minute: int = 0

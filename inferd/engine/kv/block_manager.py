@@ -3,6 +3,7 @@ sequences (no tensors here). The scheduler's check-then-act API to KV memory.
 
     block_manager  tables, token counts, copy-on-write, swap      (this module)
     groups         which layers share a table; sliding windows    KVLayout, first_needed_block
+    cache_tiers    the host tier, sessions, why a prompt missed   CacheTiers
     block_pool     refcounts and the free list                    BlockPool
     prefix_cache   block keys, lookup, evictable LRU              PrefixCache, block_key
 
@@ -32,19 +33,12 @@ with the prompt's token ids reuses the leading cached blocks and returns how man
 hold; the caller computes from there. A freed block that is still cached stays *evictable*
 (see block_pool.py for the three states).
 
-KV groups (kv/groups.py): a sequence has one table per group, all of one length, over the one
-pool. A sliding group's blocks before its window go back as `commit` learns they are computed
-(their entries then say 0), and a prefix hit takes a sliding group's blocks for the window at
-its end only.
-
-State slots (kv/state_slots.py): with `state` given (a hybrid model's linear layers), every
-sequence also holds a working slot, a prefix hit is cut back to the longest one that ends at a
-state checkpoint, and `commit` files the checkpoints a chunk wrote under its blocks' keys.
-
-Swap: `swap_out` copies a sequence's blocks to host blocks and frees them; `swap_in` brings them
-back into fresh ones. The caller copies, in one step: swap-out, swap-in, copy-on-write pairs, then
-runs the model. Speculation: a step that verifies drafts appends room for them all; `truncate`
-gives back what the rejected ones took.
+KV groups (kv/groups.py): one table per group, all of one length, over the one pool; a sliding
+group gives back the blocks before its window. State slots (kv/state_slots.py): a hybrid model's
+prefix hit is cut back to a state checkpoint. Swap (kv/host.py): `swap_out` copies a sequence to
+host blocks, `swap_in` brings it back into fresh ones. Speculation: `truncate` gives back the
+room rejected drafts took. Cache tiers (kv/cache_tiers.py): a prompt's hit goes on into the host
+tier, and sessions' blocks are evicted after anonymous ones (`retain`).
 
 Check, then act: `can_allocate` / `can_append` / `can_swap_in` / `can_swap_out` answer whether
 memory suffices; `allocate`, `append`, `swap_in` and `swap_out` return None when it does not (and
@@ -53,14 +47,17 @@ nothing has changed), so the scheduler can pick a sequence to preempt and try ag
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 
 from inferd.engine.kv.block_pool import BlockPool
+from inferd.engine.kv.cache_tiers import CacheTiers, PrefixHit
 from inferd.engine.kv.groups import first_needed_block
 from inferd.engine.kv.host import HostBlocks
-from inferd.engine.kv.prefix_cache import BlockError, PrefixCache, check_tables, match_groups
+from inferd.engine.kv.prefix_cache import BlockError, PrefixCache, check_tables
 from inferd.engine.kv.state_slots import StateSlots
+from inferd.engine.protocol import Session
 
 
 class BlockManager:
@@ -69,13 +66,16 @@ class BlockManager:
 
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True, windows: Sequence[int | None] = (None,),
-                 state: StateSlots | None = None) -> None:
+                 state: StateSlots | None = None, num_tier_blocks: int = 0, clock: Callable[[], float] = time.monotonic,
+                 session_share: float = 1.0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not windows or any(w is not None and w < 1 for w in windows):
             raise ValueError(f"windows must be None or >= 1, one per KV group, got {windows}")
         self.pool = BlockPool(num_blocks)
         self.prefix_cache: PrefixCache = self.pool.cache
+        # the host tier (num_tier_blocks), session retention and miss reasons (kv/cache_tiers.py)
+        self.tiers = CacheTiers(self.prefix_cache, num_blocks, block_size, num_tier_blocks, clock, session_share, state)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)
@@ -161,13 +161,13 @@ class BlockManager:
         logits); 0 without token ids (a sequence that reuses nothing). Changes nothing."""
         if not self.enable_prefix_caching or token_ids is None:
             return 0
-        return len(self._match(token_ids, len(token_ids) - 1, root)[1]) * self.block_size
+        return len(self._match(token_ids, len(token_ids) - 1, root).keys) * self.block_size
 
     # ---- check ----
 
     def can_allocate(self, num_tokens: int, token_ids: Sequence[int] | None = None, reserve: int = 0,
                      root: bytes = b"") -> bool:
-        return self._seat() and self._fits(self._allocate_plan(num_tokens, token_ids, root)[2], reserve)
+        return self._seat() and self._fits(self._allocate_plan(num_tokens, token_ids, root)[1], reserve)
 
     def can_append(self, seq_id: int, num_new_tokens: int, reserve: int = 0) -> bool:
         return self._fits(self._append_need(seq_id, num_new_tokens)[0], reserve)
@@ -196,29 +196,40 @@ class BlockManager:
         `reserve` blocks would be left allocatable (then nothing changed).
         """
         self._check_new(seq_id)
-        hits, hit_keys, need, attention_hit = self._allocate_plan(num_tokens, token_ids, root)
+        hit, need = self._allocate_plan(num_tokens, token_ids, root)
         if not self._fits(need, reserve) or not self._seat():
             return None
-        num_hit = len(hit_keys)
+        num_hit = len(hit.keys)
         if self.state is not None:
-            self.state.start_prompt(seq_id, hit_keys, attention_hit, self.block_size)
+            self.state.start_prompt(seq_id, hit.keys, hit.attention_hit, self.block_size)
         starts = [first_needed_block(w, num_hit * self.block_size, self.block_size) for w in self.windows]
         # NOTE: hits first, so that the fresh allocations below cannot evict them.
-        for blocks, start in zip(hits, starts):
-            for block_id in blocks[start:]:
-                self.pool.acquire(block_id)  # type: ignore[arg-type]
+        held = [b for blocks, start in zip(hit.blocks, starts) for b in blocks[start:] if b is not None]
+        for block_id in held:
+            self.pool.acquire(block_id)
+        if hit.from_host:
+            self.tiers.onload(hit, self._alloc, self.pool.register)
         fresh = self.blocks_for(num_tokens) - num_hit
         self._tables[seq_id] = [[0] * start + blocks[start:] + [self._alloc() for _ in range(fresh)]
-                                for blocks, start in zip(hits, starts)]  # type: ignore[misc]
+                                for blocks, start in zip(hit.blocks, starts)]  # type: ignore[misc]
         self._starts[seq_id] = starts
         self._num_tokens[seq_id] = num_tokens
-        self._keys[seq_id] = hit_keys
+        self._keys[seq_id] = hit.keys
         self._roots[seq_id] = root
+        self.tiers.note_hit(seq_id, hit, held)
         hit_tokens = num_hit * self.block_size
         if token_ids is not None:
             self.prefix_queries += len(token_ids)
             self.prefix_hits += hit_tokens
         return hit_tokens
+
+    def retain(self, seq_id: int, session: Session | None, tenant: str | None,
+               tokens: Callable[[int, int], Sequence[int]]) -> None:
+        """Before `free`, for a sequence of a session (else nothing): hold its cached blocks for
+        the session's next turn (kv/retention.py). `tokens(start, end)`: its token ids."""
+        if session is not None and self.enable_prefix_caching:
+            keys = self._keys[seq_id]
+            self.tiers.retain(session, tenant, keys, self._tags, tokens(0, len(keys) * self.block_size))
 
     def append(self, seq_id: int, num_new_tokens: int, reserve: int = 0) -> list[tuple[int, int]] | None:
         """Make room for `num_new_tokens` more tokens; None if short (then nothing changed).
@@ -318,6 +329,7 @@ class BlockManager:
                 self.pool.decref(block_id)
         for state in (self._tables, self._starts, self._num_tokens, self._keys, self._roots):
             del state[seq_id]
+        self.tiers.forget(seq_id)
         if self.state is not None:
             self.state.free(seq_id)
 
@@ -368,6 +380,7 @@ class BlockManager:
                        for table, start in zip(tables, starts) for b in table[start:])
         self.pool.check_invariants(refs)  # and the prefix cache's own
         self.host.check_invariants(self._tables.keys(), self.blocks_for, self.block_size)
+        self.tiers.check_invariants()
         if self.state is not None:
             self.state.check_invariants(set(self._tables))
 
@@ -411,29 +424,17 @@ class BlockManager:
                 table[i] = 0
             starts[g] = max(starts[g], end)
 
-    def _match(self, token_ids: Sequence[int], max_tokens: int,
-               root: bytes) -> tuple[list[list[int | None]], list[bytes], int]:
-        return match_groups(self.prefix_cache, token_ids, max_tokens, self.block_size, root, self.windows, self._tags,
-                            self.state.usable_hit if self.state is not None else None)
+    def _match(self, token_ids: Sequence[int], max_tokens: int, root: bytes) -> PrefixHit:
+        return self.tiers.match(token_ids, max_tokens, root, self.windows, self._tags,
+                                self.state.usable_hit if self.state is not None else None)
 
-    def _allocate_plan(self, num_tokens: int, token_ids: Sequence[int] | None,
-                       root: bytes = b"") -> tuple[list[list[int | None]], list[bytes], int, int]:
-        """(per group, cached blocks to reuse; their keys; blocks the allocation takes from the
-        allocatable ones: fresh blocks, plus reused blocks that were evictable; the attention
-        groups' own hit in blocks: prefix_cache.match_groups)."""
+    def _allocate_plan(self, num_tokens: int, token_ids: Sequence[int] | None, root: bytes = b"") -> tuple[PrefixHit, int]:
+        """(the prefix hit to reuse, blocks the allocation takes from the allocatable ones)."""
         if num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
-        hits: list[list[int | None]] = [[] for _ in self.windows]
-        keys: list[bytes] = []
-        attention_hit = 0
-        if token_ids is not None and self.enable_prefix_caching:
-            hits, keys, attention_hit = self._match(token_ids, min(len(token_ids) - 1, num_tokens), root)
-        refcount, bs = self.pool.refcount, self.block_size
-        need = len(self.windows) * (self.blocks_for(num_tokens) - len(keys))
-        for blocks, window in zip(hits, self.windows):
-            reused = blocks[first_needed_block(window, len(keys) * bs, bs):]
-            need += sum(refcount(b) == 0 for b in reused)  # type: ignore[arg-type]
-        return hits, keys, need, attention_hit
+        hit = self._match(token_ids, min(len(token_ids) - 1, num_tokens), root) if (
+            token_ids is not None and self.enable_prefix_caching) else PrefixHit([[] for _ in self.windows], [], 0)
+        return hit, self.tiers.blocks_needed(hit, self.blocks_for(num_tokens), self.windows, self.pool.refcount)
 
     def _append_need(self, seq_id: int, num_new_tokens: int) -> tuple[int, list[int]]:
         """(blocks to allocate, the groups whose last block needs copy-on-write) for an append."""

@@ -15,7 +15,7 @@ pool's free list runs dry, then the least recently freed one is taken and droppe
     block -> key      `_keys`, None for a block that is not cached
     evictable         `_evictable`, refcount-0 cached blocks, least recently freed first
 
-This is the lowest of the allocator's three modules: prefix_cache <- block_pool <- block_manager.
+The allocator's modules, lowest first: retention <- prefix_cache <- block_pool <- block_manager.
 """
 
 from __future__ import annotations
@@ -25,15 +25,13 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from hashlib import blake2b
 
+from typing import TYPE_CHECKING
+
+from inferd.engine.kv.errors import BlockError
 from inferd.engine.kv.groups import usable_hit
 
-
-class BlockError(RuntimeError):
-    """A misuse of the allocator (double free, unknown sequence) or a broken invariant.
-
-    NOTE: defined here, in the lowest module, so that the cache, the pool and the manager can all
-    raise it without an import cycle.
-    """
+if TYPE_CHECKING:
+    from inferd.engine.kv.retention import Retention
 
 
 def block_key(parent_key: bytes, token_ids: Sequence[int]) -> bytes:
@@ -57,8 +55,11 @@ class PrefixCache:
     def __init__(self, num_blocks: int) -> None:
         self._keys: list[bytes | None] = [None] * num_blocks  # each block's key, None: uncached
         self._cached: dict[bytes, int] = {}  # key -> block id; used or evictable blocks only
-        # refcount-0 cached blocks, least recently freed first (values unused)
+        # refcount-0 cached blocks, least recently freed first (values unused): the anonymous ones;
+        # those a session holds wait in `retention` (kv/retention.py), evicted after these
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        self.retention: Retention | None = None  # (kv/cache_tiers.py sets both)
+        self.on_evict: Callable[[int, bytes], None] | None = None  # told of each eviction (block, key)
 
     def __len__(self) -> int:
         """Blocks filed in the cache, used or evictable."""
@@ -66,7 +67,7 @@ class PrefixCache:
 
     @property
     def num_evictable(self) -> int:
-        return len(self._evictable)
+        return len(self._evictable) + (self.retention.num_parked if self.retention is not None else 0)
 
     def key(self, block_id: int) -> bytes | None:
         return self._keys[block_id]
@@ -75,7 +76,7 @@ class PrefixCache:
         return self._cached.get(key)
 
     def is_evictable(self, block_id: int) -> bool:
-        return block_id in self._evictable
+        return block_id in self._evictable or self.retention is not None and self.retention.is_parked(block_id)
 
     # ---- hashing and matching ----
 
@@ -138,28 +139,55 @@ class PrefixCache:
     def park(self, block_id: int) -> bool:
         """A block lost its last reference: keep it as evictable if cached (True); False if it is
         not cached, and then the pool frees it."""
-        if self._keys[block_id] is None:
+        key = self._keys[block_id]
+        if key is None:
             return False
-        self._evictable[block_id] = None  # at the LRU end
+        if self.retention is None or not self.retention.park(block_id, key):
+            self._evictable[block_id] = None  # at the LRU end
         return True
 
     def unpark(self, block_id: int) -> None:
         """An evictable block is referenced again (a prefix hit): no longer evictable."""
-        del self._evictable[block_id]
+        if block_id in self._evictable:
+            del self._evictable[block_id]
+        else:  # (a session's)
+            self.retention.unpark(block_id)  # type: ignore[union-attr]
 
     def evict(self) -> int | None:
-        """Drop the least recently freed evictable block from the cache and return it; None if none."""
-        if not self._evictable:
+        """Drop the least recently freed evictable block from the cache and return it (anonymous
+        blocks first, then sessions': kv/retention.py); None if none."""
+        if self._evictable:
+            block_id, _ = self._evictable.popitem(last=False)
+        elif self.retention is None or (block_id := self.retention.victim()) is None:  # type: ignore[assignment]
             return None
-        block_id, _ = self._evictable.popitem(last=False)
-        del self._cached[self._keys[block_id]]  # type: ignore[index]
+        key: bytes = self._keys[block_id]  # type: ignore[assignment]
+        if self.on_evict is not None:
+            self.on_evict(block_id, key)
+        del self._cached[key]
         self._keys[block_id] = None
         return block_id
+
+    def requeue(self, block_id: int) -> None:
+        """A parked block that no session holds any more: anonymous again (the LRU's recent end)."""
+        self._evictable[block_id] = None
+
+    def rehome(self, keys: list[bytes]) -> None:
+        """Blocks under these keys that wait anonymous move to the sessions now holding them."""
+        for key in keys:
+            block_id = self._cached.get(key)
+            if block_id is not None and block_id in self._evictable:
+                del self._evictable[block_id]
+                self.park(block_id)
 
     def check_invariants(self) -> None:
         """Raise BlockError if the key map and the blocks' keys disagree, or an evictable block is
         not cached. O(blocks). (Whether evictable blocks are unreferenced is the pool's check.)"""
         num_blocks = len(self._keys)
+        if self.retention is not None:
+            self.retention.check_invariants()
+            both = [b for b in self._evictable if self.retention.is_parked(b)]
+            if both:
+                raise BlockError(f"blocks {both} are both anonymous and a session's")
         for block_id in self._evictable:
             if not 0 <= block_id < num_blocks:
                 raise BlockError(f"the evictable list holds unknown block id {block_id}")

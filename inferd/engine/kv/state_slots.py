@@ -12,7 +12,8 @@ A slot is in one of four states:
     checkpoint   the state after a full block, filed under that block's chained key (the same
                  key the attention blocks are filed under, prefix_cache.block_key), so a prompt
                  whose leading blocks hit resumes from the state at the end of the longest hit
-                 that has a checkpoint; least recently used first to be evicted
+                 that has a checkpoint; least recently used first to be evicted (those a
+                 session holds last: kv/retention.py)
 
 Checkpoints are never read in place: a hit copies one into the sequence's working slot. Which
 block ends get one (the scheduler asks `plan_saves` for each chunk): the last block end of every
@@ -30,9 +31,11 @@ within one schedule() is read before it is overwritten.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from inferd.engine.kv.prefix_cache import BlockError
+from inferd.engine.protocol import StateSlotsSnapshot
 
 # per sequence, the decode checkpoints kept (older ones are dropped as new ones are filed)
 DECODE_CHECKPOINTS = 2
@@ -75,6 +78,8 @@ class StateSlots:
         # ("copy", src, dst), ("out", slot, host), ("in", host, slot): run in order before the forward
         self.ops: list[tuple[str, int, int]] = []
         self.stats = StateStats()
+        # whether a session holds a key (kv/retention.py): its checkpoint is evicted after the others
+        self.held: Callable[[bytes], bool] = lambda key: False
 
     # ---- queries ----
 
@@ -230,7 +235,8 @@ class StateSlots:
             return self._free.pop()
         if not self._checkpoints:
             return None
-        key, slot = self._checkpoints.popitem(last=False)
+        key = next((k for k in self._checkpoints if not self.held(k)), next(iter(self._checkpoints)))
+        slot = self._checkpoints.pop(key)
         del self._key_of[slot]
         self.stats.evictions += 1
         return slot
@@ -240,6 +246,12 @@ class StateSlots:
         if slot is not None:
             del self._key_of[slot]
             self._free.append(slot)
+
+    def snapshot(self, bytes_per_slot: int) -> StateSlotsSnapshot:
+        stats = self.stats
+        return StateSlotsSnapshot(self.num_slots, self.num_working, self.num_checkpoints, bytes_per_slot,
+                                  stats.checkpoint_hits, stats.checkpoint_hit_tokens, stats.checkpoints_filed,
+                                  stats.evictions)
 
     def check_invariants(self, live: set[int]) -> None:
         """Raise BlockError if a slot is lost or held twice, or live sequences and slots disagree."""

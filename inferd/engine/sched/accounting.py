@@ -10,6 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from inferd.engine.kv.cache_tiers import PrefixReport
 from inferd.engine.protocol import ClassSnapshot, RequestMetrics, RequestSnapshot, Samples
 from inferd.engine.sched.request import Request, RequestStatus
 from inferd.settings.policy import PriorityClass, SchedulingPolicy
@@ -25,7 +26,8 @@ def request_metrics(request: Request, now: float) -> RequestMetrics:
     return RequestMetrics(request.priority_class.name if request.priority_class else "-", len(request.prompt_ids),
                           request.num_cached_tokens, len(request.output_ids), since(request.first_scheduled_time),
                           since(request.first_token_time), now - arrival, request.num_preemptions,
-                          request.drafted_tokens, request.accepted_tokens)
+                          request.drafted_tokens, request.accepted_tokens, request.host_cached_tokens,
+                          request.cache_miss)
 
 
 @dataclass
@@ -82,8 +84,10 @@ class SchedulerAccounting:
         for req in waiting:
             self.stats[req.priority_class.name].queued_token_seconds += (req.num_tokens - req.num_computed_tokens) * dt
 
-    def on_cached(self, req: Request, cached: int) -> None:
-        self.stats[req.priority_class.name].cached_prompt_tokens += cached
+    def on_cached(self, req: Request, report: PrefixReport) -> None:
+        """Its first admission found `report` (kv/cache_tiers.py)."""
+        req.num_cached_tokens, req.host_cached_tokens, req.cache_miss = report.cached_tokens, report.host_tokens, report.miss
+        self.stats[req.priority_class.name].cached_prompt_tokens += report.cached_tokens
 
     def on_start(self, req: Request, now: float) -> None:
         self.stats[req.priority_class.name].queue_time.add(now - req.arrival_time)

@@ -48,10 +48,13 @@ class ScheduledChunk:
 class SchedulerOutput:
     prefills: list[ScheduledChunk] = field(default_factory=list)  # prompt tokens (and recomputed output)
     decodes: list[ScheduledChunk] = field(default_factory=list)  # one generated token each, and its drafts (is_decode)
-    # KV copies the runner makes before the forward, in this order (a block that swap-out frees
-    # may be reused by a swap-in or a copy-on-write of the same step)
+    # KV copies the runner makes before the forward: swap-out, offloads, swap-in, onloads, copy-on-
+    # write (a block that swap-out frees or eviction offloads may be reused by the later ones)
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # the prefix cache's host tier (kv/host_tier.py): evicted blocks out, hits back in
+    offloads: list[tuple[int, int]] = field(default_factory=list)  # (device block, host tier block)
+    onloads: list[tuple[int, int]] = field(default_factory=list)  # (host tier block, device block)
     block_copies: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     # state-slot moves, in the order given (kv/state_slots.py): ("copy", src, dst),
     # ("out", slot, host slot), ("in", host slot, slot)

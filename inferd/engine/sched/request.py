@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from inferd.engine.protocol import LogitsConstraint, PoolingParams, TokenLogprob
+from inferd.engine.protocol import LogitsConstraint, PoolingParams, Session, TokenLogprob
 from inferd.text.sampling_params import SamplingParams
 from inferd.settings.policy import PriorityClass, Timeouts
 
@@ -60,6 +60,7 @@ class Request:
     tenant: str | None = None  # whose share it is served from (fair sharing inside its class)
     tenant_weight: float = 1.0  # that share's weight (the tenant's latest request's counts)
     cache_salt: bytes = b""  # its prefix-cache namespace: it shares cached blocks only within it
+    session: Session | None = None  # its prefix is held for its session when it ends (kv/retention.py)
     # timeline, on the scheduler's clock (None: not yet)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
@@ -67,7 +68,9 @@ class Request:
     # preemption
     swapped: bool = False  # its KV blocks wait in host memory
     progress_mark: int = -1  # len(output_ids) when last resumed; not preempted again until it grows
-    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at its (last) admission
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied at its first admission
+    host_cached_tokens: int = 0  # of which the host tier supplied
+    cache_miss: str | None = None  # why not more (kv/cache_tiers.py's words)
     token_cap: int | None = None  # load shedding's lower max_tokens, when in force
     paused: bool = False  # its reader is behind: not scheduled, its KV blocks kept
     timeout_kind: str | None = None  # which timeout ended it

@@ -17,12 +17,12 @@ one per `aging_seconds` a request has waited, so a low class is never starved; t
 is the earliest of the request's TTFT target and its hard deadlines (engine/sched/deadlines.py).
 With `fairness = "vtc"` tenants share each rank: the next is the head, in that order, of the
 tenant with the fewest tokens served per weight, this step's admissions counted (fairness.py).
-When blocks or `max_num_seqs` run short, a waiting request may preempt running requests of a
-*lower class*; a running one that needs a block may preempt requests of its own class or lower
-(victims.py). With vtc, a tenant below half its share of a rank's seats (or blocks) may take
-them from one over its share (fairness.py).
-A preempted request either frees its blocks and recomputes later (reusing the prefix cache) or
-has them copied to host memory (swap); it keeps its arrival, so it keeps its place.
+When blocks or `max_num_seqs` run short, a waiting request may preempt running requests of a *lower
+class*; a running one that needs a block may preempt requests of its own class or lower
+(victims.py). With vtc, a tenant below half its share of a rank's seats (or blocks) may take them
+from one over its share (fairness.py). A preempted request either frees its blocks and recomputes
+later (reusing the prefix cache) or has them copied to host memory (swap); it keeps its arrival, so
+it keeps its place.
 """
 
 from __future__ import annotations
@@ -151,6 +151,7 @@ class Scheduler:
         self._prefill_and_admit(candidates, now, out)
         if bm.state is not None:
             out.state_ops = bm.state.take_ops()
+        out.offloads, out.onloads = bm.tiers.take_copies()
         return out
 
     def _prefill_and_admit(self, candidates: list[Request], now: float, out: SchedulerOutput) -> None:
@@ -189,8 +190,7 @@ class Scheduler:
     def _grow(self, req: Request, n: int, out: SchedulerOutput) -> bool:
         """Room for `n` more tokens of a running request, preempting others (or itself) if
         needed; schedules the chunk. False when it got nothing this step."""
-        bm = self.block_manager
-        reserve = self._reserve[req.priority_class.name]
+        bm, reserve = self.block_manager, self._reserve[req.priority_class.name]
         while (copies := bm.append(req.seq_id, n, reserve=reserve)) is None:
             victim = self._pick_victim(req, strictly_lower=False)
             if victim is None:
@@ -216,8 +216,7 @@ class Scheduler:
             return lower if lower is not None else victims.fair_victim(
                 self.fair, req, lambda: self._rank_view(req.rank, by_blocks), need)
 
-        bm = self.block_manager
-        reserve = self._reserve[cls.name]
+        bm, reserve = self.block_manager, self._reserve[cls.name]
         if self._applied_level >= 2 and cls.sheddable and self.policy.shedding.max_running <= sum(
                 1 for r in self.running if r.priority_class is cls):
             return _SKIP
@@ -257,8 +256,7 @@ class Scheduler:
             self._preempt(given, out)
         req.num_computed_tokens = cached
         if req.num_preemptions == 0:
-            req.num_cached_tokens = cached
-            self.accounting.on_cached(req, cached)
+            self.accounting.on_cached(req, bm.tiers.report(req.seq_id, tokens, req.cache_salt, req.session))
         self._start(req, now, out)
         self._add_chunk(out, req, n, [])
         return _ADMITTED
@@ -423,6 +421,7 @@ class Scheduler:
         bm = self.block_manager
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            bm.retain(req.seq_id, req.session, req.tenant, req.token_ids)  # (its session's next turn: kv/retention.py)
             bm.free(req.seq_id)
         elif req in self.waiting:
             self.waiting.remove(req)

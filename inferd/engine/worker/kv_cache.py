@@ -10,6 +10,10 @@ shape, of which the group holding it uses one (a model of one shape has one tens
 NOTE: so such a model's blocks cost the sum of its shapes; one pool per shape would not.
 A KV-shared layer (Gemma 4) has no slot: its entry in `layers` is its source's tensors.
 
+In 8 bits (`kv_format`, kernels/kv_quant.py) a layer's K (and V) is a QuantizedCache: float8 codes
+in the storage's place and an int8 exponent per (token, KV head) in a storage of its own, indexed
+by block the same way; `block_tensors` lists every block-indexed tensor for the block copies.
+
 A linear-attention layer (Qwen3.5) has no blocks: its entry in `layers` is its state tensors,
 (conv [num_state_slots, K-1, C], recurrent [num_state_slots, Hv, dk, dv] in float32), indexed by
 state slot (engine/kv/state_slots.py). The state pool takes its share of `kv_cache_memory` first
@@ -25,9 +29,11 @@ import torch
 
 from inferd.engine.kv.groups import KVLayout
 from inferd.engine.protocol import DeviceMemory
-from inferd.model.families.config import ModelConfig
+from inferd.kernels import kv_quant
+from inferd.kernels.kv_quant import QuantizedCache
+from inferd.kernels.reference import Cache
 from inferd.kernels.tensors import device_tensor, to_device
-
+from inferd.model.families.config import ModelConfig
 
 # a hybrid model's state checkpoints take at most this share of kv_cache_memory, and at most
 # this many per sequence seat (max_num_seqs): bench/RESULTS.md, issue 41, measures the memory
@@ -92,12 +98,17 @@ def state_slots_for(budget: float, cfg: ModelConfig, dtype: torch.dtype, max_num
     return seats + 1 + checkpoints, seats
 
 
-def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V of one block: its group_size layers (all of them without sliding layers), in each shape."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
+def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, kv_format: str | None = None) -> int:
+    """K and V of one block: its group_size layers (all of them without sliding layers), in each
+    shape; in 8 bits (`kv_format`), a byte an element and one a (token, KV head) for its exponent."""
     layout = kv_layout(cfg)
-    per_token = sum(heads * head_dim for heads, head_dim in kv_shapes(cfg, layout))
-    return 2 * layout.group_size * block_size * per_token * itemsize
+    shapes = kv_shapes(cfg, layout)
+    if kv_format is None:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        per_token = sum(heads * head_dim for heads, head_dim in shapes) * itemsize
+    else:
+        per_token = sum(heads * head_dim + heads for heads, head_dim in shapes)
+    return 2 * layout.group_size * block_size * per_token
 
 
 def device_memory(device: torch.device) -> DeviceMemory | None:
@@ -123,10 +134,11 @@ def available_memory(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def num_blocks_for(memory: float, cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device) -> int:
+def num_blocks_for(memory: float, cfg: ModelConfig, block_size: int, dtype: torch.dtype, device: torch.device,
+                   kv_format: str | None = None) -> int:
     """`memory` is bytes (> 1) or a fraction (0, 1] of the device's free memory."""
     budget = memory * available_memory(device) if memory <= 1 else memory
-    return int(budget // bytes_per_block(cfg, block_size, dtype))
+    return int(budget // bytes_per_block(cfg, block_size, dtype, kv_format))
 
 
 def auto_kv_cache_memory(cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_num_batched_tokens: int,
@@ -151,16 +163,20 @@ def auto_kv_cache_memory(cfg: ModelConfig, dtype: torch.dtype, device: torch.dev
     return max(0.0, 0.9 * available_memory(device) - 2 * activations)
 
 
-def host_blocks_for(swap_space_bytes: float, cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+def host_blocks_for(swap_space_bytes: float, cfg: ModelConfig, block_size: int, dtype: torch.dtype,
+                    kv_format: str | None = None) -> int:
     """Host blocks that fit in `swap_space_bytes` (0 turns swapping off)."""
     if swap_space_bytes < 0:
         raise ValueError(f"swap space must be >= 0 bytes, got {swap_space_bytes}")
-    return int(swap_space_bytes // bytes_per_block(cfg, block_size, dtype))
+    return int(swap_space_bytes // bytes_per_block(cfg, block_size, dtype, kv_format))
 
 
 class KVCache:
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device,
-                 num_host_blocks: int = 0, num_state_slots: int = 0, num_host_state_slots: int = 0) -> None:
+                 num_host_blocks: int = 0, num_state_slots: int = 0, num_host_state_slots: int = 0,
+                 kv_format: str | None = None, num_tier_blocks: int = 0) -> None:
+        """`kv_format`: K/V in 8 bits (kv_quant.FORMATS), None: in `dtype`. `num_tier_blocks`: the
+        prefix cache's host tier (engine/kv/host_tier.py), host blocks like the swap space's."""
         if num_blocks < 1:
             raise ValueError("the KV cache has room for no block: raise kv_cache_memory")
         if num_host_blocks < 0:
@@ -169,17 +185,24 @@ class KVCache:
         self.num_host_blocks = num_host_blocks
         self.block_size = block_size
         self.layout = layout = kv_layout(cfg)
-        self.bytes_per_block = bytes_per_block(cfg, block_size, dtype)
+        self.kv_format = kv_format
+        self.bytes_per_block = bytes_per_block(cfg, block_size, dtype, kv_format)
         shapes = kv_shapes(cfg, layout)
         # per K/V shape: [group_size, 2 (K, V), num_blocks, block_size, n_kv_heads, head_dim]
-        self.storages = [_zeroed((layout.group_size, 2, num_blocks, block_size, *shape), dtype, device)
-                         for shape in shapes]
+        sizes = [(layout.group_size, 2, num_blocks, block_size, *shape) for shape in shapes]
+        raw = [_zeroed(size, dtype if kv_format is None else torch.uint8, device) for size in sizes]
+        # 8 bits: the codes as float8 (allocated as bytes: float8 has no zero-fill of its own), and
+        # per shape [group_size, 2, num_blocks, block_size, n_kv_heads] int8 exponents
+        self.storages = raw if kv_format is None else [t.view(kv_quant.FORMATS[kv_format][0]) for t in raw]
+        self.exponents = [] if kv_format is None else [_zeroed(size[:-1], torch.int8, device) for size in sizes]
         self.storage = self.storages[0]  # (the one tensor of a model of one shape)
+        # every block-indexed tensor (block dim 2), as the block copies move them
+        self.block_tensors: list[torch.Tensor] = raw + self.exponents
         # per layer: (key_cache, value_cache), each [num_blocks, block_size, n_kv_heads, head_dim];
         # layers in the same slot of different groups share tensors (their groups' blocks differ)
         of_group = [shapes.index(shape) for shape in kv_shapes_of_groups(cfg, layout)]
-        self.layers: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (self.storages[of_group[group]][slot, 0], self.storages[of_group[group]][slot, 1])
+        self.layers: list[tuple[Cache, Cache]] = [
+            (self._layer_cache(of_group[group], slot, 0), self._layer_cache(of_group[group], slot, 1))
             for group, slot in layout.placement()]
         self.num_state_slots = num_state_slots
         self.state_bytes_per_slot = state_bytes_per_slot(cfg, dtype)
@@ -189,12 +212,23 @@ class KVCache:
                 raise ValueError("a model with linear-attention layers needs state slots")
             self.states = StateTensors(cfg, len(layout.linear), num_state_slots, num_host_state_slots, dtype, device)
             for j, layer in enumerate(layout.linear):
-                self.layers[layer] = (self.states.conv[j], self.states.recurrent[j])
-        # as storages, [group_size, 2, num_host_blocks, ...] on the CPU; None when swapping is off
+                self.layers[layer] = (self.states.conv[j], self.states.recurrent[j])  # (in the model's dtype)
+        # as block_tensors, [group_size, 2, num_host_blocks, ...] on the CPU; None when swapping is off
         self.host_storages: list[torch.Tensor] | None = None
         if num_host_blocks > 0:
-            self.host_storages = [_host_zeroed((layout.group_size, 2, num_host_blocks, block_size, *shape), dtype,
-                                               device) for shape in shapes]
+            self.host_storages = [_host_zeroed((*t.shape[:2], num_host_blocks, *t.shape[3:]), t.dtype, device)
+                                  for t in self.block_tensors]
+        # the host tier's, block first ([num_tier_blocks, group_size, 2, ...]): a block is one
+        # contiguous run, copied without a host sync (pinned memory, the copies in stream order)
+        self.tier_storages = [_host_zeroed((num_tier_blocks, *t.shape[:2], *t.shape[3:]), t.dtype, device)
+                              for t in self.block_tensors] if num_tier_blocks > 0 else None
+
+    def _layer_cache(self, shape: int, slot: int, kv: int) -> Cache:
+        """One layer's K (kv 0) or V (1): views of its shape's storages, [num_blocks, block_size,
+        n_kv_heads, head_dim] (and 8-bit, its exponents [num_blocks, block_size, n_kv_heads])."""
+        if self.kv_format is None:
+            return self.storages[shape][slot, kv]
+        return QuantizedCache(self.storages[shape][slot, kv], self.exponents[shape][slot, kv])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write: block src's contents into block dst, in every layer."""
@@ -203,30 +237,35 @@ class KVCache:
         device = self.storage.device
         src = device_tensor([s for s, _ in pairs], torch.int64, device)
         dst = device_tensor([d for _, d in pairs], torch.int64, device)
-        for storage in self.storages:
-            for key_cache, value_cache in storage:  # (each slot once)
-                key_cache[dst] = key_cache[src]
-                value_cache[dst] = value_cache[src]
+        for tensor in self.block_tensors:  # [group_size, 2, num_blocks, ...]
+            tensor[:, :, dst] = tensor[:, :, src]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks into host blocks, all layers at once: (device_block, host_block) pairs."""
-        if not pairs:
-            return
-        device_idx = device_tensor([d for d, _ in pairs], torch.int64, self.storage.device)
-        host_idx = torch.tensor([h for _, h in pairs])
-        for host, storage in zip(self._host(), self.storages):
-            # [group_size, 2, len(pairs), block_size, n_kv_heads, head_dim]
-            host[:, :, host_idx] = storage[:, :, device_idx].cpu()
+        if pairs:
+            _to_host(pairs, self.block_tensors, self._host())
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """Copy host blocks into device blocks, all layers at once: (host_block, device_block) pairs."""
-        if not pairs:
-            return
-        host_idx = torch.tensor([h for h, _ in pairs])
-        device_idx = device_tensor([d for _, d in pairs], torch.int64, self.storage.device)
-        for host, storage in zip(self._host(), self.storages):
-            # [group_size, 2, len(pairs), block_size, n_kv_heads, head_dim]
-            storage[:, :, device_idx] = to_device(host[:, :, host_idx], storage.device)
+        if pairs:
+            _from_host(pairs, self._host(), self.block_tensors)
+
+    def offload(self, pairs: list[tuple[int, int]]) -> None:
+        """The host tier: evicted device blocks into its blocks, (device_block, tier_block) pairs.
+        On CUDA the copies are queued on the stream (nothing on the host reads the tier: only a
+        later onload, queued after them)."""
+        assert not pairs or self.tier_storages is not None, "no host tier"
+        for device_block, tier_block in pairs:
+            for tier, tensor in zip(self.tier_storages, self.block_tensors):  # type: ignore[arg-type]
+                tier[tier_block].copy_(tensor[:, :, device_block], non_blocking=True)
+
+    def onload(self, pairs: list[tuple[int, int]]) -> None:
+        """The host tier: its blocks back into device blocks, (tier_block, device_block) pairs,
+        queued before the step's forward."""
+        assert not pairs or self.tier_storages is not None, "no host tier"
+        for tier_block, device_block in pairs:
+            for tier, tensor in zip(self.tier_storages, self.block_tensors):  # type: ignore[arg-type]
+                tensor[:, :, device_block].copy_(tier[tier_block], non_blocking=True)
 
     def apply_state_ops(self, ops: list[tuple[str, int, int]]) -> None:
         """The state slots' copies, in order (kv/state_slots.py)."""
@@ -243,6 +282,20 @@ class KVCache:
         if self.host_storages is None:
             raise ValueError("no host blocks: swap space is 0")
         return self.host_storages
+
+
+def _to_host(pairs: list[tuple[int, int]], tensors: list[torch.Tensor], hosts: list[torch.Tensor]) -> None:
+    device_idx = device_tensor([d for d, _ in pairs], torch.int64, tensors[0].device)
+    host_idx = torch.tensor([h for _, h in pairs])
+    for host, tensor in zip(hosts, tensors):  # [group_size, 2, len(pairs), block_size, n_kv_heads(, head_dim)]
+        host[:, :, host_idx] = tensor[:, :, device_idx].cpu()
+
+
+def _from_host(pairs: list[tuple[int, int]], hosts: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    host_idx = torch.tensor([h for h, _ in pairs])
+    device_idx = device_tensor([d for _, d in pairs], torch.int64, tensors[0].device)
+    for host, tensor in zip(hosts, tensors):
+        tensor[:, :, device_idx] = to_device(host[:, :, host_idx], tensor.device)
 
 
 def _host_zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -76,9 +76,12 @@ class ModelRunner:
 
     def apply_block_ops(self, out: SchedulerOutput) -> None:
         """The step's block moves, before any forward that reads them."""
-        # this order: a block swap-out frees may be reused by a swap-in or copy-on-write
+        # this order: a block swap-out frees (or the prefix cache evicts: offloads) may be reused by
+        # a swap-in, an onload or a copy-on-write
         self.kv_cache.swap_out(out.swap_out)
+        self.kv_cache.offload(out.offloads)
         self.kv_cache.swap_in(out.swap_in)
+        self.kv_cache.onload(out.onloads)
         self.kv_cache.copy_blocks(out.block_copies)
         self.kv_cache.apply_state_ops(out.state_ops)
 

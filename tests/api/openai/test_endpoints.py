@@ -59,9 +59,9 @@ def check_sse(response: aiohttp.ClientResponse, events: list[str]) -> list[Any]:
 
 
 def counts(usage: dict[str, Any]) -> dict[str, Any]:
-    """Usage without prompt_tokens_details (a repeated prompt's cached tokens differ) and without
-    the speculative extension (present where the request drafted)."""
-    return {k: v for k, v in usage.items() if k not in ("prompt_tokens_details", "speculative")}
+    """Usage without prompt_tokens_details and prompt_cache (a repeated prompt's cached tokens
+    differ) and without the speculative extension (present where the request drafted)."""
+    return {k: v for k, v in usage.items() if k not in ("prompt_tokens_details", "prompt_cache", "speculative")}
 
 
 # ------------------------------------------------------------------------------ completions
