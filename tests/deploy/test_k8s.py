@@ -37,6 +37,7 @@ from inferd.api.state import STATE
 from inferd.api.streaming.backpressure import SLOW_CLIENTS
 from inferd.api.streaming.resume import RESUMABLE
 from inferd.api.telemetry.loop_lag import LOOP_LAG
+from inferd.api.conversation.volatile import VOLATILE
 from inferd.api.telemetry.metrics import setup_metrics
 from inferd.settings.config import Settings, load_settings
 
@@ -188,7 +189,7 @@ def served_paths() -> set[str]:
     app = web.Application()
     app[REGISTRY], app[STATE] = sentinel.models, sentinel.state
     app[GATEWAY], app[RESUMABLE], app[SLOW_CLIENTS] = sentinel.gateway, sentinel.resumable, sentinel.slow
-    app[EDGE], app[LOOP_LAG] = sentinel.edge, sentinel.loop_lag
+    app[EDGE], app[LOOP_LAG], app[VOLATILE] = sentinel.edge, sentinel.loop_lag, sentinel.volatile
     add_endpoints(app)
     setup_metrics(app)
     return {r.resource.canonical for r in app.router.routes() if r.method == "GET" and r.resource}

@@ -330,7 +330,7 @@ async def test_status_returns_to_idle(server: Server) -> None:
     assert {"model", "dtype", "device", "version", "uptime_seconds", "state", "max_model_len", "kv_blocks_total",
             "kv_blocks_used", "kv_blocks_cached", "kv_usage_ratio", "running", "waiting", "steps", "preemptions",
             "timeouts", "rejections", "prefix_cache_queries", "prefix_cache_hits", "shed_level", "shed_actions",
-            "throughput", "device_memory", "state_slots", "speculation", "engine_healthy", "step_failures",
+            "throughput", "device_memory", "state_slots", "speculation", "cache_tiers", "engine_healthy", "step_failures",
             "oom_events_last_minute",
             "token_budget", "resumable_streams_detached", "event_loop_lag_seconds", "classes", "requests",
             "tenants", "drift", "models", "routes"} == set(body)
