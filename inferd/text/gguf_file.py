@@ -12,10 +12,18 @@ File layout (all little-endian):
     n_tensors x (name: str, n_dims u32, dims u64[n_dims], ggml_type u32, offset u64)
     padding to `general.alignment` (default 32)
     tensor data; each tensor at data_start + offset; dims[0] is the innermost (row) length
+
+Every count, length and offset is checked against the file before it is used (a file is
+untrusted input: Ollama's CVE-2026-7482 was a tensor whose offset pointed past the end), so a
+corrupt or hostile header is a ModelLoadError naming the file, never a giant allocation, a loop
+over a count the file cannot hold, or a read past the end. As llama.cpp's reader: at most 4 dims
+(GGML_MAX_DIMS), no array of arrays, no key or tensor name twice, an alignment that is a power of
+two, no empty tensor, each tensor's data aligned and apart from every other's.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -48,6 +56,10 @@ _NUMPY_OF: dict[int, str] = {
 }
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
+MAX_DIMS = 4  # ggml's GGML_MAX_DIMS
+# the fewest bytes a key takes (its name's length 8, an empty name, its type 4, a u8 value 1) and a
+# tensor's info (name length 8, n_dims 4, one dim 8, type 4, offset 8): the counts are checked so
+_MIN_KEY_BYTES, _MIN_TENSOR_BYTES = 13, 32
 
 
 @dataclass(frozen=True)
@@ -87,10 +99,12 @@ class _Cursor:
         self.pos += n
         return raw.decode("utf-8", errors="replace")
 
-    def value(self, vtype: int) -> Any:
+    def value(self, vtype: int, in_array: bool = False) -> Any:
         if vtype == GGUFValueType.STRING:
             return self.string()
         if vtype == GGUFValueType.ARRAY:
+            if in_array:  # (as llama.cpp: an array of arrays is refused, so nesting never runs deep)
+                raise ModelLoadError(f"{self.path}: corrupt GGUF metadata (an array of arrays at offset {self.pos})")
             elem_type = self.unpack(_U32)
             count = self.unpack(_U64)
             if elem_type in _NUMPY_OF:
@@ -101,7 +115,7 @@ class _Cursor:
                 return arr.tolist()
             # every element takes at least 8 bytes (a string's length), so this catches a cut
             self.need(count * (8 if elem_type == GGUFValueType.STRING else 1))
-            return [self.value(elem_type) for _ in range(count)]
+            return [self.value(elem_type, in_array=True) for _ in range(count)]
         fmt = _SCALARS.get(vtype)
         if fmt is None:
             raise ModelLoadError(f"{self.path}: corrupt GGUF metadata value type {vtype}")
@@ -133,43 +147,67 @@ class GGUFFile:
             raise ModelLoadError(f"{self.path}: unsupported GGUF version {self.version}")
         n_tensors = cur.unpack(_U64)
         n_kv = cur.unpack(_U64)
-        if n_tensors > 1 << 24 or n_kv > 1 << 24:
-            raise ModelLoadError(f"{self.path}: corrupt GGUF header ({n_tensors} tensors, {n_kv} keys)")
-
+        if n_kv * _MIN_KEY_BYTES + n_tensors * _MIN_TENSOR_BYTES > len(cur.buf) - cur.pos:
+            raise ModelLoadError(f"{self.path}: corrupt GGUF header ({n_tensors} tensors and {n_kv} keys "
+                                 f"cannot fit in a file of {len(cur.buf)} bytes)")
         self.metadata: dict[str, Any] = {}
         for _ in range(n_kv):
             key = cur.string()
+            if key in self.metadata:
+                raise ModelLoadError(f"{self.path}: corrupt GGUF metadata (key {key!r} twice)")
             self.metadata[key] = cur.value(cur.unpack(_U32))
-
-        index: list[tuple[str, tuple[int, ...], int, int]] = []
-        for _ in range(n_tensors):
-            name = cur.string()
-            n_dims = cur.unpack(_U32)
-            if n_dims > 8:
-                raise ModelLoadError(f"{self.path}: corrupt tensor info for {name!r} ({n_dims} dims)")
-            dims = tuple(cur.unpack(_U64) for _ in range(n_dims))
-            index.append((name, dims, cur.unpack(_U32), cur.unpack(_U64)))
-
-        alignment = int(self.metadata.get("general.alignment", 32))
-        data_start = (cur.pos + alignment - 1) // alignment * alignment
+        index = [self._tensor_info(cur) for _ in range(n_tensors)]
         self.tensors: dict[str, GGUFTensorInfo] = {}
+        self._place(index, cur.pos)
+
+    def _tensor_info(self, cur: _Cursor) -> tuple[str, tuple[int, ...], int, int]:
+        """One tensor's (name, dims, GGML type id, offset) from the index."""
+        name = cur.string()
+        n_dims = cur.unpack(_U32)
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise ModelLoadError(f"{self.path}: corrupt tensor info for {name!r} ({n_dims} dims)")
+        dims = tuple(cur.unpack(_U64) for _ in range(n_dims))
+        if 0 in dims:  # (no weight is empty; every reader of one would divide by its rows)
+            raise ModelLoadError(f"{self.path}: corrupt tensor info for {name!r} (dims {list(dims)})")
+        return name, dims, cur.unpack(_U32), cur.unpack(_U64)
+
+    def _alignment(self) -> int:
+        alignment = self.metadata.get("general.alignment", 32)
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
+            raise ModelLoadError(f"{self.path}: corrupt GGUF metadata (general.alignment {alignment!r} is not a "
+                                 "power of two)")
+        return alignment
+
+    def _place(self, index: list[tuple[str, tuple[int, ...], int, int]], header_end: int) -> None:
+        """Each tensor's type, size and place in the file, checked: a known type, whole blocks,
+        aligned, inside the file, apart from the others."""
+        alignment = self._alignment()
+        data_start = (header_end + alignment - 1) // alignment * alignment
+        size = len(self._map)
         for name, dims, type_id, offset in index:
+            if name in self.tensors:
+                raise ModelLoadError(f"{self.path}: corrupt GGUF tensor index (tensor {name!r} twice)")
             try:
                 ggml_type = GGMLQuantizationType(type_id)
             except ValueError:
                 raise ModelLoadError(f"{self.path}: tensor {name!r} has unknown GGML type {type_id}") from None
             block, type_size = GGML_QUANT_SIZES[ggml_type]
-            n_elements = int(np.prod(dims)) if dims else 1
-            if dims and dims[0] % block:
+            if dims[0] % block:
                 raise ModelLoadError(f"{self.path}: tensor {name!r} row length {dims[0]} is not a multiple of {block}")
-            n_bytes = n_elements // block * type_size
+            n_bytes = math.prod(dims) // block * type_size  # (exact: Python ints, no overflow)
             start = data_start + offset
-            if start + n_bytes > len(self._map):
-                raise ModelLoadError(
-                    f"{self.path}: truncated file: tensor {name!r} ends at byte {start + n_bytes}, "
-                    f"file has {len(self._map)}"
-                )
+            if start + n_bytes > size:
+                raise ModelLoadError(f"{self.path}: tensor {name!r} ends at byte {start + n_bytes}, past the end "
+                                     f"of the file ({size} bytes): a truncated or corrupt file")
+            if offset % alignment:
+                raise ModelLoadError(f"{self.path}: corrupt GGUF tensor index (tensor {name!r} at offset {offset}, "
+                                     f"not a multiple of the alignment {alignment})")
             self.tensors[name] = GGUFTensorInfo(name, tuple(reversed(dims)), ggml_type, start, n_bytes)
+        placed = sorted(self.tensors.values(), key=lambda t: (t.data_offset, t.n_bytes))
+        for before, after in zip(placed, placed[1:]):
+            if before.data_offset + before.n_bytes > after.data_offset:
+                raise ModelLoadError(f"{self.path}: corrupt GGUF tensor index (tensors {before.name!r} and "
+                                     f"{after.name!r} overlap)")
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)

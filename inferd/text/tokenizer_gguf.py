@@ -72,8 +72,33 @@ _IGNORE_MERGES = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "falco
 # GGUF: the vocabulary is in the metadata, under tokenizer.ggml.*
 
 
+# the tokenizer.ggml.* keys read below -> (what each must be, the test): a file is untrusted, and
+# a value of another type is a ModelLoadError naming its key, not a TypeError deep in tokenizers
+_KEY_TYPES: dict[str, tuple[str, Any]] = {
+    **dict.fromkeys(("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.chat_template"),
+                    ("a string", lambda v: isinstance(v, str))),
+    **dict.fromkeys(("tokenizer.ggml.tokens", "tokenizer.ggml.merges"),
+                    ("an array of strings", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v))),
+    "tokenizer.ggml.token_type": ("an array of integers",
+                                  lambda v: isinstance(v, list) and all(type(x) is int for x in v)),
+    "tokenizer.ggml.scores": ("an array of numbers",
+                              lambda v: isinstance(v, list) and all(type(x) in (int, float) for x in v)),
+    **dict.fromkeys((f"tokenizer.ggml.{k}_token_id" for k in ("bos", "eos", "eot", "eom", "padding")),
+                    ("an integer", lambda v: type(v) is int)),
+    **dict.fromkeys((f"tokenizer.ggml.{k}" for k in ("add_bos_token", "add_eos_token", "add_space_prefix")),
+                    ("a boolean", lambda v: type(v) in (bool, int))),
+}
+
+
+def _check_types(md: dict, where: str) -> None:
+    for key, (what, fits) in _KEY_TYPES.items():
+        if key in md and not fits(md[key]):
+            raise ModelLoadError(f"{where}: GGUF metadata {key} must be {what}, got {type(md[key]).__name__}")
+
+
 def from_gguf(md: dict, where: str) -> Tokenizer:
     """A GGUF's tokenizer; `where` names the file in error messages."""
+    _check_types(md, where)
     kind = md.get("tokenizer.ggml.model")
     tokens: list[str] | None = md.get("tokenizer.ggml.tokens")
     if not tokens:
@@ -126,9 +151,11 @@ def _gguf_byte_level_bpe(md: dict, tokens: list[str], types: list[int], where: s
     merges = _parse_merges(md.get("tokenizer.ggml.merges") or [], where)
     pre = md.get("tokenizer.ggml.pre", "default")
     pre_tokenizer = _byte_level_pre_tokenizer(pre, where)
-    tok = HFTokenizer(
-        models.BPE(vocab=_byte_level_vocab(tokens, types), merges=merges, ignore_merges=pre in _IGNORE_MERGES)
-    )
+    try:
+        bpe = models.BPE(vocab=_byte_level_vocab(tokens, types), merges=merges, ignore_merges=pre in _IGNORE_MERGES)
+    except Exception as e:  # (tokenizers raises a bare Exception: a merge of a token not in the vocabulary)
+        raise ModelLoadError(f"{where}: tokenizer.ggml.merges do not fit tokenizer.ggml.tokens ({e})") from None
+    tok = HFTokenizer(bpe)
     tok.pre_tokenizer = pre_tokenizer
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(

@@ -16,6 +16,17 @@ from inferd.model.layers.rope import Rope
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe",
                            "gpt_oss", "gemma4", "qwen3_next", "qwen3_5", "qwen3_5_moe")
 LAYER_TYPES = ("full", "sliding", "linear")
+# NOTE: RoPE's tables hold every position the model declares ([max_position_embeddings,
+# rotary_dim] each: decoder.py), so what a file declares is what the loader allocates. 2^24
+# positions is past the longest context any open model was trained for (Llama 4 Scout's 10M),
+# and 2^28 table entries (1 GiB in float32; a 1M-token context of 256-wide heads) past every
+# family's real checkpoints: a corrupt or hostile file declaring more is refused, not allocated.
+MAX_POSITIONS = 2**24
+MAX_ROPE_ENTRIES = 2**28
+# (name, least, most): sizes a file declares, checked before anything divides by or allocates them
+_SIZES = (("vocab_size", 1, 2**31 - 1), ("hidden_size", 1, 2**31 - 1), ("num_layers", 0, 2**16),
+          ("num_heads", 1, 2**16), ("num_kv_heads", 1, 2**16), ("head_dim", 1, 2**16),
+          ("max_position_embeddings", 1, MAX_POSITIONS))
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,13 @@ class ModelConfig:
             raise ModelLoadError(
                 f"unsupported architecture {self.architecture!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
             )
+        for name, least, most in _SIZES:
+            if not least <= getattr(self, name) <= most:
+                raise ModelLoadError(f"{name} {getattr(self, name)} is out of range ({least} to {most})")
+        widest = max(self.head_dim, self.full_head_dim or 0)
+        if self.max_position_embeddings * widest > MAX_ROPE_ENTRIES:
+            raise ModelLoadError(f"max_position_embeddings {self.max_position_embeddings} x head size {widest} is more "
+                                 f"RoPE table than any real model has (at most {MAX_ROPE_ENTRIES} entries)")
         if self.num_heads % self.num_kv_heads:
             raise ModelLoadError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if self.layer_types and len(self.layer_types) != self.num_layers:

@@ -106,12 +106,22 @@ def _language_model(cfg: dict[str, Any], source: str) -> dict[str, Any]:
 
 def gguf_family(meta: dict[str, Any], source: str) -> Family:
     arch = meta.get("general.architecture", "")
-    if arch not in BY_GGUF:
+    if not isinstance(arch, str) or arch not in BY_GGUF:
         raise ModelLoadError(f"{source}: unsupported architecture {arch!r} in a GGUF (supported: {', '.join(BY_GGUF)})")
     return BY_GGUF[arch]
 
 
 def config_from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
+    """The config a GGUF's metadata gives. The file's reader checks its layout, not what its
+    values mean: a value of the wrong type (a string or a list for a count), or one that divides
+    by zero, is a ModelLoadError naming the file, as a missing key is."""
+    try:
+        return _config_from_gguf(meta, source)
+    except (TypeError, ValueError, ZeroDivisionError, OverflowError, KeyError) as e:
+        raise ModelLoadError(f"{source}: malformed GGUF metadata ({type(e).__name__}: {e})") from None
+
+
+def _config_from_gguf(meta: dict[str, Any], source: str) -> ModelConfig:
     family = gguf_family(meta, source)
     arch = family.gguf_architecture
 

@@ -82,10 +82,22 @@ def load_checkpoint(path: str | Path, dtype: torch.dtype, weights: str = "bf16",
         raise ModelLoadError(f"{path}: no such file or directory")
     checkpoint = (_load_hf_folder(path, dtype, "mxfp4" if keep_mxfp4 else weights) if path.is_dir()
                   else _load_gguf(path, dtype, weights))
+    _check_held(checkpoint.config, checkpoint.tensors, path)
     if weights != "bf16":
         checkpoint.tensors = quant.pack_weights(checkpoint.tensors, weights, checkpoint.stored_types,
                                                 checkpoint.config.tie_word_embeddings, checkpoint.head_blocks)
     return checkpoint
+
+
+def _check_held(config: ModelConfig, names: Any, path: Path, layer_prefix: str = "layers.") -> None:
+    """The file holds tensors for as many layers as its config declares, and an embedding, before
+    anything loops over the declared layers (the decoder checks every tensor's shape after)."""
+    held = {name.split(".", 2)[1] for name in names if name.startswith(layer_prefix)}
+    if config.num_layers > len(held):
+        raise ModelLoadError(f"{path}: the config declares {config.num_layers} layers, but the file holds tensors "
+                             f"for {len(held)}")
+    if layer_prefix == "layers." and "embed" not in names:
+        raise ModelLoadError(f"{path}: no token embedding (token_embd.weight, model.embed_tokens.weight)")
 
 
 # ---------------------------------------------------------------------------------------- GGUF
@@ -161,8 +173,8 @@ def _head_blocks(gguf: Any, wanted: dict[str, tuple[tuple[str, ...], int]],
                  tensors: dict[str, Any]) -> quant.Q8Blocks | None:
     """The head's codes as stored, for the block products (quant.pack_weights), where they fit."""
     head_part = "lm_head" if "lm_head" in tensors else "embed"  # (a tied head is the embedding)
-    if not quant.blocks_fit(tuple(tensors[head_part].shape)):
-        return None
+    if head_part not in tensors or not quant.blocks_fit(tuple(tensors[head_part].shape)):
+        return None  # (no embedding at all: the decoder refuses the file, naming it)
     head = next(name for name, (parts, _) in wanted.items() if head_part in parts)
     return quant.q8_from_gguf(gguf.raw(head), gguf.tensors[head].ggml_type.name)
 
@@ -170,6 +182,7 @@ def _head_blocks(gguf: Any, wanted: dict[str, tuple[tuple[str, ...], int]],
 def _gguf_config(meta: dict[str, Any], names: Any, family: Family, path: Path) -> ModelConfig:
     """The metadata's config, completed by what only the tensors' presence says."""
     config = config_from_gguf(meta, str(path))
+    _check_held(config, names, path, "blk.")
     if config.experts is not None:  # (no key says which layers keep a dense MLP: those without a router)
         dense = tuple(i for i in range(config.num_layers) if f"blk.{i}.ffn_gate_inp.weight" not in names)
         config = replace(config, experts=replace(config.experts, dense_layers=dense))
@@ -200,7 +213,8 @@ _GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_fac
 
 def _gguf_names(names: Any, family: Family, config: ModelConfig, path: Path,
                 meta: dict[str, Any]) -> dict[str, tuple[tuple[str, ...], int]]:
-    """GGUF name -> (canonical names: one, or a fused tensor's parts; heads to un-permute by or 0)."""
+    """GGUF name -> (canonical names: one, or a fused tensor's parts; heads to un-permute by or 0); `names`:
+    the file's tensor index (name -> GGUFTensorInfo)."""
     # (llama.cpp's multi-token-prediction layers, after the model's own: not run)
     extra_layers = bool(meta.get(f"{family.gguf_architecture}.nextn_predict_layers"))
     # llama.cpp's converter interleaves q/k rows for Llama only
@@ -208,7 +222,8 @@ def _gguf_names(names: Any, family: Family, config: ModelConfig, path: Path,
     wanted: dict[str, tuple[tuple[str, ...], int]] = {}
     for name in names:
         rest = name.split(".", 2)[2] if name.startswith("blk.") and name.count(".") >= 2 else None
-        if rest is not None and extra_layers and int(name.split(".", 2)[1]) >= config.num_layers:
+        layer_index = name.split(".", 2)[1] if rest is not None else ""
+        if extra_layers and layer_index.isdecimal() and int(layer_index) >= config.num_layers:
             continue
         if rest in family.gguf_layer_names:
             layer = name.split(".", 2)[1]
@@ -217,6 +232,9 @@ def _gguf_names(names: Any, family: Family, config: ModelConfig, path: Path,
             if "{e}" in parts[0] and config.experts is not None:  # every expert in one tensor
                 parts = tuple(p.format(e=e) for e in range(config.experts.num_experts) for p in parts)
             heads = unpermute.get(parts[0].removesuffix("_bias"), 0) if len(parts) == 1 else 0
+            if heads and names[name].shape[0] % (2 * heads):  # (_unpermute_qk's rotary pairs)
+                raise ModelLoadError(f"{path}: tensor {name!r} has {names[name].shape[0]} rows: not {heads} heads "
+                                     "of rotary pairs")
             wanted[name] = (tuple(f"layers.{layer}.{p}" for p in parts), heads)
         elif name in GGUF_TOP_NAMES or name in family.gguf_top_names:
             wanted[name] = (((GGUF_TOP_NAMES | family.gguf_top_names)[name],), 0)
