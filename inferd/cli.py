@@ -124,15 +124,22 @@ def generate(
     )
 
 
-def serve(api_key: list[str] | None = None, config: Path | None = None, **flags: Any) -> None:
+def serve(api_key: list[str] | None = None, config: Path | None = None, kv_events_config: str | None = None,
+          **flags: Any) -> None:
     """Serve the OpenAI-compatible API (completions, chat completions, models) over HTTP."""
     from inferd.api.routing.registry import load_models, model_specs
     from inferd.api.server import run_server
     from inferd.settings.config import load_settings
+    from inferd.settings.fleet import parse_kv_events_config
     from inferd.settings.flags import overrides as flag_overrides
     from inferd.text.errors import ModelLoadError
 
     overrides = flag_overrides(flags)
+    if kv_events_config is not None:  # (vLLM's flag: its JSON keys are [kv_events]'s, over the file's)
+        try:
+            overrides["kv_events"] = parse_kv_events_config(kv_events_config)
+        except ValueError as e:
+            _fail(str(e))
     settings_file = _settings_file(config)
     settings, api_keys, reload_keys = _serve_settings(settings_file, overrides, api_key or [])
     _configure_runtime(settings.runtime.threads, serving=True, log_format=settings.server.log_format)
@@ -159,6 +166,9 @@ def _serve_options() -> None:
             Optional[list[str]], typer.Option(help="an accepted API key (repeatable); also INFERD_API_KEYS and "
                                                    "server.api_keys_file")]),
         inspect.Parameter("config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=ConfigOption),
+        inspect.Parameter("kv_events_config", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+            Optional[str], typer.Option(help="the kv_events settings as vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, "
+                                             "\"publisher\": \"zmq\"}' (over the settings file's)")]),
     ]
     serve.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
     serve.__annotations__ = {p.name: p.annotation for p in params}

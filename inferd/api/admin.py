@@ -6,13 +6,17 @@
                                         is a 400 and the old ones keep serving
     POST /admin/models/NAME/reload      a new revision beside the old one (routing/reload.py):
     POST /admin/models/NAME/rollback    it takes over once proved; or back to the previous one
+                                        (a model not loaded: the revision it loads next)
+    POST /admin/models/NAME/sleep       {"level"?: 1 | 2}: its KV cache freed (1), its weights too
+    POST /admin/models/NAME/wake        (2); and back (routing/lifecycle.py); requests meanwhile wait
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+import time
+from typing import Any, Literal
 
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict
@@ -21,6 +25,8 @@ from inferd.api.body import read_json
 from inferd.api.errors import APIError, bad_request
 from inferd.api.gateway.gate import GATEWAY, Gateway
 from inferd.api.gateway.keys import principal_of
+from inferd.api.routing.life import SlotState
+from inferd.api.routing.lifecycle import load_failed, sleep, wake
 from inferd.api.routing.registry import REGISTRY, ModelSlot
 from inferd.api.routing.reload import RevisionRejected, reload_model
 from inferd.api.routing.served import ModelSpec, Served
@@ -85,7 +91,7 @@ def _slot(request: web.Request) -> ModelSlot:
     registry = request.app[REGISTRY]
     slot = registry.slots.get(name)
     if slot is None:
-        raise APIError(404, f"no model {name!r} to reload; the models are {list(registry.slots)}", param="name",
+        raise APIError(404, f"no model {name!r}; the models are {list(registry.slots)}", param="name",
                        code="model_not_found")
     return slot
 
@@ -103,8 +109,13 @@ async def reload_endpoint(request: web.Request) -> web.Response:
         body = ReloadBody.model_validate(raw)
     except ValueError as e:
         raise bad_request(f"invalid reload body: {e}") from None
-    current = slot.current.spec
+    current = slot.latest_spec
     spec = dataclasses.replace(current, path=body.path or current.path, revision=body.revision or current.revision)
+    if slot.current is None:  # (not loaded: the revision it loads when next asked or woken)
+        slot.spec = spec
+        path = spec.path or (slot.limits.model_path if slot.limits else "")
+        return web.json_response({"model": spec.name, "revision": spec.revision, "path": path,
+                                  "reloaded": False, "state": slot.life.state})
     return await _swap(request, slot, spec)
 
 
@@ -123,8 +134,41 @@ async def _swap(request: web.Request, slot: ModelSlot, spec: ModelSpec) -> web.R
     return web.json_response(_revision(served, True))
 
 
+class SleepBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    level: Literal[1, 2] = 1  # 1: the KV cache freed, the weights kept; 2: the weights freed too
+
+
+async def sleep_endpoint(request: web.Request) -> web.Response:
+    slot, started = _slot(request), time.monotonic()
+    raw = await read_json(request) if request.can_read_body else {}
+    try:
+        body = SleepBody.model_validate(raw)
+    except ValueError as e:
+        raise bad_request(f"invalid sleep body: {e}", param="level") from None
+    freed = await sleep(request.app[REGISTRY], slot, body.level)
+    return web.json_response({"model": slot.name, "state": slot.life.state, "level": slot.life.level,
+                              "seconds": round(time.monotonic() - started, 3), "kv_cache_bytes_freed": freed})
+
+
+async def wake_endpoint(request: web.Request) -> web.Response:
+    """200 once it serves; 422 if its load (or its KV cache's) failed, the reason named."""
+    slot, started = _slot(request), time.monotonic()
+    await wake(request.app[REGISTRY], slot)
+    if slot.life.state is SlotState.FAILED:
+        raise load_failed(slot)
+    if slot.life.state is not SlotState.SERVING:
+        raise APIError(422, f"model {slot.name} did not wake, it is {slot.life.state}: {slot.life.error}",
+                       param="name", code="model_wake_failed")
+    return web.json_response({"model": slot.name, "state": slot.life.state,
+                              "seconds": round(time.monotonic() - started, 3)})
+
+
 def add_admin_endpoints(app: web.Application) -> None:
     app.router.add_get("/admin/tenants", list_tenants)
     app.router.add_post("/admin/reload", reload_keys)
     app.router.add_post("/admin/models/{name}/reload", reload_endpoint)
     app.router.add_post("/admin/models/{name}/rollback", rollback_endpoint)
+    app.router.add_post("/admin/models/{name}/sleep", sleep_endpoint)
+    app.router.add_post("/admin/models/{name}/wake", wake_endpoint)

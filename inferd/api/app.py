@@ -4,7 +4,8 @@
               engine, its inference probe in a task;    once every model's probe has run)
               the degradation triggers' clock; the
               event loop's lag timer; the response
-              store's sweeper
+              store's sweeper; the idle models' watcher
+              (routing/lifecycle.py: unloads)
     shutdown  on_shutdown: models.stop(), then wait     (every open stream ends with an abort:
               for the open SSE responses to end          handlers write an error event and [DONE])
     cleanup   cleanup_ctx: models.stop()                (a no-op by then; the same path on a
@@ -30,12 +31,17 @@ from inferd.api.errors import error_middleware
 from inferd.api.gateway.gate import GATEWAY, Gateway
 from inferd.api.gateway.keys import auth_middleware, principal_of
 from inferd.api.gateway.tenants import Keyring
+from inferd.api.kv_events import KVEventPublisher, KVEventsCollector, publishing
 from inferd.api.offload import OFFLOAD, Offload
 from inferd.api.conversation.tool_policy import DROPPED_TOOLS
 from inferd.api.conversation.volatile import VOLATILE, VolatileBlocks
 from inferd.api.pipeline.generate import ANSWERED_BY, FALLBACK_FROM, MAX_TOKENS_CLAMPED
+from inferd.api.pipeline.sessions import SESSION_ECHO, SESSION_HEADER
+from inferd.api.record import RECORD, REQUEST_ID_HEADER, request_id
 from inferd.api.responses.store import ResponseStore
 from inferd.api.responses.stored import RESPONSE_STORE, StoreCollector, sweep_forever
+from inferd.api.routing.holds import hold_middleware
+from inferd.api.routing.lifecycle import watch_idle
 from inferd.api.routing.registry import REGISTRY, ModelRegistry
 from inferd.api.state import SETTINGS, STATE
 from inferd.api.streaming.backpressure import SLOW_CLIENTS, SlowClientCounts
@@ -57,11 +63,14 @@ def create_app(registry: ModelRegistry, settings: Settings, api_keys: frozenset[
     """The app over a registry of the served models (routing/registry.py; one engine alone:
     `single_model`): tenants and admin keys from `settings`, plain keys as `api_keys` (hex
     digests); `reload_keys` re-reads them all (SIGHUP, POST /admin/reload)."""
-    gateway = Gateway(Keyring.build(settings, api_keys), registry.primary.current.engine.limits.policy, reload_keys)
+    primary = registry.primary.current  # (None: the first model loads on demand; its policy is the settings')
+    policy = primary.engine.limits.policy if primary is not None else settings.policy()
+    gateway = Gateway(Keyring.build(settings, api_keys), policy, reload_keys)
     server = settings.server
     # outermost first: the access log sees the final status, which the error middleware renders
     middlewares = [access_log_middleware, error_middleware, edge_middleware(MAX_BODY_BYTES),
-                   auth_middleware(lambda: gateway.keyring, server.open_paths, server.status_admin_only)]
+                   auth_middleware(lambda: gateway.keyring, server.open_paths, server.status_admin_only),
+                   hold_middleware]  # (innermost: a request's holds on its models end as its handler returns)
     app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[REGISTRY] = registry
     app[GATEWAY] = gateway
@@ -83,6 +92,10 @@ def create_app(registry: ModelRegistry, settings: Settings, api_keys: frozenset[
     app[COLLECTORS].register(StoreCollector(app[RESPONSE_STORE]))  # (the Responses API's store: its own module)
     app.on_response_prepare.append(_rate_limit_headers)
     app.on_response_prepare.append(_model_headers)
+    if settings.kv_events.enabled:  # (cache-aware routers' feed: bound before the models start, closed after)
+        registry.kv_events = publisher = KVEventPublisher(settings.kv_events)
+        app[COLLECTORS].register(KVEventsCollector(publisher))
+        app.cleanup_ctx.append(publishing(publisher))
     app.cleanup_ctx.append(_models_lifecycle)
     app.on_shutdown.append(_end_streams)
     return app
@@ -100,7 +113,15 @@ async def _model_headers(request: web.Request, response: web.StreamResponse) -> 
     """Which model and revision answered (x-inferd-model: "name@revision"), when a degraded
     model's fallback did, the model asked for (x-inferd-fallback-from), the max_tokens a
     clamped request ran with (x-inferd-max-tokens-clamped), and the tool types left out
-    (x-inferd-dropped-tools)."""
+    (x-inferd-dropped-tools). For a router's session affinity (docs/fleet.md): the request's id
+    (x-request-id: the client's own, else inferd's) and the session key the client named
+    (x-session-id), echoed only where fit for a header (record.echoable), never made up."""
+    rid = request_id(request.get(RECORD))
+    if rid is not None:
+        response.headers[REQUEST_ID_HEADER] = rid
+    session = request.get(SESSION_ECHO)
+    if session is not None:
+        response.headers[SESSION_HEADER] = session
     answered_by = request.get(ANSWERED_BY)
     if answered_by is not None:
         response.headers["x-inferd-model"] = answered_by
@@ -120,7 +141,7 @@ async def _models_lifecycle(app: web.Application) -> AsyncIterator[None]:
     await registry.start()  # (each model's engine thread and probe)
     tasks = [asyncio.ensure_future(_ready_when_probed(registry)), asyncio.ensure_future(registry.watch()),
              asyncio.ensure_future(app[LOOP_LAG].watch()),
-             asyncio.ensure_future(sweep_forever(app[RESPONSE_STORE]))]
+             asyncio.ensure_future(sweep_forever(app[RESPONSE_STORE])), asyncio.ensure_future(watch_idle(registry))]
     yield
     for task in tasks:
         task.cancel()

@@ -39,7 +39,9 @@ async def health(request: web.Request) -> web.Response:
     fails it) and it is not failing step after step (health.liveness_failures in a row)."""
     settings, now = request.app[SETTINGS], time.monotonic()
     for slot in request.app[REGISTRY].slots.values():
-        engine = slot.current.engine
+        if (served := slot.serving) is None:
+            continue  # (not loaded, asleep or moving: no engine thread to look at)
+        engine = served.engine
         stalled = now - engine.last_beat > settings.server.liveness_seconds
         failing = engine.snapshot.consecutive_step_failures >= settings.health.liveness_failures
         if not engine.alive or stalled or failing:

@@ -71,8 +71,10 @@ _ERRORS = {
     "429": _error("the tenant's rate limit (code rate_limit_exceeded), or the class's queue is full, it is being "
                   "shed, the request would miss its TTFT deadline, or too many resumable streams are held; "
                   "Retry-After says when to come back"),
-    "503": _error("the engine is not running, the server is draining, or the request timed out before its first "
-                  "token; Retry-After says when to come back"),
+    "422": _error("the model, loaded on demand, failed to load (code model_load_failed, the reason named)"),
+    "503": _error("the engine is not running, the server is draining, the request timed out before its first "
+                  "token, or its model did not load or wake within model_load_wait_seconds (codes "
+                  "model_loading, model_asleep); Retry-After says when to come back"),
 }
 
 
@@ -291,6 +293,11 @@ def _paths() -> dict[str, Any]:
             "evaluation set (admin key)", {"type": "object", "additionalProperties": False, "properties": {
                 "path": {"type": "string"}, "revision": {"type": "string"}}}),
         "/admin/models/{name}/rollback": _revision_change("Return a model to its previous revision (admin key)", None),
+        "/admin/models/{name}/sleep": _sleep_wake(
+            "Put a model to sleep: level 1 frees its KV cache, 2 its weights too; requests then wait for the wake "
+            "(admin key)", {"type": "object", "additionalProperties": False, "properties": {
+                "level": {"type": "integer", "enum": [1, 2], "default": 1}}}),
+        "/admin/models/{name}/wake": _sleep_wake("Wake a model (or load one not loaded) (admin key)", None),
     }
 
 
@@ -298,13 +305,29 @@ def _revision_change(summary: str, body: dict[str, Any] | None) -> dict[str, Any
     name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}, "description": "a model"}
     served = {"type": "object", "required": ["model", "revision", "path", "reloaded"], "properties": {
         "model": {"type": "string"}, "revision": {"type": "string"}, "path": {"type": "string"},
-        "reloaded": {"type": "boolean"}}}
+        "reloaded": {"type": "boolean"}, "state": {"type": "string"}}}
     post: dict[str, Any] = {"summary": summary, "parameters": [name], "responses": {
         "200": {"description": "the revision now serving", "content": {"application/json": {"schema": served}}},
         "400": _error("an invalid body"), **_UNAUTHORIZED, **_FORBIDDEN, "404": _error("no such model"),
         "409": _error("no previous revision (rollback)"),
         "422": _error("the revision was rejected (it did not load, or failed its probe or evaluation set); "
                       "the old one keeps serving")}}
+    if body is not None:
+        post["requestBody"] = {"required": False, "content": {"application/json": {"schema": body}}}
+    return {"post": post}
+
+
+def _sleep_wake(summary: str, body: dict[str, Any] | None) -> dict[str, Any]:
+    name = {"name": "name", "in": "path", "required": True, "schema": {"type": "string"}, "description": "a model"}
+    state = {"type": "object", "required": ["model", "state", "seconds"], "properties": {
+        "model": {"type": "string"}, "state": {"type": "string"}, "level": {"type": "integer"},
+        "seconds": {"type": "number"}, "kv_cache_bytes_freed": {"type": ["integer", "null"]}}}
+    post: dict[str, Any] = {"summary": summary, "parameters": [name], "responses": {
+        "200": {"description": "the model's state now", "content": {"application/json": {"schema": state}}},
+        "400": _error("an invalid body"), **_UNAUTHORIZED, **_FORBIDDEN, "404": _error("no such model"),
+        "409": _error("the model was still loading or unloading after model_load_wait_seconds, or level 2 on a "
+                      "server that cannot load it again"),
+        "422": _error("the wake's load failed (model_load_failed, model_wake_failed), the reason named")}}
     if body is not None:
         post["requestBody"] = {"required": False, "content": {"application/json": {"schema": body}}}
     return {"post": post}

@@ -48,6 +48,7 @@ class RequestRecord:
     """What the handlers learn about one API request, for its log line (filled as it runs)."""
 
     id: str | None = None
+    request_id: str | None = None  # the client's own x-request-id (a sane one: echoable), else None
     model: str | None = None  # the model that answered (several models: routing/registry.py)
     revision: str | None = None  # and its revision
     task: str = "generate"  # "embed" (/v1/embeddings) or "score" (/v1/rerank, /v1/score): a pooling request
@@ -71,3 +72,23 @@ class RequestRecord:
 
 
 RECORD = web.RequestKey("request_record", RequestRecord)
+
+REQUEST_ID_HEADER = "x-request-id"
+MAX_REQUEST_ID_CHARS = 128
+
+
+def echoable(value: str | None, max_chars: int) -> str | None:
+    """`value` if it may go back to the client in a response header as it came: 1 to `max_chars`
+    printable ASCII characters (no CR, LF or other control, nothing a proxy could re-split);
+    else None, and nothing is echoed."""
+    if value and len(value) <= max_chars and all(" " <= c <= "~" for c in value):
+        return value
+    return None
+
+
+def request_id(record: RequestRecord | None) -> str | None:
+    """The id a response names its request by (x-request-id): the client's own, else the id
+    inferd gave it (a generation's or pooling request's response id; None before one is made)."""
+    if record is None:
+        return None
+    return record.request_id or record.id

@@ -48,7 +48,6 @@ async def serve(settings: Settings, api_keys: frozenset[str], load: Callable[[],
     asyncio.get_running_loop().set_default_executor(prestarted_pool())
     app = create_app(load(), settings, api_keys, reload_keys)
     state, models = app[STATE], app[REGISTRY]
-    engine = models.primary.current.engine
     # handler_cancellation: a non-streaming request whose client left is aborted at once
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True,
                            **connection_options(settings.server))
@@ -60,11 +59,7 @@ async def serve(settings: Settings, api_keys: frozenset[str], load: Callable[[],
         await runner.cleanup()
         raise
     host, port = runner.addresses[0][:2]
-    for slot in models.slots.values():
-        limits = slot.current.engine.limits
-        line = StartupLine(slot.current.spec.label if len(models.slots) > 1 else slot.name, limits.architecture,
-                           limits.num_layers, limits.dtype, limits.device, limits.num_kv_blocks, limits.block_size,
-                           limits.max_model_len, len(api_keys), f"http://{host}:{port}")
+    for line in startup_lines(models, len(api_keys), f"http://{host}:{port}"):
         log.info("%s", line.format())
     signals = asyncio.Queue[int]()
     loop = asyncio.get_running_loop()
@@ -84,7 +79,11 @@ async def serve(settings: Settings, api_keys: frozenset[str], load: Callable[[],
     if state.probed:
         notifier.ready(f"ready: serving {', '.join(models.slots)} on http://{host}:{port}")
         if notifier.watchdog_interval is not None:  # (systemd's watchdog counts from READY=1)
-            engine.heartbeat = _Pacer(notifier.watchdog, notifier.watchdog_interval)
+            models.heartbeat = pacer = _Pacer(notifier.watchdog, notifier.watchdog_interval)  # (and loads')
+            for served in models.served():
+                served.engine.heartbeat = pacer
+            idle_beats = asyncio.ensure_future(_beat_while_unloaded(models, pacer))
+            waiting_for_signal.add_done_callback(lambda _: idle_beats.cancel())
     try:
         sig = await waiting_for_signal
         await _drain(app, notifier, signals, settings.server.drain_seconds, signal.Signals(sig).name)
@@ -92,6 +91,31 @@ async def serve(settings: Settings, api_keys: frozenset[str], load: Callable[[],
         log.info("inferd shutting down")
         await runner.cleanup()
         notifier.close()
+
+
+def startup_lines(models: ModelRegistry, api_keys: int, url: str) -> list[StartupLine]:
+    """One per model: what it loaded; a model not loaded at start (on demand), placeholders (the
+    line still names the server's address, for the scripts that read it)."""
+    lines = []
+    for slot in models.slots.values():
+        name = slot.latest_spec.label if len(models.slots) > 1 else slot.name
+        limits = slot.current.engine.limits if slot.current is not None else None
+        if limits is None:
+            log.info("model %s loads on demand, on its first request", slot.name)
+            lines.append(StartupLine(name, "on-demand", 0, "-", "-", 0, 0, 0, api_keys, url))
+            continue
+        lines.append(StartupLine(name, limits.architecture, limits.num_layers, limits.dtype, limits.device,
+                                 limits.num_kv_blocks, limits.block_size, limits.max_model_len, api_keys, url))
+    return lines
+
+
+async def _beat_while_unloaded(models: ModelRegistry, pacer: _Pacer) -> None:
+    """The watchdog's beat while no engine runs (every model on demand, none loaded): the event
+    loop's (an engine's loop beats it otherwise)."""
+    while True:
+        if not any(served.engine.alive for served in models.served()):
+            pacer()
+        await asyncio.sleep(pacer.interval / 2)
 
 
 async def _drain(app: web.Application, notifier: Notifier, signals: asyncio.Queue[int], grace: float,

@@ -112,7 +112,11 @@ def models(s: dict[str, Any]) -> RenderableType | None:
         # reload/ref: reloads done / refused (the new revision failed its checks); esc/saved: a
         # cascade's small model: answers escalated to the large one / large-model tokens saved
         # emb/score: pooling requests answered (/v1/embeddings; /v1/rerank and /v1/score), apart from reqs
-        for name in ("run/wait", "KV blk", "reqs", "emb/score", "fallbk", "reload/ref", "esc/saved"):
+        # load/sw (models on demand only): loads (on demand, wakes from level 2) / of which unloaded
+        # another model to make room
+        on_demand = any(_life(m).get("load") == "on_demand" or _life(m).get("loads") for m in rows)
+        for name in ("run/wait", "KV blk", "reqs", "emb/score", "fallbk", "reload/ref", "esc/saved",
+                     *(("load/sw",) if on_demand else ())):
             t.add_column(name, justify="right", no_wrap=True)
         for m in rows:
             level = str(m.get("functional_level") or MISSING)
@@ -125,6 +129,7 @@ def models(s: dict[str, Any]) -> RenderableType | None:
                 Text.assemble(f"{fmt_int(m.get('reloads'))}/",
                               (fmt_int(refused), "yellow" if is_num(refused) and refused > 0 else "")),
                 f"{fmt_count(m.get('escalations'))}/{fmt_count(m.get('tokens_saved'))}",
+                *((f"{fmt_count(_life(m).get('loads'))}/{fmt_count(_life(m).get('switches'))}",) if on_demand else ()),
             )
         parts.append(t)
     if routes:
@@ -167,8 +172,29 @@ def _model_name(m: dict[str, Any]) -> Text:
     return text
 
 
+def _life(m: dict[str, Any]) -> dict[str, Any]:
+    life = m.get("life")
+    return life if isinstance(life, dict) else {}
+
+
+_STATE_STYLES = {"loading": "yellow", "waking": "yellow", "unloading": "yellow", "asleep": "blue",
+                 "unloaded": "dim", "failed": "bold red"}
+
+
 def _health(m: dict[str, Any]) -> Text:
-    """Degraded (where its requests go now) over unhealthy (the probe's error) over ok."""
+    """A model not serving: its state (asleep's level, failed's reason); else degraded (where its
+    requests go now) over unhealthy (the probe's error) over ok."""
+    state = m.get("state")
+    if isinstance(state, str) and state != "serving":
+        life = _life(m)
+        text = state
+        if state == "asleep" and life.get("sleep_level"):
+            text += f" (level {life['sleep_level']})"
+        if state == "failed" and life.get("load_error"):
+            text += f": {str(life['load_error']).strip()}"
+        if len(text) > _PROBE_ERROR_WIDTH:
+            text = text[:_PROBE_ERROR_WIDTH - 1] + "…"
+        return Text(text, style=_STATE_STYLES.get(state, "yellow"))
     if m.get("degraded"):
         text = f"degraded → {m.get('fallback') or MISSING}"
         if m.get("degraded_reason"):

@@ -23,8 +23,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from inferd.engine.protocol import (
     TOKEN_BUCKETS,
@@ -172,6 +174,9 @@ class AsyncEngine:
         # time (the systemd watchdog); a step that hangs stops both
         self.last_beat = time.monotonic()
         self.heartbeat: Callable[[], None] | None = None
+        # ([kv_events] on) called on the engine thread with each step's KV events, if it has any
+        # (engine/kv/events.py): the registry sets it when the engine starts serving (api/kv_events/)
+        self.kv_event_sink: Callable[[Sequence[Any]], None] | None = None
         self.throughput = Throughput()  # sampled with every snapshot; rates read at any time
         self._step_seconds = Histogram()  # written by the engine thread, copied into snapshots
         self._batch_tokens = Histogram(TOKEN_BUCKETS)
@@ -194,6 +199,21 @@ class AsyncEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._thread = None
+
+    async def sleep(self) -> int:
+        """Sleep, level 1, once stopped: the core frees its KV cache (in a worker thread) and keeps
+        its weights; the bytes freed. `wake` builds it again; `start` then runs the engine again."""
+        assert self._thread is None, "stop the engine before it sleeps"
+        return await asyncio.get_running_loop().run_in_executor(None, self._engine.release_kv)
+
+    async def wake(self) -> None:
+        """Back from sleep: the core's KV cache, scheduler and runner built again, as at start (in
+        a thread that then ends: builder.in_passing_thread says why); its limits read again (the
+        door of the revision that serves next)."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="inferd-wake") as passing:
+            await asyncio.get_running_loop().run_in_executor(passing, self._engine.restore_kv)
+        self.limits = self._engine.limits
+        self.snapshot = self._publish(0.0)
 
     @property
     def alive(self) -> bool:
@@ -307,6 +327,8 @@ class AsyncEngine:
             self._batch_tokens.observe(engine.last_step_tokens)
         # O(requests): not every step; but before a finish is delivered, so that a client holding
         # its answer finds it counted in /v1/status and /metrics
+        if step.kv_events and (sink := self.kv_event_sink) is not None:  # (before the outputs they precede)
+            sink(step.kv_events)
         if end - self.snapshot_time >= STATS_INTERVAL_SECONDS or any(o.finished for o in step.outputs):
             self.snapshot = self._publish(end - start)
         if step.outputs or step.started or step.prefill_tokens:

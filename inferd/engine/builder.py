@@ -128,6 +128,26 @@ def build_execution(model: DecoderModel, config: EngineConfig, max_model_len: in
                      working, num_host_slots, num_tier_blocks)
 
 
+EXECUTION_PARTS = ("runner", "executor", "kv_cache")  # an engine's attributes that hold its KV cache
+
+
+def free_execution(engine: object) -> int:
+    """Sleep, level 1: what `build_execution` built for `engine` (an LLMEngine whose thread has
+    stopped, no request left) goes, its weights stay; the KV cache's bytes, freed (on CUDA given
+    back to the device). The engine is unusable until it is built again (LLMEngine.restore_kv)."""
+    cache: KVCache = getattr(engine, "kv_cache")
+    storages = [*cache.block_tensors, *(cache.host_storages or ()), *(cache.tier_storages or ())]
+    freed = sum(t.numel() * t.element_size() for t in storages)
+    if cache.states is not None:
+        freed += cache.num_state_slots * cache.state_bytes_per_slot
+    del cache, storages
+    for name in EXECUTION_PARTS:  # NOTE: no gc.collect(): no cycle holds them, and a full one holds the GIL ~0.1 s
+        delattr(engine, name)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return freed
+
+
 def _tier_blocks(model: DecoderModel, config: EngineConfig, fmt: str | None) -> int:
     """The host tier's blocks from `kv_host_cache_memory` ("auto": none on a CPU, where the KV
     cache is host memory already; on CUDA 8 GiB or a quarter of the free host memory, the less).

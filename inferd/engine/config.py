@@ -12,6 +12,7 @@ import torch
 from inferd.engine.output.blocklist import Blocklist, read_blocklist
 from inferd.settings.config import Settings
 from inferd.settings.engine import CacheSettings, HealthSettings, ModelSettings, SchedulerSettings, SpeculativeSettings
+from inferd.settings.fleet import KVEventsSettings
 from inferd.settings.policy import SchedulingPolicy
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,6 +51,7 @@ class EngineConfig:
     policy: SchedulingPolicy = _DEFAULT_POLICY  # classes, aging, preemption, fairness, shedding
     output_filter: Blocklist | None = None  # the blocklist, read from output_filter.blocklist_file
     speculative: SpeculativeSettings = SpeculativeSettings()  # drafting and verifying several tokens a step
+    kv_events: KVEventsSettings = KVEventsSettings()  # recorded (kv/events.py) only when enabled
 
     @classmethod
     def from_settings(cls, settings: Settings) -> EngineConfig:
@@ -57,7 +59,7 @@ class EngineConfig:
         blocklist = settings.output_filter.blocklist_file
         return cls(settings.model, settings.cache, settings.scheduler, settings.health, settings.policy(),
                    read_blocklist(blocklist, settings.output_filter.action) if blocklist else None,
-                   settings.speculative)
+                   settings.speculative, settings.kv_events)
 
     @classmethod
     def of(cls, *, policy: SchedulingPolicy | None = None, output_filter: Blocklist | None = None,

@@ -18,24 +18,17 @@ from dataclasses import dataclass
 
 import torch
 
-from inferd.engine.builder import build_execution, load_model
+from inferd.engine.builder import build_execution, free_execution, load_model
 from inferd.engine.config import EngineConfig
 from inferd.engine.health import EngineHealth
 from inferd.engine.kv.block_manager import BlockManager
+from inferd.engine.kv.events import KVEventRecorder
 from inferd.engine.kv.state_slots import StateSlots
 from inferd.engine.output.blocklist import CONTENT_FILTER, output_filter
 from inferd.engine.output.pooled import pooled_answers, pooler_info
 from inferd.engine.output.processor import OutputProcessor
-from inferd.engine.protocol import (
-    ConstraintError,
-    EngineLimits,
-    EngineOutput,
-    EngineRequest,
-    EngineSnapshot,
-    Histogram,
-    StepOutputs,
-    TokenLogprob,
-)
+from inferd.engine.protocol import (ConstraintError, EngineLimits, EngineOutput, EngineRequest, EngineSnapshot,
+                                    Histogram, StepOutputs, TokenLogprob)
 from inferd.engine.sched.accounting import request_metrics
 from inferd.engine.sched.request import Request, RequestStatus
 from inferd.engine.sched.scheduler import Scheduler, SchedulerOutput
@@ -86,12 +79,16 @@ class LLMEngine:
         self.max_num_seqs = min(config.scheduler.max_num_seqs, execution.num_working_slots or config.scheduler.max_num_seqs)
         state = (StateSlots(execution.num_state_slots, execution.num_host_state_slots, self.max_num_seqs)
                  if execution.num_state_slots else None)
+        # ([kv_events] on) what the prefix cache files and evicts, handed out with each step
+        self.kv_events = KVEventRecorder(config.cache.block_size, config.kv_events.tenant_token_ids) if (
+            config.kv_events.enabled) else None
         self.block_manager = BlockManager(execution.num_blocks, config.cache.block_size,
                                           num_host_blocks=execution.num_host_blocks,
                                           # (bidirectional attention: a block's K/V depend on what follows it)
                                           enable_prefix_caching=config.cache.prefix_caching and not model.cfg.bidirectional,
                                           windows=self.kv_cache.layout.windows, state=state,
-                                          num_tier_blocks=execution.num_tier_blocks, session_share=config.cache.session_share)
+                                          num_tier_blocks=execution.num_tier_blocks, session_share=config.cache.session_share,
+                                          events=self.kv_events)
         self.policy = config.policy
         self.scheduler = Scheduler(self.block_manager, self.max_num_seqs, config.scheduler.max_num_batched_tokens,
                                    config.policy)
@@ -128,6 +125,11 @@ class LLMEngine:
     def from_config(cls, config: EngineConfig) -> LLMEngine:
         model, tokenizer = load_model(config)
         return cls(model, tokenizer, config)
+
+    release_kv = free_execution  # sleep, level 1 (builder.py): the KV cache freed, the weights kept; its bytes
+
+    def restore_kv(self) -> None:  # wake: all but the weights and tokenizer built again, as at start
+        self.__init__(self.model, self.tokenizer, self.config)  # type: ignore[misc]
 
     def _limits(self) -> EngineLimits:
         num_blocks, bs = self.block_manager.pool.num_blocks, self.config.cache.block_size
@@ -218,6 +220,12 @@ class LLMEngine:
     # ---------------------------------------------------------------------------------- step
 
     def step(self) -> StepOutputs:
+        step = self._step()
+        if self.kv_events is not None:
+            step.kv_events = self.kv_events.take()
+        return step
+
+    def _step(self) -> StepOutputs:
         if self.faults is not None:
             self.faults.before_step(self.model)
         self.speculator.draft(self.scheduler.running)

@@ -298,6 +298,7 @@ class StepOutputs:
     started: list[int] = field(default_factory=list)  # groups first scheduled (they left the queue)
     prefill_tokens: int = 0  # prompt tokens this step computed ...
     step_seconds: float = 0.0  # ... in a step that took this long (the door predicts TTFT from it)
+    kv_events: Sequence[Any] = ()  # ([kv_events] on) the prefix cache's events (engine/kv/events.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -414,7 +415,7 @@ class EngineSnapshot:
     @property
     def kv_usage_ratio(self) -> float:
         """KV blocks held by requests / all KV blocks (cached-but-free blocks count as free)."""
-        return self.kv_blocks_used / self.kv_blocks_total
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0  # (0: not loaded)
 
 
 class EngineCore(Protocol):
@@ -439,6 +440,9 @@ class EngineCore(Protocol):
 
     def snapshot(self, steps: int, step_seconds: float, step_hist: Histogram,
                  batch_hist: Histogram) -> EngineSnapshot: ...
+
+    def release_kv(self) -> int: ...  # sleep, level 1 (stopped): the KV cache freed, the weights kept; its bytes
+    def restore_kv(self) -> None: ...  # wake: the KV cache (and what is sized for it) built again
 
 
 class EngineDeadError(RuntimeError):

@@ -21,6 +21,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from inferd.settings.engine import (BUILTIN_CLASSES, CacheSettings, ClassSettings, HealthSettings, LimitSettings,
                                     ModelSettings, RuntimeSettings, SchedulerSettings, SheddingSettings,
                                     SpeculativeSettings)
+from inferd.settings.fleet import KVEventsSettings
 from inferd.settings.models import DegradationSettings, ModelTable, RouteTable, check_models
 from inferd.settings.policy import SchedulingPolicy, ShedConfig
 from inferd.settings.server import (OutputFilterSettings, RequestLogSettings, ResponsesSettings, ServerSettings,
@@ -60,6 +61,7 @@ class Settings(Section):
     routes: dict[str, RouteTable] = Field(default_factory=dict)
     """[routes.NAME] tables: names that split or cascade between models."""
     degradation: DegradationSettings = DegradationSettings()
+    kv_events: KVEventsSettings = KVEventsSettings()
 
     @field_validator("classes", mode="before")
     @classmethod

@@ -53,6 +53,12 @@ class ModelTable(Section):
     eval_file: str | None = None
     """JSON lines {"prompt": ..., "expected": ...}: greedy continuations a new revision must reproduce
     before a reload moves traffic to it."""
+    load: Literal["start", "on_demand"] = "start"
+    """"start": loaded when the server starts; "on_demand": on its first request (which waits)."""
+    pinned: bool = False
+    """Never unloaded to make room or when idle (it may still sleep); not counted in [server] models_max."""
+    idle_unload_seconds: float | None = Field(default=None, gt=0)
+    """Unloaded after this long without a request (unpinned models only); unset: kept."""
 
     @field_validator("kv_cache_memory", mode="before")
     @classmethod

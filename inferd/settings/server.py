@@ -52,6 +52,10 @@ class ServerSettings(Section):
     """An idle keep-alive connection, or a request head still arriving, this long: closed."""
     probe_interval_seconds: float = Field(default=60.0, ge=0)
     """Seconds between idle inference probes (a fixed greedy answer checked); 0: at start-up only."""
+    models_max: int | None = Field(default=None, ge=1)
+    """Unpinned models loaded at once; loading another unloads the least recently used idle one. Unset: no limit."""
+    model_load_wait_seconds: float = Field(default=120.0, gt=0)
+    """A request for a model that is loading, waking or waiting for room waits this long, then gets 503."""
     liveness_seconds: float = Field(default=60.0, gt=0)
     """/health fails if the engine has work but has taken no step this long."""
     log_format: Literal["text", "json"] = "text"

@@ -72,7 +72,7 @@ async def serve(llm: LLMEngine | ModelRegistry, settings: Settings | None = None
         settings = settings.model_copy(update={"model": settings.model.model_copy(update={"name": MODEL})})
     registry = llm if isinstance(llm, ModelRegistry) else single_model(AsyncEngine(llm), settings)
     app = create_app(registry, settings, api_keys, reload_keys)
-    primary = app[REGISTRY].primary.current  # (the first model's revision at start-up)
+    primary = app[REGISTRY].primary.current  # (the first model's revision at start-up; None: it loads on demand)
     for served in app[REGISTRY].served():
         recorded = _PROBE_TOKENS.get(_weights(served.engine), {}).get(_deterministic(served.engine))
         if recorded is not None:
@@ -86,7 +86,8 @@ async def serve(llm: LLMEngine | ModelRegistry, settings: Settings | None = None
                 if served.probe.expected is not None:
                     tokens = _PROBE_TOKENS.setdefault(_weights(served.engine), {})
                     tokens.setdefault(_deterministic(served.engine), served.probe.expected)
-            yield Server(primary.engine, primary.door, session, test_server)
+            yield Server(primary.engine if primary else None, primary.door if primary else None,  # type: ignore[arg-type]
+                         session, test_server)
         for served in app[REGISTRY].served():
             if served.engine.alive:  # (a test may have stopped it)
                 await assert_pool_whole(served.engine, served.door)

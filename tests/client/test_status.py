@@ -262,6 +262,20 @@ def test_render_models_health() -> None:
     assert row(text, "mute@r1").split()[1] == "unhealthy" and row(text, "old@r0").split()[1] == "-"
 
 
+def test_render_models_states() -> None:
+    """Models on demand: a state other than serving stands in the health column; loads/switches."""
+    life = {"loads": 3, "switches": 2}
+    models = [_model("a", "1", state="serving", life=life),
+              _model("b", "1", state="asleep", life={"sleep_level": 2, "loads": 1, "switches": 0}),
+              _model("c", "1", state="failed", healthy=False, life={"load_error": "truncated GGUF header"}),
+              _model("d", "1", state="unloaded", life=None)]
+    text = text_of({**FULL, "models": models}, width=160)
+    assert row(text, "a@1").split()[1] == "ok" and row(text, "a@1").split()[-1] == "3/2"
+    assert "asleep (level 2)" in row(text, "b@1") and row(text, "b@1").split()[-1] == "1/0"
+    assert "failed: truncated GGUF header" in row(text, "c@1")
+    assert row(text, "d@1").split()[1] == "unloaded" and row(text, "d@1").split()[-1] == "-/-"
+
+
 @pytest.mark.parametrize("several", [
     {}, {"models": [], "routes": []}, {"models": None, "routes": None},
     {"models": [_model("smollm2", "main")]}, {"models": [_model("smollm2", "main")], "routes": []},

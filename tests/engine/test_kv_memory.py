@@ -5,6 +5,7 @@ and each request says where its cached tokens came from and why it missed."""
 from __future__ import annotations
 
 import itertools
+import weakref
 
 import pytest
 
@@ -90,3 +91,20 @@ def test_each_request_says_why_it_missed(weights: tuple) -> None:
     hit = run(engine, prompt).metrics
     assert (hit.cached_tokens, hit.cache_miss) == (32, None)
     assert run(engine, prompt[:20] + words(engine, 41, 20)).metrics.cache_miss == "diverged within tokens 16-31"
+
+
+def test_release_and_restore_the_kv_cache_keeps_the_weights_and_the_answers(served_weights: tuple) -> None:
+    """Sleep, level 1 (api/routing/lifecycle.py): the KV cache's memory goes at once, the weights
+    stay; restored, the engine answers as before, from an empty cache and a whole pool."""
+    engine = build(served_weights, tier_blocks=4)
+    prompt = words(engine, 1, 40)
+    before = run(engine, prompt).new_token_ids
+    storage, weights = weakref.ref(engine.kv_cache.storage), engine.model
+    per_block = engine.kv_cache.bytes_per_block
+    freed = engine.release_kv()
+    assert freed == (POOL_BLOCKS + 4) * per_block  # (the device pool and the host tier's 4 blocks)
+    assert storage() is None and not hasattr(engine, "kv_cache") and engine.model is weights
+    engine.restore_kv()
+    assert engine.block_manager.num_cached_blocks == 0 and engine.model is weights
+    assert run(engine, prompt).new_token_ids == before
+    assert engine.block_manager.num_used_blocks == 0

@@ -59,7 +59,7 @@ def session_of(request: web.Request, body: Prompted, controls: list[dict[str, An
     """The request's session: the header's key on any request; else, with any cache_control, the
     key derived from `user_id` or the conversation's start (read after volatile blocks are dropped)."""
     ttl = asked_ttl(controls)
-    return asked_session(request, conversation_key(body, user_id) if controls else None, ttl=ttl)
+    return asked_session(request, conversation_key(body, user_id) if controls else None, ttl=ttl, derived=True)
 
 
 def conversation_key(body: Prompted, user_id: str | None) -> str:

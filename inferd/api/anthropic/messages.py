@@ -42,7 +42,7 @@ from inferd.api.errors import bad_request
 from inferd.api.pipeline.generate import generate
 from inferd.api.pipeline.prompts import make_prompts
 from inferd.api.pipeline.shape import Events, Reply
-from inferd.api.routing.registry import REGISTRY
+from inferd.api.routing.holds import hold_engine
 from inferd.api.streaming.generation import ChoiceResult
 from inferd.api.streaming.sse import Named, Payload
 from inferd.api.wire import dump
@@ -300,7 +300,7 @@ async def count_tokens(request: web.Request) -> web.Response:
     body = CountTokensRequest.model_validate(await read_json(request))
     _custom_tools_only(request, body)
     drop_volatile(request.app[VOLATILE], body)  # (as /v1/messages would; not counted: nothing is generated)
-    engine = request.app[REGISTRY].slot(body.model).current.engine
+    engine = await hold_engine(request, body.model)  # (loaded first if need be; held until this returns)
     [tokens] = await make_prompts(request, engine.tokenizer, engine.limits.max_model_len,
                                   lambda tokenizer: [messages_prompt(tokenizer, body)])
     return web.json_response(dump(CountTokensResponse(input_tokens=len(tokens))))

@@ -23,16 +23,17 @@ _STARTED = 0  # ModelCard.created: fixed, as nothing here knows when the weights
 
 
 def model_cards(request: web.Request) -> list[p.ModelCard]:
-    """Every served name: models (with their revision), aliases, routes."""
+    """Every served name: models (with their revision and state, loaded or not), aliases, routes.
+    A model never loaded yet has no max_model_len to show."""
     registry = request.app[REGISTRY]
     cards = []
     for slot in registry.slots.values():
-        spec, limits = slot.current.spec, slot.current.engine.limits
-        experts, active = limits.experts or (None, None)
-        cards.append(p.ModelCard(id=slot.name, created=_STARTED, max_model_len=limits.max_model_len,
-                                 revision=spec.revision, experts=experts, active_experts=active))
-        cards += [p.ModelCard(id=alias, created=_STARTED, max_model_len=limits.max_model_len, revision=spec.revision,
-                              alias_of=slot.name) for alias in spec.aliases]
+        spec, limits = slot.latest_spec, slot.limits
+        experts, active = (limits.experts if limits else None) or (None, None)
+        life = dict(state=str(slot.life.state), load=spec.load, pinned=slot.pinned,
+                    max_model_len=limits.max_model_len if limits else None, revision=spec.revision)
+        cards.append(p.ModelCard(id=slot.name, created=_STARTED, experts=experts, active_experts=active, **life))
+        cards += [p.ModelCard(id=alias, created=_STARTED, alias_of=slot.name, **life) for alias in spec.aliases]
     cards += [p.ModelCard(id=name, created=_STARTED, route=route.shares()) for name, route in registry.routes.items()]
     return cards
 

@@ -24,7 +24,7 @@ from inferd.api.conversation.volatile import VOLATILE
 from inferd.api.openai.chat import chat_prompt, drop_volatile
 from inferd.api.openai.chat_wire import ChatMessage, Tool
 from inferd.api.pipeline.prompts import make_prompts
-from inferd.api.routing.registry import REGISTRY
+from inferd.api.routing.holds import hold_engine
 from inferd.api.wire import RequestModel, ResponseModel, dump
 from inferd.engine.async_engine import AsyncEngine
 from inferd.text.tokenizer import Tokenizer
@@ -79,16 +79,16 @@ def parse_tokenize(data: dict[str, Any]) -> TokenizeCompletionRequest | Tokenize
     return (TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest).model_validate(data)
 
 
-def _engine(request: web.Request, model: str | None) -> AsyncEngine:
-    """The engine of the model (or alias) named, else the first model's; 404 for an unknown one.
-    A route's targets may tokenize differently: name a model."""
-    registry = request.app[REGISTRY]
-    return (registry.primary if model is None else registry.slot(model)).current.engine
+async def _engine(request: web.Request, model: str | None) -> AsyncEngine:
+    """The engine of the model (or alias) named, else the first model's, held until the handler
+    returns (loaded first if need be: routing/holds.py); 404 for an unknown one. A route's
+    targets may tokenize differently: name a model."""
+    return await hold_engine(request, model)
 
 
 async def tokenize(request: web.Request) -> web.Response:
     body = parse_tokenize(await read_json(request))
-    engine = _engine(request, body.model)
+    engine = await _engine(request, body.model)
     if isinstance(body, TokenizeChatRequest):  # (as the chat path renders them; not counted)
         drop_volatile(request.app[VOLATILE], body.messages)
 
@@ -104,7 +104,7 @@ async def tokenize(request: web.Request) -> web.Response:
 
 async def detokenize(request: web.Request) -> web.Response:
     body = DetokenizeRequest.model_validate(await read_json(request))
-    tokenizer = _engine(request, body.model).tokenizer
+    tokenizer = (await _engine(request, body.model)).tokenizer
     vocab = tokenizer.vocab_size
     bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
     if bad is not None:
@@ -113,7 +113,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 async def tokenizer_info(request: web.Request) -> web.Response:
-    engine = _engine(request, request.query.get("model"))
+    engine = await _engine(request, request.query.get("model"))
     tok = engine.tokenizer
     pad = tok.pad_token_id
 

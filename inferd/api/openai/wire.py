@@ -263,6 +263,11 @@ class ModelCard(ResponseModel):
     # a mixture-of-experts model: its experts per layer and how many each token goes through
     experts: int | None = None
     active_experts: int | None = None
+    # a model (or alias): serving, loading, unloading, asleep, waking, unloaded or failed; when it
+    # loads (start, on_demand) and whether it is pinned (never unloaded to make room or when idle)
+    state: str | None = None
+    load: str | None = None
+    pinned: bool | None = None
 
 
 class ModelList(ResponseModel):

@@ -22,7 +22,8 @@ from inferd.api.gateway.keys import principal_of
 from inferd.api.pipeline.prompts import make_prompts
 from inferd.api.pipeline.shape import Reply, Shape
 from inferd.api.record import RECORD, RequestRecord
-from inferd.api.routing.registry import REGISTRY, Choice
+from inferd.api.routing.holds import acquire
+from inferd.api.routing.registry import Choice
 from inferd.api.routing.routes import Caller
 from inferd.api.state import SETTINGS
 from inferd.api.streaming.generation import ChoiceResult, Generation, no_answer
@@ -43,7 +44,7 @@ async def generate(request: web.Request, ask: Ask, shape: Shape) -> web.StreamRe
     cls = request.app[GATEWAY].authorize(principal, ask.model, ask.priority)
     tenant = principal.tenant
     caller = Caller(cls.name, ask.user, tenant.name if tenant else None, tenant.tier if tenant else None)
-    choice = request.app[REGISTRY].choose(ask.model, caller)
+    choice = await acquire(request, ask.model, caller)
     if choice.cascade is None:
         return await answer(request, ask, shape, choice, cls)
     if ask.stream:
@@ -135,6 +136,6 @@ async def cascade(request: web.Request, ask: Ask, shape: Shape, choice: Choice, 
         response = await answer(request, ask, shape, choice, cls, unsure=unsure)
     except CascadeUnsure:
         small.counts.escalations += 1
-        return await answer(request, ask, shape, request.app[REGISTRY].choose(spec.large, Caller(cls.name)), cls)
+        return await answer(request, ask, shape, await acquire(request, spec.large, Caller(cls.name)), cls)
     small.counts.tokens_saved += request.get(CASCADE_TOKENS, 0)  # what the large model would have computed
     return response

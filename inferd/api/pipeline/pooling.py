@@ -26,7 +26,7 @@ from inferd.api.gateway.keys import principal_of
 from inferd.api.gateway.tenants import Tenant
 from inferd.api.pipeline.generate import ANSWERED_BY, FALLBACK_FROM, request_record
 from inferd.api.pipeline.prompts import make_prompts
-from inferd.api.routing.registry import REGISTRY
+from inferd.api.routing.holds import acquire
 from inferd.api.routing.routes import Caller
 from inferd.api.state import SETTINGS
 from inferd.api.streaming.generation import POLL_SECONDS, Generation, client_gone, ending_error
@@ -101,7 +101,7 @@ async def run_pooling(request: web.Request, job: PoolingJob) -> Pooled | None:
     gateway, tenant = app[GATEWAY], principal.tenant
     cls = gateway.authorize(principal, job.model, pooling_priority(gateway.policy, tenant, job.priority))
     caller = Caller(cls.name, job.user, tenant.name if tenant else None, tenant.tier if tenant else None)
-    choice = app[REGISTRY].choose(job.model, caller)
+    choice = await acquire(request, job.model, caller)
     if choice.cascade is not None:
         raise bad_request(f"{job.model!r} is a cascade route, which only generates: name a model", param="model",
                           code="wrong_task")

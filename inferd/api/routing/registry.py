@@ -7,7 +7,8 @@ request's `model` goes.
                                                        |
                      the functional ladder: this class refused (503)? max_tokens capped? whole?
                                                        |
-                                   slot.current: the revision serving it (engine, door, probe)
+                 slot.current: the revision serving it (engine, door, probe), once it serves:
+                     a model on demand, or asleep, loads or wakes first (lifecycle.py, holds.py)
 
 A slot holds one served name and the counters that outlive its revisions. A reload (reload.py)
 loads the new revision beside the old one and swaps `current` only once it has passed its
@@ -28,98 +29,22 @@ from pathlib import Path
 
 from aiohttp import web
 
-from inferd.api.admission.door import DoorCounts
 from inferd.api.errors import APIError
-from inferd.api.routing.degradation import FunctionalDegradation, ModelDegradation, Triggers
+from inferd.api.kv_events import KVEventPublisher, KVEventSink
+from inferd.api.routing.life import Changes
 from inferd.api.routing.routes import Caller, Cascade, Route, RouteRule
 from inferd.api.routing.served import ModelSpec, Served
+from inferd.api.routing.slot import ModelSlot
 from inferd.api.state import ServerState
 from inferd.engine.async_engine import AsyncEngine
 from inferd.settings.config import Settings
-from inferd.settings.models import DegradationSettings, RouteTable
+from inferd.settings.models import RouteTable
 
 log = logging.getLogger(__name__)
 
 TICK_SECONDS = 1.0  # how often the degradation triggers look at each model
-POLL_SECONDS = 0.05  # how often a retiring revision looks again
 
 Loader = Callable[[ModelSpec], AsyncEngine]  # loads a revision (in a worker thread on reloads)
-
-
-@dataclass
-class ModelCounts:
-    """One served name's counters, for /metrics and /v1/status: they outlive its revisions."""
-
-    requests: int = 0  # requests sent to it (by name, alias, route, or as a fallback), admitted or not
-    fallbacks: int = 0  # requests for it sent to its fallback while it was degraded
-    reloads: int = 0  # revisions that took over
-    reloads_refused: int = 0  # revisions discarded (load, probe or evaluation failed)
-    escalations: int = 0  # cascade: answers of this (small) model found unsure, asked again
-    tokens_saved: int = 0  # cascade: tokens the large model did not compute (the small answer sufficed)
-    door: DoorCounts = field(default_factory=DoorCounts)  # refusals and grammars at every revision's door
-    # pooling requests answered (/v1/embeddings: "embed"; /v1/rerank and /v1/score: "score"), by task:
-    # requests, their inputs (texts or pairs) and those inputs' prompt tokens
-    pooling: dict[str, PoolingCounts] = field(default_factory=lambda: {task: PoolingCounts() for task in POOLING_TASKS})
-
-
-POOLING_TASKS = ("embed", "score")
-
-
-@dataclass
-class PoolingCounts:
-    requests: int = 0
-    inputs: int = 0
-    prompt_tokens: int = 0
-
-    def add(self, inputs: int, prompt_tokens: int) -> None:
-        self.requests += 1
-        self.inputs += inputs
-        self.prompt_tokens += prompt_tokens
-
-
-class ModelSlot:
-    """One served name: the revision serving it now, the one before (for a rollback), the
-    revisions retiring (draining their in-flight requests), its degradation and its counts."""
-
-    def __init__(self, served: Served, degradation: DegradationSettings) -> None:
-        self.current = served
-        self.previous: ModelSpec | None = None
-        self.retiring: list[Served] = []
-        self.settings = degradation
-        self.degradation = ModelDegradation(triggers(degradation))
-        self.ladder = FunctionalDegradation(degradation.hold_seconds, degradation.recover_seconds)
-        self.counts = ModelCounts(door=served.door.counts)
-        self.lock = asyncio.Lock()  # one reload at a time
-
-    @property
-    def name(self) -> str:
-        return self.current.spec.name
-
-    def retire(self, old: Served) -> None:
-        """`old` keeps its in-flight requests; once they have ended its engine stops."""
-        self.retiring.append(old)
-        asyncio.ensure_future(self._retire(old))
-
-    async def _retire(self, old: Served) -> None:
-        while old.engine.open_requests:
-            await asyncio.sleep(POLL_SECONDS)
-        await old.stop()
-        self.retiring.remove(old)
-        log.info("model %s: revision %s retired", self.name, old.spec.revision)
-
-    def ladder_steps(self, class_name: str) -> tuple[int | None, bool]:
-        """(max_tokens ceiling, answered whole) for a request of the class, as the functional
-        ladder stands; 503 while the class is refused."""
-        d, ladder = self.settings, self.ladder
-        if class_name not in d.classes or ladder.level == 0:
-            return None, False
-        ranks = {c.name: i for i, c in enumerate(self.current.door.limits.policy.ranked)}  # best first
-        lowest = max(d.classes, key=lambda name: ranks.get(name, -1))
-        if ladder.refuses(class_name, lowest):
-            raise APIError(503, f"model {self.name} is overloaded: class {class_name!r} is refused for now "
-                                f"(degradation level {ladder.name})", code="degraded",
-                           headers={"Retry-After": str(max(1, round(d.recover_seconds)))})
-        return (d.max_tokens_ceiling if ladder.level >= 2 else None), ladder.stream_whole()
 
 
 @dataclass
@@ -148,6 +73,13 @@ class ModelRegistry:
     routes: dict[str, Route] = field(default_factory=dict)
     loader: Loader | None = None  # None: no reloads (a server built around one given engine)
     aliases: dict[str, str] = field(default_factory=dict)
+    kv_events: KVEventPublisher | None = None  # each started engine's KV events go here (create_app sets it)
+    settings: Settings | None = None  # what a revision loaded on demand serves with (None: no loads)
+    models_max: int | None = None  # [server] models_max: unpinned models loaded at once (lifecycle.py)
+    load_wait_seconds: float = 120.0  # [server] model_load_wait_seconds
+    changes: Changes = field(default_factory=Changes)  # a slot's state changed, or a hold ended
+    room: asyncio.Lock = field(default_factory=asyncio.Lock)  # one load makes room at a time
+    heartbeat: Callable[[], None] | None = None  # (the systemd watchdog) every engine started beats it
 
     def __post_init__(self) -> None:
         self.refresh_aliases()
@@ -156,13 +88,20 @@ class ModelRegistry:
     def primary(self) -> ModelSlot:
         return next(iter(self.slots.values()))
 
+    @property
+    def lead(self) -> ModelSlot | None:
+        """What /v1/status's top level and the unlabelled metrics describe: the primary, else
+        (models on demand) the first model with an engine; None while none has one."""
+        return next((slot for slot in self.slots.values() if slot.engine_snapshot is not None), None)
+
     def refresh_aliases(self) -> None:
-        self.aliases = {alias: slot.name for slot in self.slots.values() for alias in slot.current.spec.aliases}
+        self.aliases = {alias: slot.name for slot in self.slots.values() for alias in slot.latest_spec.aliases}
 
     def served(self) -> Iterator[Served]:
-        """Every loaded revision: serving and retiring."""
+        """Every loaded revision: serving (or asleep at level 1, or unloading) and retiring."""
         for slot in self.slots.values():
-            yield slot.current
+            if slot.current is not None:
+                yield slot.current
             yield from slot.retiring
 
     @property
@@ -180,26 +119,28 @@ class ModelRegistry:
                            param="model", code="model_not_found")
         return slot
 
-    def choose(self, requested: str, caller: Caller) -> Choice:
-        """Where a request for `requested` goes (404 for a name nobody serves; 503 while the
-        ladder refuses the caller's class there)."""
+    def pick(self, requested: str, caller: Caller) -> tuple[ModelSlot, Route | None, str | None]:
+        """Where a request for `requested` goes: (slot, route, the model asked for when its
+        fallback answers); 404 for a name nobody serves. holds.acquire then waits for the slot
+        to serve, holds it and applies the ladder."""
         route = self.routes.get(requested)
         slot = self.slot(route.choose(caller) if route is not None else requested)
         fallback_from = None
-        fallback = slot.current.spec.fallback
+        fallback = slot.latest_spec.fallback
         if slot.degradation.use_fallback and fallback is not None:
             target = self.slots[fallback]
             if not target.degradation.use_fallback:  # (never to a fallback that is itself degraded)
                 slot.counts.fallbacks += 1
                 slot, fallback_from = target, slot.name
         slot.counts.requests += 1
-        ceiling, whole = slot.ladder_steps(caller.class_name)
-        return Choice(slot, slot.current, route, fallback_from, ceiling, whole)
+        return slot, route, fallback_from
 
     def tick(self, now: float) -> None:
-        """Feed every model's degradation triggers and ladder one look at its engine."""
+        """Feed every serving model's degradation triggers and ladder one look at its engine."""
         for slot in self.slots.values():
-            slot.degradation.update(now, slot.current.signals())
+            if (served := slot.serving) is None:
+                continue  # (not loaded, asleep, or moving: nothing to look at)
+            slot.degradation.update(now, served.signals())
             slot.ladder.update(now, slot.degradation.overloaded)
 
     async def watch(self) -> None:
@@ -213,15 +154,53 @@ class ModelRegistry:
 
     async def start(self) -> None:
         for served in self.served():
-            await served.start()
+            await self.start_served(served)
 
     async def stop(self) -> None:
+        moving = [t for slot in self.slots.values() if (t := slot.life.task) is not None]
+        for task in moving:  # (a load or wake under way ends here; its engine, if started, stops)
+            task.cancel()
+        await asyncio.gather(*moving, return_exceptions=True)
         for served in list(self.served()):
-            await served.stop()
+            await self.stop_served(served)
+
+    async def start_served(self, served: Served) -> None:
+        """Start a revision's engine (and probe), its KV events going to the publisher: every
+        path that starts one (start-up, a load on demand, a wake) comes through here (a reload's
+        new revision starts without, and takes over the events with `hand_over_events`)."""
+        self.attach_events(served)
+        await served.start()
+
+    async def stop_served(self, served: Served) -> None:
+        """Stop a revision's engine; its cached blocks are gone: subscribers hear AllBlocksCleared
+        (once: stopping it again, or a revision that publishes nothing, says nothing)."""
+        await served.stop()
+        self.detach_events(served)
+
+    def attach_events(self, served: Served) -> None:
+        """The revision's engine publishes its KV events from its next step (events on)."""
+        if self.kv_events is not None:
+            served.engine.kv_event_sink = self.kv_events.sink(served.spec.name, len(self.slots) > 1)
+
+    def detach_events(self, served: Served) -> None:
+        """The revision's engine publishes no more KV events; subscribers hear AllBlocksCleared
+        for its model, after any batch it was handing over (KVEventSink.close)."""
+        sink, served.engine.kv_event_sink = served.engine.kv_event_sink, None
+        if isinstance(sink, KVEventSink) and self.kv_events is not None:
+            sink.close()
+            self.kv_events.cleared(served.spec.name, len(self.slots) > 1)
+
+    def hand_over_events(self, old: Served, new: Served) -> None:
+        """A reload's new revision takes over: the old one's events end with AllBlocksCleared, the
+        new one's begin (its cache, filled by its probe and evaluation before, goes unannounced),
+        so a router's index of the model never mixes revisions."""
+        self.detach_events(old)
+        self.attach_events(new)
 
     @property
     def probed(self) -> bool:
-        return all(slot.current.health.probed for slot in self.slots.values())
+        """Every serving model's start-up probe has run (one not loaded yet is fine)."""
+        return all(served.health.probed for slot in self.slots.values() if (served := slot.serving) is not None)
 
     def readiness(self) -> tuple[str, str | None]:
         """(state, reason): ready once every model has been probed, unless draining or a model
@@ -229,7 +208,9 @@ class ModelRegistry:
         if self.server.draining:
             return "draining", None
         for slot in self.slots.values():
-            served = slot.current
+            served = slot.serving
+            if served is None:  # (a model on demand not loaded, asleep, or loading: it answers when asked)
+                continue
             if served.spec.fallback is not None and served.engine.alive:
                 continue
             if served.health.probe_error is not None:
@@ -259,7 +240,8 @@ def model_specs(settings: Settings) -> list[ModelSpec]:
         return [ModelSpec(name=settings.model.name or "", path=settings.model.path)]
     return [ModelSpec(name=name, revision=t.revision, path=t.path, aliases=t.aliases, dtype=t.dtype,
                       kv_cache_memory=t.kv_cache_memory, fallback=t.fallback, eval_file=t.eval_file,
-                      pooling={k: v for k in POOLING_KEYS if (v := getattr(t, k)) is not None})
+                      pooling={k: v for k in POOLING_KEYS if (v := getattr(t, k)) is not None},
+                      load=t.load, pinned=t.pinned, idle_unload_seconds=t.idle_unload_seconds)
             for name, t in settings.models.items()]
 
 
@@ -290,23 +272,28 @@ def single_model(engine: AsyncEngine, settings: Settings, loader: Loader | None 
     name = served_name(settings, engine.limits.model_path)
     server = ServerState(name)
     spec = ModelSpec(name=name, path=settings.model.path)
-    slot = ModelSlot(Served(spec, engine, server, settings), settings.degradation)
-    return ModelRegistry(server, {name: slot}, loader=loader)
+    slot = ModelSlot(spec, Served(spec, engine, server, settings), settings.degradation)
+    return ModelRegistry(server, {name: slot}, loader=loader, settings=settings)
 
 
 def load_models(settings: Settings, loader: Loader) -> ModelRegistry:
-    """Load every model of the settings, one after the other, in their order."""
+    """Load every model of the settings loaded at start ([models.NAME] load = "start"), one after
+    the other, in their order; those loaded on demand wait for their first request."""
     specs = model_specs(settings)
     if not settings.models:
         return single_model(loader(specs[0]), settings, loader)
+    models_max = settings.server.models_max
+    at_start = [spec.name for spec in specs if spec.load == "start" and not spec.pinned]
+    if models_max is not None and len(at_start) > models_max:
+        raise ValueError(f"[server] models_max = {models_max}, but {len(at_start)} unpinned models load at start "
+                         f"({', '.join(at_start)}): raise it, pin some, or load some on demand")
     server = ServerState(specs[0].name)
     slots = {}
     for spec in specs:
-        log.info("loading model %s revision %s from %s", spec.name, spec.revision, spec.path or "the embedded file")
-        slots[spec.name] = ModelSlot(Served(spec, loader(spec), server, settings), settings.degradation)
-    return ModelRegistry(server, slots, build_routes(settings.routes), loader)
-
-
-def triggers(d: DegradationSettings) -> Triggers:
-    return Triggers(queue_p95_seconds=d.queue_p95_seconds, preemptions_per_minute=d.preemptions_per_minute,
-                    ooms_per_minute=d.ooms_per_minute, hold_seconds=d.hold_seconds, recover_seconds=d.recover_seconds)
+        served = None
+        if spec.load == "start":
+            log.info("loading model %s revision %s from %s", spec.name, spec.revision, spec.path or "the embedded file")
+            served = Served(spec, loader(spec), server, settings)
+        slots[spec.name] = ModelSlot(spec, served, settings.degradation)
+    return ModelRegistry(server, slots, build_routes(settings.routes), loader, settings=settings,
+                         models_max=models_max, load_wait_seconds=settings.server.model_load_wait_seconds)

@@ -9,7 +9,9 @@ has proved itself; the old one drains and is freed.
                         422 revision_rejected with the reason (and the log)
         all pass:       slot.current = new (new requests go there at once), slot.previous =
                         the old spec (for a rollback), the old revision retires: its in-flight
-                        requests finish on it, then its engine stops and its memory goes
+                        requests finish on it, then its engine stops and its memory goes;
+                        KV events ([kv_events]): the old revision's end with AllBlocksCleared,
+                        the new one's begin (it started without a sink)
 
 No request is lost or cut: a request holds the revision it was admitted to until it ends.
 """
@@ -42,6 +44,8 @@ async def reload_model(registry: ModelRegistry, server: ServerState, slot: Model
     if registry.loader is None:
         raise RevisionRejected("this server was built around one given engine and cannot load another")
     async with slot.lock:
+        if slot.serving is None:  # (not loaded, asleep or moving: lifecycle.py's; a load reads the new spec)
+            raise RevisionRejected(f"model {slot.name} is {slot.life.state}: only a serving model reloads")
         loop = asyncio.get_running_loop()
         try:
             engine = await loop.run_in_executor(None, registry.loader, spec)
@@ -62,7 +66,8 @@ async def reload_model(registry: ModelRegistry, server: ServerState, slot: Model
         if failure is not None:
             await new.stop()
             raise _rejected(slot, spec, failure)
-        slot.previous, slot.current = old.spec, new
+        slot.previous, slot.current, slot.limits = old.spec, new, engine.limits
+        registry.hand_over_events(old, new)  # (subscribers: AllBlocksCleared, then the new revision's events)
         slot.counts.reloads += 1
         registry.refresh_aliases()
         slot.retire(old)
@@ -134,6 +139,12 @@ async def reload_changed(registry: ModelRegistry, server: ServerState, specs: li
         if slot is None:
             continue  # (models are added or removed by a restart)
         spec = dataclasses.replace(spec, name=slot.name)
+        slot.pinned, slot.idle_unload_seconds = spec.pinned, spec.idle_unload_seconds
+        if slot.current is None:  # (not loaded: the table read is what it loads next)
+            if spec != slot.spec:
+                slot.spec = spec
+                done.append(f"{spec.label}: not loaded; it loads this revision when next asked")
+            continue
         if spec == slot.current.spec:
             continue
         try:

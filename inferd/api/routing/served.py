@@ -31,6 +31,10 @@ class ModelSpec:
     eval_file: str | None = None
     # what it serves and how it pools ([models.NAME] task, pooling, normalize, embeddings); None: [model]'s
     pooling: dict[str, object] = field(default_factory=dict)
+    # when it is loaded and kept (lifecycle.py); not what it is: a change reloads nothing
+    load: str = field(default="start", compare=False)  # "start" | "on_demand"
+    pinned: bool = field(default=False, compare=False)  # never unloaded to make room or when idle
+    idle_unload_seconds: float | None = field(default=None, compare=False)
 
     @property
     def label(self) -> str:
@@ -51,6 +55,12 @@ class Served:
         self.health = ModelHealth()
         self.probe = InferenceProbe(engine, self.health, settings.server.probe_interval_seconds, server)
         self._probing: asyncio.Task[None] | None = None
+        self.holders = 0  # requests holding it (routing/holds.py): an unload or a sleep waits for them
+
+    @property
+    def idle(self) -> bool:
+        """Nobody holds it and no request of its runs (a detached stream's included)."""
+        return not self.holders and not self.engine.open_requests
 
     async def start(self) -> None:
         """The engine thread, then the probe (start-up, then periodic) in a task of its own."""

@@ -1,12 +1,14 @@
 """The access log: one structured line per API request at its end (logger `inferd.requests`), and the
 JSON-lines format. (The request file, one JSON record per generation with its texts, is request_file.py.)
 
-    inferd.requests INFO request id=cmpl-3f.. path=/v1/completions status=200 class=interactive
+    inferd.requests INFO request id=cmpl-3f.. request_id=trace-42 path=/v1/completions status=200 class=interactive
         tenant=acme user=alice prompt_tokens=31 completion_tokens=64 queue_time=0.004 ttft=0.081 e2e=2.310
         finish=length
 
 With `--log-format json` every record (these and the rest) is one JSON object per line, the
-request fields as keys. Prompt text is never logged unless `server.log_prompts` is set.
+request fields as keys. Prompt text is never logged unless `server.log_prompts` is set. `id` is the
+response's id; `request_id` the client's own x-request-id, where it sent one that is fit to echo
+(record.echoable): a router's trace id finds its line.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
-from inferd.api.record import RECORD, RequestRecord, RequestTexts
+from inferd.api.record import MAX_REQUEST_ID_CHARS, RECORD, REQUEST_ID_HEADER, RequestRecord, RequestTexts, echoable
 from inferd.api.telemetry.request_file import REQUEST_JOURNAL
 
 access_log = logging.getLogger("inferd.requests")
@@ -49,7 +51,8 @@ async def access_log_middleware(request: web.Request, handler: Callable[[web.Req
         return await handler(request)
     start = time.monotonic()
     journal = request.app.get(REQUEST_JOURNAL)
-    request[RECORD] = RequestRecord(texts=None if journal is None else RequestTexts())
+    client_id = echoable(request.headers.get(REQUEST_ID_HEADER), MAX_REQUEST_ID_CHARS)  # (logged, echoed: app.py)
+    request[RECORD] = RequestRecord(request_id=client_id, texts=None if journal is None else RequestTexts())
     status = 499  # the client left before an answer (the handler was cancelled)
     try:
         response = await handler(request)

@@ -37,6 +37,7 @@ from inferd.api.streaming.backpressure import SLOW_CLIENTS, SlowClientCounts
 from inferd.api.streaming.resume import RESUMABLE, StreamRegistry
 from inferd.api.telemetry.drift import DriftMonitor
 from inferd.api.telemetry.loop_lag import LOOP_LAG, LoopLag
+from inferd.api.telemetry.model_life import NOT_LOADED
 from inferd.api.telemetry.request_file import REQUEST_JOURNAL
 from inferd.api.telemetry.served_metrics import (buckets, drift_metrics, expert_metrics, model_metrics, summed,
                                                  tenant_metrics)
@@ -234,8 +235,9 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         registry = self.registry
-        primary = registry.primary.current
-        stats = primary.engine.snapshot
+        lead = registry.lead  # (None: no model loaded now, every one on demand: zeros for an engine's figures)
+        primary = lead.current if lead is not None else None
+        stats = primary.engine.snapshot if primary is not None else NOT_LOADED
         yield from _class_metrics(stats.classes)
         yield from _cache_metrics(stats)
         yield from expert_metrics(stats.experts_routed)
@@ -274,7 +276,8 @@ class EngineCollector(Collector):
         yield GaugeMetricFamily("inferd_resumable_streams_detached", "Resumable streams whose client left, "
                                 "running on or finished, within server.resume_grace_seconds.",
                                 value=self.streams.detached)
-        yield from _picker_aliases(stats, primary.engine.limits, self.state.model_name, self._started)
+        if primary is not None:
+            yield from _picker_aliases(stats, primary.engine.limits, self.state.model_name, self._started)
         yield from model_metrics(registry)
 
     def _device(self, stats: EngineSnapshot) -> Iterator[Metric]:
@@ -287,7 +290,9 @@ class EngineCollector(Collector):
             import pynvml  # nvidia-ml-py: optional
 
             pynvml.nvmlInit()
-            index = int(self.registry.primary.current.engine.limits.device.partition(":")[2] or 0)
+            lead = self.registry.lead  # (device memory is known: a model is loaded)
+            device = lead.current.engine.limits.device if lead is not None and lead.current is not None else ""
+            index = int(device.partition(":")[2] or 0)
             utilization = pynvml.nvmlDeviceGetUtilizationRates(pynvml.nvmlDeviceGetHandleByIndex(index)).gpu
             yield GaugeMetricFamily("inferd_device_utilization_ratio", "GPU utilization (NVML).",
                                     value=utilization / 100)

@@ -14,6 +14,7 @@ from inferd.api.admission.queues import REASONS
 from inferd.api.gateway.gate import GATEWAY_REASONS, Gateway
 from inferd.api.routing.registry import ModelRegistry, ModelSlot
 from inferd.api.telemetry.drift import SCRIPTS, DriftMonitor
+from inferd.api.telemetry.model_life import lifecycle_metrics
 from inferd.engine.protocol import EngineSnapshot, Histogram
 
 
@@ -131,17 +132,18 @@ def model_metrics(registry: ModelRegistry) -> Iterator[Metric]:
     steps = CounterMetricFamily("inferd_model_degradation_steps", "Functional degradation level changes.",
                                 labels=labels)
     for slot in registry.slots.values():
-        served, counts = slot.current, slot.counts
-        key, stats = [slot.name, served.spec.revision], served.engine.snapshot
+        counts, key = slot.counts, [slot.name, slot.latest_spec.revision]
+        stats = slot.engine_snapshot  # (None: not loaded, or asleep)
         for name, family in families.items():
             family.add_metric(key, getattr(counts, name))
         switches.add_metric(key, slot.degradation.switches)
         steps.add_metric(key, slot.ladder.changes)
-        for name, value in (("healthy", served.healthy), ("degraded", slot.degradation.use_fallback),
-                            ("level", slot.ladder.level), ("running", stats.running), ("waiting", stats.waiting),
-                            ("kv", stats.kv_usage_ratio)):
+        for name, value in (("healthy", slot.healthy), ("degraded", slot.degradation.use_fallback),
+                            ("level", slot.ladder.level), ("running", stats.running if stats else 0),
+                            ("waiting", stats.waiting if stats else 0), ("kv", stats.kv_usage_ratio if stats else 0)):
             gauges[name].add_metric(key, float(value))
     yield from (*families.values(), switches, steps, *gauges.values())
+    yield from lifecycle_metrics(registry)
     yield from door_metrics(registry)
     share = GaugeMetricFamily("inferd_route_share", "A route's configured share per target.", labels=["route", "model"])
     for name, route in registry.routes.items():
@@ -159,7 +161,7 @@ def door_metrics(registry: ModelRegistry) -> Iterator[Metric]:
     grammars = CounterMetricFamily("inferd_model_structured_requests", "A model's requests held to a grammar, "
                                    "by where it came from.", labels=[*labels, "kind"])
     for slot in registry.slots.values():
-        key, counts = [slot.name, slot.current.spec.revision], slot.counts.door
+        key, counts = [slot.name, slot.latest_spec.revision], slot.counts.door
         by_reason = counts.rejections_by_reason()
         for reason in REASONS:
             rejections.add_metric([*key, reason], by_reason.get(reason, 0))
@@ -180,7 +182,7 @@ def pooling_metrics(registry: ModelRegistry) -> Iterator[Metric]:
     for slot in registry.slots.values():
         for task, counts in slot.counts.pooling.items():
             for attr, family in families.items():
-                family.add_metric([slot.name, slot.current.spec.revision, task], getattr(counts, attr))
+                family.add_metric([slot.name, slot.latest_spec.revision, task], getattr(counts, attr))
     yield from families.values()
 
 

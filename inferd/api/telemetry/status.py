@@ -18,11 +18,12 @@ from inferd import __version__
 from inferd.api.gateway.gate import GATEWAY, Gateway
 from inferd.api.gateway.keys import principal_of
 from inferd.api.gateway.tenants import Principal
-from inferd.api.routing.registry import REGISTRY, ModelRegistry
+from inferd.api.routing.registry import REGISTRY, ModelRegistry, ModelSlot
 from inferd.api.state import STATE
 from inferd.api.streaming.resume import RESUMABLE
 from inferd.api.telemetry import status_wire as s
 from inferd.api.telemetry.loop_lag import LOOP_LAG
+from inferd.api.telemetry.model_life import NOT_LOADED, model_life
 from inferd.api.telemetry.request_file import REQUEST_JOURNAL
 from inferd.api.wire import dump
 from inferd.engine.protocol import EngineSnapshot
@@ -76,8 +77,8 @@ def _limits(cls: PriorityClass) -> s.ClassLimits:
     )
 
 
-def _classes(registry: ModelRegistry) -> list[s.ClassStatus]:
-    slot = registry.primary
+def _classes(slot: ModelSlot) -> list[s.ClassStatus]:
+    assert slot.current is not None
     engine = slot.current.engine
     rejections: dict[str, dict[str, int]] = {}
     for (name, reason), count in slot.counts.door.rejections.items():
@@ -104,19 +105,21 @@ def _experts(experts: tuple[int, int] | None) -> str | None:
 def model_statuses(registry: ModelRegistry) -> list[s.ModelStatus]:
     out = []
     for slot in registry.slots.values():
-        served, counts = slot.current, slot.counts
-        stats = served.engine.snapshot
+        served, counts, spec, limits = slot.current, slot.counts, slot.latest_spec, slot.limits
+        stats = slot.engine_snapshot or NOT_LOADED
         out.append(s.ModelStatus(
-            name=slot.name, revision=served.spec.revision, aliases=list(served.spec.aliases),
-            path=served.engine.limits.model_path, experts=_experts(served.engine.limits.experts),
-            healthy=served.healthy, probe_error=served.health.probe_error,
-            fallback=served.spec.fallback, degraded=slot.degradation.use_fallback,
+            name=slot.name, state=slot.life.state, life=model_life(slot), revision=spec.revision,
+            aliases=list(spec.aliases), path=limits.model_path if limits else spec.path or "(the embedded model)",
+            experts=_experts(limits.experts) if limits else None, healthy=slot.healthy,
+            probe_error=served.health.probe_error if served else None,
+            fallback=spec.fallback, degraded=slot.degradation.use_fallback,
             degraded_reason=slot.degradation.reason, functional_level=slot.ladder.name,
             previous_revision=None if slot.previous is None else slot.previous.revision,
             retiring_revisions=[r.spec.revision for r in slot.retiring], running=stats.running, waiting=stats.waiting,
             kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total, requests=counts.requests,
             fallbacks=counts.fallbacks, reloads=counts.reloads, reloads_refused=counts.reloads_refused,
-            escalations=counts.escalations, tokens_saved=counts.tokens_saved, task=served.engine.limits.task,
+            escalations=counts.escalations, tokens_saved=counts.tokens_saved,
+            task=limits.task if limits else str(spec.pooling.get("task", "generate")),
             pooling={task: s.PoolingStatus(requests=c.requests, inputs=c.inputs, prompt_tokens=c.prompt_tokens)
                      for task, c in counts.pooling.items()},
         ))
@@ -132,7 +135,9 @@ def _requests(snapshot: EngineSnapshot, only: str | None) -> list[s.RequestEntry
 
 async def status(request: web.Request) -> web.Response:
     registry, state = request.app[REGISTRY], request.app[STATE]
-    slot = registry.primary
+    slot = registry.lead
+    if slot is None or slot.current is None:  # (every model on demand, none loaded now)
+        return web.json_response(dump(_nothing_loaded(request, registry)))
     engine = slot.current.engine
     stats, limits = engine.snapshot, engine.limits
     now = time.monotonic()
@@ -164,7 +169,7 @@ async def status(request: web.Request) -> web.Response:
         oom_events_last_minute=stats.oom_events_last_minute, token_budget=stats.token_budget,
         resumable_streams_detached=request.app[RESUMABLE].detached,
         event_loop_lag_seconds=request.app[LOOP_LAG].worst_recent,
-        classes=_classes(registry),
+        classes=_classes(slot),
         requests=_requests(stats, only),
         tenants=tenant_statuses(request.app[GATEWAY], engine_snapshots(registry), only),
         drift=journal.drift.report() if journal is not None and only is None else None,
@@ -173,3 +178,22 @@ async def status(request: web.Request) -> web.Response:
                 for name, r in registry.routes.items()],
     )
     return web.json_response(dump(body))
+
+
+def _nothing_loaded(request: web.Request, registry: ModelRegistry) -> s.StatusResponse:
+    """The top level while no model is loaded (every model on demand): the server's own figures,
+    zeros for an engine's; `models` has each model's state."""
+    state, now = request.app[STATE], time.monotonic()
+    only = visible_tenant(principal_of(request))
+    return s.StatusResponse(
+        model=state.model_name, dtype="", device="", version=__version__, uptime_seconds=now - state.started,
+        state=registry.readiness()[0], max_model_len=0, kv_blocks_total=0, kv_blocks_used=0, kv_blocks_cached=0,
+        running=0, waiting=0, steps=0, preemptions={}, timeouts={}, rejections={}, prefix_cache_queries=0,
+        prefix_cache_hits=0, shed_level=0, shed_actions={}, kv_usage_ratio=0.0,
+        throughput=s.Throughput(generation_tokens_per_second=0.0, prompt_tokens_per_second=0.0, history=[]),
+        device_memory=None, resumable_streams_detached=request.app[RESUMABLE].detached,
+        event_loop_lag_seconds=request.app[LOOP_LAG].worst_recent, classes=[], requests=[],
+        tenants=tenant_statuses(request.app[GATEWAY], [], only), models=model_statuses(registry),
+        routes=[s.RouteStatus(name=name, kind="cascade" if r.cascade else "split", shares=r.shares())
+                for name, r in registry.routes.items()],
+    )

@@ -162,8 +162,31 @@ class PoolingStatus(ResponseModel):
     prompt_tokens: int
 
 
+class ModelLife(ResponseModel):
+    """When a model is loaded and kept, and what its lifecycle did (routing/lifecycle.py)."""
+
+    load: str = "start"  # start, on_demand
+    pinned: bool = False
+    sleep_level: int | None = None  # asleep: 1 (KV cache freed) or 2 (weights freed too)
+    idle_unload_seconds: float | None = None
+    idle_seconds: float = 0.0  # since it last served a request (or loaded)
+    holders: int = 0  # requests holding it now
+    loads: int = 0
+    load_failures: int = 0
+    load_error: str | None = None  # why its last load failed
+    load_seconds: float = 0.0  # its last load's (or wake's)
+    unloads: int = 0
+    switches: int = 0  # its loads that unloaded another model to make room
+    sleeps: int = 0
+    wakes: int = 0
+    load_waits: int = 0  # requests that waited for it to load, wake or find room
+    load_wait_timeouts: int = 0  # of which got 503 after [server] model_load_wait_seconds
+
+
 class ModelStatus(ResponseModel):
     name: str
+    state: str = "serving"  # serving, loading, unloading, asleep, waking, unloaded, failed
+    life: ModelLife = ModelLife()
     revision: str
     aliases: list[str]
     path: str

@@ -5,6 +5,7 @@
     host.py           host blocks of swapped-out sequences
     block_pool.py     the free list and reference counts
     prefix_cache.py   full blocks by the hash of their tokens, for reuse across requests
+    events.py         ([kv_events] on) what the prefix cache filed and dropped, for cache-aware routers
 
 No tensors (a contract): the tensors themselves are worker/kv_cache.py's.
 """

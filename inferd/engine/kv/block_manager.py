@@ -53,6 +53,7 @@ from collections.abc import Callable, Sequence
 
 from inferd.engine.kv.block_pool import BlockPool
 from inferd.engine.kv.cache_tiers import CacheTiers, PrefixHit
+from inferd.engine.kv.events import KVEventRecorder
 from inferd.engine.kv.groups import first_needed_block
 from inferd.engine.kv.host import HostBlocks
 from inferd.engine.kv.prefix_cache import BlockError, PrefixCache, check_tables
@@ -67,15 +68,16 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, num_host_blocks: int = 0,
                  enable_prefix_caching: bool = True, windows: Sequence[int | None] = (None,),
                  state: StateSlots | None = None, num_tier_blocks: int = 0, clock: Callable[[], float] = time.monotonic,
-                 session_share: float = 1.0) -> None:
+                 session_share: float = 1.0, events: KVEventRecorder | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if not windows or any(w is not None and w < 1 for w in windows):
             raise ValueError(f"windows must be None or >= 1, one per KV group, got {windows}")
         self.pool = BlockPool(num_blocks)
         self.prefix_cache: PrefixCache = self.pool.cache
-        # the host tier (num_tier_blocks), session retention and miss reasons (kv/cache_tiers.py)
-        self.tiers = CacheTiers(self.prefix_cache, num_blocks, block_size, num_tier_blocks, clock, session_share, state)
+        # the host tier (num_tier_blocks), session retention, miss reasons and KV events (kv/cache_tiers.py)
+        self.tiers = CacheTiers(self.prefix_cache, num_blocks, block_size, num_tier_blocks, clock, session_share, state,
+                                events)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)
@@ -295,11 +297,8 @@ class BlockManager:
             if num_computed_tokens > self._num_tokens[seq_id]:
                 raise BlockError(f"seq {seq_id}: {num_computed_tokens} computed tokens but room "
                                  f"for {self._num_tokens[seq_id]}")
-            tables, first = self._tables[seq_id], len(keys)
-            self.prefix_cache.fill(tables[0], keys, num_full, tokens, self.block_size, self._roots[seq_id])
-            for table, tag in zip(tables[1:], self._tags[1:]):  # (the same keys, each group's blocks)
-                for i in range(first, num_full):
-                    self.prefix_cache.register(table[i], keys[i] + tag)
+            self.prefix_cache.fill(self._tables[seq_id], self._tags, keys, num_full, tokens, self.block_size,
+                                   self._roots[seq_id])
         if self.state is not None:
             self.state.file(seq_id, num_computed_tokens, keys, self.block_size)
         if self._sliding:

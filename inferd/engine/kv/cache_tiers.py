@@ -23,6 +23,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from inferd.engine.kv.events import CPU, GPU, KVEventRecorder
 from inferd.engine.kv.groups import first_needed_block
 from inferd.engine.kv.host_tier import HostTier
 from inferd.engine.kv.prefix_cache import PrefixCache, block_key, match_groups
@@ -55,7 +56,8 @@ class PrefixReport:
 
 class CacheTiers:
     def __init__(self, cache: PrefixCache, num_blocks: int, block_size: int, host_blocks: int,
-                 clock: Callable[[], float], session_share: float, state: StateSlots | None = None) -> None:
+                 clock: Callable[[], float], session_share: float, state: StateSlots | None = None,
+                 events: KVEventRecorder | None = None) -> None:
         self.cache = cache
         self.block_size = block_size
         self.host = HostTier(host_blocks) if host_blocks else None
@@ -65,6 +67,10 @@ class CacheTiers:
         if state is not None:  # (a hybrid model's checkpoints: those a session holds are evicted last)
             state.held = self.retention.holds
         cache.on_evict = self._evicted
+        self.events = cache.events = events  # (None: [kv_events] off)
+        if events is not None and self.host is not None:
+            events.track()  # (a block's moves between the tiers are published with its parent and tokens)
+            self.host.on_drop = self._dropped
         self._reused = bytearray(num_blocks)  # per block: it served a prefix hit since it was cached
         self._recent_evictions: OrderedDict[bytes, None] = OrderedDict()
         self._max_recent = RECENT_EVICTIONS_PER_BLOCK * num_blocks
@@ -117,6 +123,8 @@ class CacheTiers:
                 blocks[i] = fresh = alloc()
                 register(fresh, hit.keys[i])
                 host.onload(hit.keys[i], fresh)
+                if self.events is not None:
+                    self.events.moved(hit.keys[i], GPU)
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's host-tier copies: (offloads (device, host), onloads (host, device)), in that order."""
@@ -170,9 +178,21 @@ class CacheTiers:
         self._recent_evictions[key] = None
         if len(self._recent_evictions) > self._max_recent:
             self._recent_evictions.popitem(last=False)
+        events = self.events
         if self.host is not None:
-            self.host.offload(block_id, key, bool(self._reused[block_id]))
+            if self.host.offload(block_id, key, bool(self._reused[block_id])) and events is not None:
+                events.moved(key, CPU)
+            elif events is not None and key not in self.host:
+                events.forget(key)
         self._reused[block_id] = 0
+
+    def _dropped(self, key: bytes) -> None:
+        """(events on) The host tier let the entry under `key` go for room."""
+        events = self.events
+        assert events is not None
+        events.removed(key, CPU)
+        if self.cache.lookup(key) is None:
+            events.forget(key)
 
     def _why(self, token_ids: Sequence[int], hit: int, root: bytes, session: Session | None) -> str | None:
         bs = self.block_size

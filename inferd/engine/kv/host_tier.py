@@ -20,6 +20,7 @@ the host blocks that this step's onloads read are pinned: no offload of the same
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from inferd.engine.kv.errors import BlockError
@@ -45,6 +46,7 @@ class HostTier:
         self._offloads: list[tuple[int, int]] = []  # this step's (device block, host block)
         self._onloads: list[tuple[int, int]] = []  # this step's (host block, device block)
         self.stats = TierStats()
+        self.on_drop: Callable[[bytes], None] | None = None  # told of each entry let go for room (its key)
 
     def __len__(self) -> int:
         return len(self._probation) + len(self._protected)
@@ -52,23 +54,24 @@ class HostTier:
     def __contains__(self, key: bytes) -> bool:
         return key in self._protected or key in self._probation
 
-    def offload(self, device_block: int, key: bytes, reused: bool) -> None:
+    def offload(self, device_block: int, key: bytes, reused: bool) -> bool:
         """The KV cache evicts `device_block`, filed under `key`: keep a copy (unless one is here).
-        `reused`: the block served a prefix hit (it starts protected)."""
+        `reused`: the block served a prefix hit (it starts protected). True: a copy is taken now."""
         if key in self._protected:
             self._protected.move_to_end(key)
-            return
+            return False
         if key in self._probation:
             if reused:
                 self._protected[key] = self._probation.pop(key)
-            return
+            return False
         host = self._take()
         if host is None:
             self.stats.dropped_blocks += 1
-            return
+            return False
         (self._protected if reused else self._probation)[key] = host
         self._offloads.append((device_block, host))
         self.stats.offloaded_blocks += 1
+        return True
 
     def pin(self, keys: list[bytes]) -> None:
         """Keep these entries until the step's copies are taken (an onload of them follows)."""
@@ -102,6 +105,8 @@ class HostTier:
                 if host not in self._pinned:
                     del entries[key]
                     self.stats.evicted_blocks += 1
+                    if self.on_drop is not None:
+                        self.on_drop(key)
                     return host
         return None
 

@@ -31,6 +31,7 @@ from inferd.engine.kv.errors import BlockError
 from inferd.engine.kv.groups import usable_hit
 
 if TYPE_CHECKING:
+    from inferd.engine.kv.events import KVEventRecorder
     from inferd.engine.kv.retention import Retention
 
 
@@ -60,6 +61,7 @@ class PrefixCache:
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self.retention: Retention | None = None  # (kv/cache_tiers.py sets both)
         self.on_evict: Callable[[int, bytes], None] | None = None  # told of each eviction (block, key)
+        self.events: KVEventRecorder | None = None  # [kv_events] on: what is filed and evicted (kv/events.py)
 
     def __len__(self) -> int:
         """Blocks filed in the cache, used or evictable."""
@@ -108,22 +110,31 @@ class PrefixCache:
             keys.append(parent)
         return keys
 
-    def fill(self, table: list[int], keys: list[bytes], num_full: int,
-             tokens: Callable[[int, int], Sequence[int]], block_size: int, root: bytes = b"", tag: bytes = b"") -> None:
-        """File blocks table[len(keys):num_full], which the caller holds and which are now full and
-        computed, under their key + `tag`, appending their keys to `keys` (a sequence's keys so
-        far, chained on from `root`)."""
-        bs = block_size
+    def fill(self, tables: Sequence[list[int]], tags: Sequence[bytes], keys: list[bytes], num_full: int,
+             tokens: Callable[[int, int], Sequence[int]], block_size: int, root: bytes = b"") -> None:
+        """File blocks [len(keys), num_full) of a sequence's tables (one per KV group), which the
+        caller holds and which are now full and computed, each group's under key + its tag,
+        appending their keys to `keys` (the sequence's keys so far, chained on from `root`)."""
+        bs, first, events = block_size, len(keys), self.events
         parent = keys[-1] if keys else root
-        for i in range(len(keys), num_full):
+        filed: list[int] = []  # (events on) the blocks newly filed
+        for i in range(first, num_full):
             block_tokens = tokens(i * bs, (i + 1) * bs)
             if len(block_tokens) != bs:
                 raise ValueError(f"tokens({i * bs}, {(i + 1) * bs}) gave {len(block_tokens)} tokens")
             parent = block_key(parent, block_tokens)
             # NOTE: the key goes on the sequence's list even when register refuses it (another
             # block holds it): the next block's key chains from it either way.
-            self.register(table[i], parent + tag)
+            if self.register(tables[0][i], parent + tags[0]) and events is not None:
+                filed.append(i)
             keys.append(parent)
+        if events is not None:
+            events.stored(keys, filed, tokens, root, 0)
+        for group in range(1, len(tables)):  # (the same keys, each group's blocks)
+            table, tag = tables[group], tags[group]
+            filed = [i for i in range(first, num_full) if self.register(table[i], keys[i] + tag)]
+            if events is not None:
+                events.stored(keys, filed, tokens, root, group)
 
     def register(self, block_id: int, key: bytes) -> bool:
         """File a block the caller holds under `key`; False (and nothing changes) if the key is
@@ -161,6 +172,8 @@ class PrefixCache:
         elif self.retention is None or (block_id := self.retention.victim()) is None:  # type: ignore[assignment]
             return None
         key: bytes = self._keys[block_id]  # type: ignore[assignment]
+        if self.events is not None:
+            self.events.removed(key)
         if self.on_evict is not None:
             self.on_evict(block_id, key)
         del self._cached[key]
