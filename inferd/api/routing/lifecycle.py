@@ -27,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
+import threading
 import time
 
 from inferd.api.errors import APIError
@@ -238,14 +240,15 @@ def begin_unload(registry: ModelRegistry, slot: ModelSlot, why: str) -> asyncio.
 async def _unload(registry: ModelRegistry, slot: ModelSlot, why: str, level: int) -> None:
     started = time.monotonic()
     async with slot.lock:
-        await _stop(registry, slot)
+        stopped = await _stop(registry, slot)
+        await stopped.engine.release_weights()
         slot.current = None
         slot.forget_degradation()
         slot.life.counts.unloads += 1
         slot.life.move(SlotState.ASLEEP if level else SlotState.UNLOADED, level)
     registry.changes.notify()
-    # NOTE: no gc.collect(): the engine holds no reference cycle, so its weights and KV cache go
-    # with the last reference, now; a full collection would hold the GIL ~0.1 s, every stream's pause
+    # NOTE: no gc.collect() (it would hold the GIL ~0.1 s, every stream's pause): the weights went a
+    # layer at a time, their cycles broken (release_weights); the KV cache with the last reference
     await trim_heap()
     log.info("model %s: unloaded %s (%.1f s)", slot.name, why, time.monotonic() - started)
 
@@ -298,6 +301,7 @@ async def sleep(registry: ModelRegistry, slot: ModelSlot, level: int) -> int | N
             if level == 1:
                 freed = await served.engine.sleep()
             else:
+                await served.engine.release_weights()
                 slot.current = None
             life.counts.sleeps += 1
     finally:
@@ -350,11 +354,26 @@ async def _wake_kv(registry: ModelRegistry, slot: ModelSlot) -> None:
 
 
 async def trim_heap() -> None:
-    """Give the heap a dropped model left free back to the system, in a worker thread (~40 ms, the
-    GIL released): glibc keeps it otherwise, and a model unloaded would still count in the
-    process's resident memory (about 0.5 GB per SmolLM2 load on CPU, measured)."""
-    if _MALLOC_TRIM is not None:
-        await asyncio.get_running_loop().run_in_executor(None, _MALLOC_TRIM, 0)
+    """Give the heap a dropped model left free back to the system (glibc keeps it otherwise, and a
+    model unloaded would still count in the process's resident memory: ~0.5 GB per SmolLM2 load on
+    CPU, measured), in a thread of its own at the lowest CPU priority, the GIL released.
+
+    NOTE: the lowest priority, because handing ~0.5 GB of pages back is ~25 ms of the kernel's
+    time: at the default priority it took a core from the other models' steps (a 2.8-step pause
+    of their streams on 2 cores, measured; at the lowest, within the quiet windows' pauses)."""
+    if _MALLOC_TRIM is None:
+        return
+    done = asyncio.get_running_loop().create_future()
+
+    def trim() -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # (Linux: this thread alone)
+            _MALLOC_TRIM(0)
+        finally:
+            done.get_loop().call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+
+    threading.Thread(target=trim, name="inferd-trim", daemon=True).start()
+    await done
 
 
 try:
