@@ -206,12 +206,6 @@ class AsyncEngine:
         assert self._thread is None, "stop the engine before it sleeps"
         return await asyncio.get_running_loop().run_in_executor(None, self._engine.release_kv)
 
-    async def release_weights(self) -> None:
-        """An unload, or a sleep at level 2, once stopped: the weights dropped a layer at a time
-        in a worker thread, not in one cascade on the event loop (the engine's last reference)."""
-        assert self._thread is None, "stop the engine before its weights go"
-        await asyncio.get_running_loop().run_in_executor(None, self._engine.release_weights)
-
     async def wake(self) -> None:
         """Back from sleep: the core's KV cache, scheduler and runner built again, as at start (in
         a thread that then ends: builder.in_passing_thread says why); its limits read again (the

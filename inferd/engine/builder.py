@@ -148,19 +148,6 @@ def free_execution(engine: object) -> int:
     return freed
 
 
-def free_weights(engine: object) -> None:
-    """An unload, or a sleep at level 2 (the engine's thread stopped): its model's layers dropped
-    one at a time, the GIL let go between two, so that another model's engine thread waits for no
-    more than a layer (dropping SmolLM2's ~0.5 GB of tensors in one cascade held the GIL 15-19 ms,
-    measured). The rest (embedding, KV cache) goes with the engine's last reference."""
-    layers: list[object] = getattr(engine, "model").layers
-    while layers:
-        # NOTE: its attributes cleared, not just the layer let go: a layer's MLP is a closure over
-        # the layer (a cycle), which only a full collection would free, at a time of its choosing
-        vars(layers.pop()).clear()
-        time.sleep(0)  # (the GIL to whoever waits for it)
-
-
 def _tier_blocks(model: DecoderModel, config: EngineConfig, fmt: str | None) -> int:
     """The host tier's blocks from `kv_host_cache_memory` ("auto": none on a CPU, where the KV
     cache is host memory already; on CUDA 8 GiB or a quarter of the free host memory, the less).

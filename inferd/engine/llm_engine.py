@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from inferd.engine.builder import build_execution, free_execution, free_weights, load_model
+from inferd.engine.builder import build_execution, free_execution, load_model
 from inferd.engine.config import EngineConfig
 from inferd.engine.health import EngineHealth
 from inferd.engine.kv.block_manager import BlockManager
@@ -126,7 +126,6 @@ class LLMEngine:
         return cls(*load_model(config), config)
 
     release_kv = free_execution  # sleep, level 1 (builder.py): the KV cache freed, the weights kept; its bytes
-    release_weights = free_weights  # an unload, or a sleep at level 2 (builder.py): a layer at a time
 
     def restore_kv(self) -> None:  # wake: all but the weights and tokenizer built again, as at start
         self.__init__(self.model, self.tokenizer, self.config)  # type: ignore[misc]

@@ -443,7 +443,6 @@ class EngineCore(Protocol):
 
     def release_kv(self) -> int: ...  # sleep, level 1 (stopped): the KV cache freed, the weights kept; its bytes
     def restore_kv(self) -> None: ...  # wake: the KV cache (and what is sized for it) built again
-    def release_weights(self) -> None: ...  # an unload, or a sleep at level 2 (stopped): the weights dropped
 
 
 class EngineDeadError(RuntimeError):

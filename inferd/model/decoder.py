@@ -67,7 +67,36 @@ class Norm:
         return cls(weight if not offset else offset + weight.float())
 
 
-class DecoderLayer:
+class BoundOps:
+    """A layer's small ops, which set_attention binds again, and the activation its MLP calls
+    through them. The MLP holds this, not the layer: a closure or a bound method of the layer would
+    make a cycle, and a dropped model's weights would wait for a full collection to go."""
+
+    def __init__(self, ops: LayerOps) -> None:
+        self.ops = ops
+
+    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.ops.gated(gate_up)  # (looked up per call: set_attention binds the ops again)
+
+
+class HasBoundOps:
+    """`ops` kept in the layer's BoundOps (`bound`), which its MLP shares."""
+
+    bound: BoundOps
+
+    @property
+    def ops(self) -> LayerOps:
+        return self.bound.ops
+
+    @ops.setter
+    def ops(self, value: LayerOps) -> None:
+        if "bound" in self.__dict__:
+            self.bound.ops = value
+        else:
+            self.bound = BoundOps(value)
+
+
+class DecoderLayer(HasBoundOps):
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, attention: Attention,
                  ops: LayerOps, index: int, stacked: bool = False) -> None:
         self.cfg = cfg
@@ -112,8 +141,7 @@ class DecoderLayer:
     def _mlp(self, w: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
              stacked: bool) -> GatedMLP | MixtureOfExperts:
         """The layer's MLP: gated, or a mixture of experts (inferd.model.layers.moe)."""
-        def gated(gate_up: torch.Tensor) -> torch.Tensor:
-            return self.ops.gated(gate_up)  # (looked up per call: set_attention binds the ops again)
+        gated = self.bound.gated
 
         spec = self.cfg.experts
         if spec is None or not self.cfg.is_sparse(self.index):

@@ -26,7 +26,7 @@ import torch
 
 from inferd.kernels import ops, reference
 from inferd.kernels.ops import Attention, LayerOps
-from inferd.model.decoder import DecoderModel, Norm, StepAttention, check_tensors
+from inferd.model.decoder import DecoderModel, HasBoundOps, Norm, StepAttention, check_tensors
 from inferd.model.families.config import ModelConfig
 from inferd.model.layers.linear import Linear, make_linear
 from inferd.model.layers.moe import GatedMLP, MixtureOfExperts, expected_tensors
@@ -46,7 +46,7 @@ class MoEBlock:
     def __init__(self, cfg: ModelConfig, w: dict[str, Any], prefix: str, dtype: torch.dtype, layer: Gemma4Layer,
                  stacked: bool) -> None:
         assert cfg.experts is not None
-        self.mixture = MixtureOfExperts(cfg.experts, w, f"{prefix}.moe", dtype, layer.gated, stacked)
+        self.mixture = MixtureOfExperts(cfg.experts, w, f"{prefix}.moe", dtype, layer.bound.gated, stacked)
         self.norm, self.post_mlp_norm, self.post_norm = (_norm(w, f"{prefix}.{name}") for name in
                                                          ("moe_norm", "post_mlp_norm_1", "post_moe_norm"))
 
@@ -55,7 +55,7 @@ class MoEBlock:
         return ops.head_norm(mlp_out, self.post_mlp_norm.weight) + ops.head_norm(experts, self.post_norm.weight)
 
 
-class Gemma4Layer:
+class Gemma4Layer(HasBoundOps):
     def __init__(self, cfg: ModelConfig, w: dict[str, Any], index: int, attention: Attention, layer_ops: LayerOps,
                  stacked: bool) -> None:
         p = f"layers.{index}"
@@ -73,15 +73,13 @@ class Gemma4Layer:
         parts = ("q",) if self.shared else ("q", "k") if self.keys_as_values else ("q", "k", "v")
         self.qkv = make_linear(fuse([w[f"{p}.{n}"] for n in parts]), None, dtype, split=True, wide_inputs=True)
         self.o = make_linear(w[f"{p}.o"], None, dtype, split=True)  # [hidden, heads * head_dim]
-        self.mlp = GatedMLP.load(w, p, dtype, self.gated)
+        self.mlp = GatedMLP.load(w, p, dtype, self.bound.gated)
         self.moe = MoEBlock(cfg, w, p, dtype, self, stacked) if cfg.experts is not None else None
         self.per_layer = PerLayerInput(w, p, dtype) if cfg.per_layer_input_size else None
         scalar = w[f"{p}.layer_scalar"]  # [1]
         self.scalar = None if bool((scalar == 1).all()) else scalar  # (x · 1 is x: skipped)
         self.scale = cfg.attention_scale
 
-    def gated(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.ops.gated(gate_up)  # (looked up per call: set_attention binds the ops again)
 
     def __call__(
         self,
@@ -111,7 +109,7 @@ class Gemma4Layer:
         x = x + ops.head_norm(out, self.post_mlp_norm.weight)
         if self.per_layer is not None:
             assert layer_input is not None
-            x = self.per_layer(x, layer_input, self.gated, ops.head_norm, d)
+            x = self.per_layer(x, layer_input, self.bound.gated, ops.head_norm, d)
         return x if self.scalar is None else x * self.scalar
 
     def _queries(self, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], key_cache: torch.Tensor,

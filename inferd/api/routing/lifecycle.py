@@ -240,15 +240,14 @@ def begin_unload(registry: ModelRegistry, slot: ModelSlot, why: str) -> asyncio.
 async def _unload(registry: ModelRegistry, slot: ModelSlot, why: str, level: int) -> None:
     started = time.monotonic()
     async with slot.lock:
-        stopped = await _stop(registry, slot)
-        await stopped.engine.release_weights()
+        await _stop(registry, slot)
         slot.current = None
         slot.forget_degradation()
         slot.life.counts.unloads += 1
         slot.life.move(SlotState.ASLEEP if level else SlotState.UNLOADED, level)
     registry.changes.notify()
-    # NOTE: no gc.collect() (it would hold the GIL ~0.1 s, every stream's pause): the weights went a
-    # layer at a time, their cycles broken (release_weights); the KV cache with the last reference
+    # NOTE: no gc.collect() (it would hold the GIL ~0.1 s, every stream's pause): no cycle holds the
+    # weights or the KV cache (a test checks it), so they went with the last reference, now
     await trim_heap()
     log.info("model %s: unloaded %s (%.1f s)", slot.name, why, time.monotonic() - started)
 
@@ -301,7 +300,6 @@ async def sleep(registry: ModelRegistry, slot: ModelSlot, level: int) -> int | N
             if level == 1:
                 freed = await served.engine.sleep()
             else:
-                await served.engine.release_weights()
                 slot.current = None
             life.counts.sleeps += 1
     finally:
