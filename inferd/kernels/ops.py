@@ -53,7 +53,18 @@ class RowPlan:
     workspace: cuda.DecodeWorkspace | None = None
 
 
-AttentionPlan = GatherPlan | RowPlan  # one step's plan for a group of rows, shared by the layers
+@dataclass
+class ChunkPlan:
+    """Prefill chunks over the paged cache, as our CPU prefill kernel reads them: each sequence's
+    query rows in order, its context up to each row read from its blocks in place."""
+
+    block_tables: Tensor  # [N, width] int32
+    seq_lens: Tensor  # [N] int32: context lengths, the chunk included
+    query_starts: Tensor  # [N + 1] int32: sequence i's rows are [starts[i], starts[i + 1])
+    window: int | None = None
+
+
+AttentionPlan = GatherPlan | RowPlan | ChunkPlan  # one step's plan for a group of rows, shared by the layers
 
 
 # ------------------------------------------------------------------------------ attention backends
@@ -108,11 +119,40 @@ class TorchAttention:
 
 
 class CpuAttention(TorchAttention):
-    """Decode on our CPU kernel: no gather of the context, each row on its own in a fixed order
-    (batch-invariant); prefill chunks as the reference."""
+    """Our CPU kernels: decode row by row, and (bfloat16 on AVX512-BF16: `chunk_prefill`) prefill
+    chunks, both over the paged cache in place, each row's sums in an order fixed by the row alone
+    (batch-invariant); elsewhere prefill chunks go as the reference, and so do an encoder's
+    bidirectional prompts."""
 
     name = "cpu"
     row_prefill = True
+
+    def __init__(self, kv_block: int | None = None, kv_format: str | None = None, chunk_prefill: bool = False) -> None:
+        super().__init__(kv_block, kv_format)
+        self.chunk_prefill = chunk_prefill
+
+    def plan_prefill(self, block_tables: list[list[int]], seq_lens: list[int], query_lens: list[int],
+                     block_size: int, device: torch.device, window: int | None = None,
+                     bidirectional: bool = False) -> AttentionPlan:
+        if bidirectional or not self.chunk_prefill:
+            return super().plan_prefill(block_tables, seq_lens, query_lens, block_size, device, window, bidirectional)
+        starts = [0]
+        for n in query_lens:
+            starts.append(starts[-1] + n)
+        return ChunkPlan(device_tensor(block_tables, torch.int32, device), device_tensor(seq_lens, torch.int32, device),
+                         device_tensor(starts, torch.int32, device), window)
+
+    def prefill(self, query: Tensor, key_cache: Cache, value_cache: Cache, plan: AttentionPlan,
+                scale: float, softcap: float | None = None, sinks: Tensor | None = None) -> Tensor:
+        if not isinstance(plan, ChunkPlan):
+            return super().prefill(query, key_cache, value_cache, plan, scale, softcap, sinks)
+        if isinstance(key_cache, QuantizedCache):
+            assert isinstance(value_cache, QuantizedCache)
+            return cpu.prefill_attention_8bit(query, key_cache.data, key_cache.exponents, value_cache.data,
+                                              value_cache.exponents, plan.block_tables, plan.seq_lens,
+                                              plan.query_starts, scale, plan.window, softcap, sinks)
+        return cpu.prefill_attention(query, key_cache, value_cache, plan.block_tables, plan.seq_lens, plan.query_starts,
+                                     scale, plan.window, softcap, sinks)
 
     def plan_decode(self, block_tables: list[list[int]], seq_lens: list[int], block_size: int,
                     device: torch.device, window: int | None = None) -> AttentionPlan:
@@ -182,13 +222,15 @@ def select_attention(device: torch.device, dtype: torch.dtype, num_heads: int, n
                      block_size: int, max_num_seqs: int, max_model_len: int,
                      deterministic: bool = False, kv_format: str | None = None) -> TorchAttention:
     """Our kernels where the device (CuPy on CUDA, a compiler on the CPU) and the shapes allow;
-    otherwise the reference. `deterministic`: prefill contexts padded to whole blocks (the CPU's
-    batch-invariant mode; decode on our CPU kernel is invariant as it is). `kv_format`: the
+    otherwise the reference. `deterministic`: the reference's prefill contexts padded to whole
+    blocks (the CPU's batch-invariant mode; our CPU kernels are invariant as they are). `kv_format`: the
     cache's 8-bit format (kv_quant.FORMATS), None for the model's dtype."""
     if device.type != "cuda":
         kv_block = reference.KV_BLOCK if deterministic else None
         if cpu.supports(head_dim, num_heads, num_kv_heads) and cpu.available():
-            return CpuAttention(kv_block, kv_format)
+            chunks = (dtype == torch.bfloat16 and num_heads // num_kv_heads <= cpu.MAX_PREFILL_GROUP
+                      and cpu.prefill_attention_available())
+            return CpuAttention(kv_block, kv_format, chunks)
         return TorchAttention(kv_block, kv_format)
     if deterministic:
         log.warning("[model] deterministic is a CPU mode: on CUDA, results may still vary with the batch")

@@ -141,6 +141,10 @@ class Balancer:
         """The request lines of the log (option httplog), parsed, with when each came (its end)."""
         return [(t, m.groupdict()) for t, line in self.lines if (m := HTTPLOG.match(line))]
 
+    def about(self, server: str, after: float) -> list[str]:
+        """The log's lines naming the server after `after` (for a failure's message)."""
+        return [f"{t - after:+.3f} {line}" for t, line in self.lines if t > after and server in line]
+
     def went_down(self, server: str, after: float) -> tuple[float, str] | None:
         """(when, why) the log first said the server is DOWN after `after`: why is the failed
         check's reason ("Layer7 wrong status": /ready answered 503; "Layer4 connection problem":
@@ -449,7 +453,8 @@ def test_a_fleet_behind_haproxy_loses_no_request_to_a_kill_and_drains_cleanly(
     # drained one left on its /ready 503, while still finishing its streams.
     assert r1_down <= INTER * FALL and r2_down <= INTER * FALL, measured
     assert r1_sessions_then == r1_sessions and r2_sessions_then == r2_sessions, measured
-    assert r2_why == "Layer7 wrong status" and incidents.drained_at + r2_down < incidents.exited_at, measured
+    assert r2_why == "Layer7 wrong status" and incidents.drained_at + r2_down < incidents.exited_at, (
+        measured, fleet.balancer.about("r2", incidents.drained_at))
 
     # The drained replica finished every stream it had (none cut) and exited 0.
     assert incidents.drain_exit == 0 and in_flight >= 2, measured

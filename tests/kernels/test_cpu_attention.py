@@ -1,6 +1,7 @@
-"""Our CPU decode kernel (inferd/kernels/cpu/csrc/cpu_attention.cpp) against its specification, the
-torch reference: random paged caches, GQA shapes, contexts across block edges, strided queries;
-the same over 8-bit caches (inferd/kernels/kv_quant.py), whose values it reads exactly."""
+"""Our CPU attention kernels (inferd/kernels/cpu/csrc/: cpu_attention.cpp, decode; cpu_prefill_attention.cpp,
+prefill chunks) against their specification, the torch reference: random paged caches, GQA shapes,
+contexts across block edges, strided queries; the same over 8-bit caches (inferd/kernels/kv_quant.py),
+whose values they read exactly. Prefill rows keep their bits whatever their chunk or batch."""
 
 from __future__ import annotations
 
@@ -237,3 +238,132 @@ def test_8bit_caches_are_checked() -> None:
     with pytest.raises(RuntimeError, match="bfloat16 or float32"):
         cpu.decode_attention_8bit(query.double(), key_cache.data, key_cache.exponents, value_cache.data,
                                   value_cache.exponents, *args)
+
+
+# ------------------------------------------------------------------------------ prefill chunks
+
+needs_prefill_kernel = pytest.mark.skipif(not cpu.prefill_attention_available(),
+                                          reason="the prefill kernel needs AVX512-BF16, which this CPU lacks")
+
+
+def chunk_batch(lens: list[int], query_lens: list[int], heads: int, kv_heads: int, head_dim: int,
+                num_blocks: int, block_size: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random bf16 caches and, per sequence, a block table and its chunk's queries (strided rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-max(lens) // block_size)
+    key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).bfloat16()
+    qkv = torch.randn(sum(query_lens), heads + 2 * kv_heads, head_dim, generator=gen).bfloat16()
+    return {"query": qkv[:, :heads], "key_cache": key_cache,
+            "value_cache": torch.randn(key_cache.shape, generator=gen).bfloat16(),
+            "tables": torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in lens]),
+            "seq_lens": torch.tensor(lens), "query_lens": torch.tensor(query_lens)}
+
+
+def kernel_prefill(b: dict[str, torch.Tensor], scale: float, window: int | None = None,
+                   softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), b["query_lens"].cumsum(0)]).int()
+    key_cache, value_cache = b["key_cache"], b["value_cache"]
+    common = (b["tables"].int(), b["seq_lens"].int(), starts, scale, window, softcap, sinks)
+    if isinstance(key_cache, QuantizedCache):
+        return cpu.prefill_attention_8bit(b["query"], key_cache.data, key_cache.exponents, value_cache.data,
+                                          value_cache.exponents, *common)
+    return cpu.prefill_attention(b["query"], key_cache, value_cache, *common)
+
+
+def reference_prefill(b: dict[str, torch.Tensor], scale: float, window: int | None = None,
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The spec in float32: the kernel rounds its weights to bfloat16, as torch's bf16 SDPA does."""
+    key_cache, value_cache = b["key_cache"], b["value_cache"]
+    if not isinstance(key_cache, QuantizedCache):
+        key_cache, value_cache = key_cache.float(), value_cache.float()
+    return reference.prefill_attention(b["query"].float(), key_cache, value_cache, b["tables"], b["query_lens"],
+                                       b["seq_lens"], scale, window, softcap, sinks)
+
+
+# sequences with and without a cached prefix, chunks across block and key-tile edges, one of one row
+LENS, QUERY_LENS = [40, 700, 1, 33, 97, 160], [40, 300, 1, 5, 64, 97]
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 8, 64), (32, 8, 128), (4, 1, 16), (8, 2, 512)])
+def test_prefill_chunks_match_the_reference(heads: int, kv_heads: int, head_dim: int) -> None:
+    b = chunk_batch(LENS, QUERY_LENS, heads, kv_heads, head_dim, num_blocks=120, seed=heads * head_dim)
+    got = kernel_prefill(b, head_dim**-0.5)
+    assert got.dtype == torch.bfloat16 and got.shape == b["query"].shape
+    torch.testing.assert_close(got.float(), reference_prefill(b, head_dim**-0.5), atol=2e-2, rtol=2e-2)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("window,softcap,sinks", [(1, None, False), (5, None, False), (37, 3.0, False),
+                                                  (600, None, True), (None, 2.0, True), (None, None, True)])
+def test_windowed_capped_and_sunk_prefill_matches_the_reference(window: int | None, softcap: float | None,
+                                                                sinks: bool) -> None:
+    b = chunk_batch(LENS, QUERY_LENS, 12, 4, 32, num_blocks=100, seed=window or 3)
+    sink = torch.linspace(-2.0, 4.0, 12) if sinks else None
+    got = kernel_prefill(b, 0.3, window, softcap, sink)
+    torch.testing.assert_close(got.float(), reference_prefill(b, 0.3, window, softcap, sink), atol=2e-2, rtol=2e-2)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("window,sinks", [(None, False), (21, True)])
+def test_8bit_prefill_matches_the_reference(fmt: str, window: int | None, sinks: bool) -> None:
+    b = chunk_batch(LENS, QUERY_LENS, 9, 3, 64, num_blocks=100, seed=11)
+    b["key_cache"], b["value_cache"] = quantized_caches(fmt, 100, 16, 3, 64, 12)
+    sink = torch.linspace(-1.0, 3.0, 9) if sinks else None
+    got = kernel_prefill(b, 0.125, window, None, sink)
+    torch.testing.assert_close(got.float(), reference_prefill(b, 0.125, window, None, sink), atol=2e-2, rtol=2e-2)
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("window", [None, 100])
+def test_a_prompt_gets_the_same_bits_whole_in_chunks_and_beside_others(window: int | None) -> None:
+    """A row's bits depend on its query, position and keys alone: not on its chunk's size or
+    start, its place in a task, or the other sequences of the call."""
+    prompt = 700
+    b = chunk_batch([prompt], [prompt], 9, 3, 64, num_blocks=80, seed=5)
+    whole = kernel_prefill(b, 0.125, window)
+    for cuts in ([100, 300, 300], [1, 31, 33, 635], [512, 188]):
+        done = 0
+        for n in cuts:
+            part = dict(b, query=b["query"][done:done + n], seq_lens=torch.tensor([done + n]),
+                        query_lens=torch.tensor([n]))
+            assert torch.equal(kernel_prefill(part, 0.125, window), whole[done:done + n]), (cuts, n)
+            done += n
+    others = chunk_batch([50, 900, 3], [50, 200, 3], 9, 3, 64, num_blocks=80, seed=6)
+    width = max(others["tables"].shape[1], b["tables"].shape[1])
+    batch = {"query": torch.cat([others["query"], b["query"][:300]]), "key_cache": b["key_cache"],
+             "value_cache": b["value_cache"],
+             "tables": torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1])) % 80
+                                  for t in (others["tables"], b["tables"])]),
+             "seq_lens": torch.tensor([50, 900, 3, 300]), "query_lens": torch.tensor([50, 200, 3, 300])}
+    assert torch.equal(kernel_prefill(batch, 0.125, window)[-300:], whole[:300])
+
+
+@needs_prefill_kernel
+def test_a_prefill_row_agrees_with_decode_of_the_same_row() -> None:
+    """The two kernels sum in different orders, so to within rounding, not to the bit."""
+    b = chunk_batch([300], [300], 9, 3, 64, num_blocks=30, seed=8)
+    rows = kernel_prefill(b, 0.125)
+    lens = torch.arange(1, 301, dtype=torch.int32)
+    decoded = cpu.decode_attention(b["query"], b["key_cache"], b["value_cache"], b["tables"].int().expand(300, -1),
+                                   lens, 0.125)
+    torch.testing.assert_close(rows.float(), decoded.float(), atol=2e-2, rtol=2e-2)
+
+
+@needs_prefill_kernel
+def test_prefill_arguments_are_checked_by_name() -> None:
+    b = chunk_batch([20], [20], 4, 2, 32, num_blocks=4)
+    good = (b["tables"].int(), b["seq_lens"].int(), torch.tensor([0, 20], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cpu.prefill_attention(b["query"].float(), b["key_cache"], b["value_cache"], *good)
+    with pytest.raises(RuntimeError, match="query starts"):
+        cpu.prefill_attention(b["query"], b["key_cache"], b["value_cache"], good[0], good[1],
+                              torch.tensor([0, 19], dtype=torch.int32), 1.0)
+    with pytest.raises(RuntimeError, match="more query rows than context"):
+        cpu.prefill_attention(b["query"], b["key_cache"], b["value_cache"], good[0],
+                              torch.tensor([10], dtype=torch.int32), good[2], 1.0)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cpu.prefill_attention(torch.zeros(1, 2, 8, dtype=torch.bfloat16), torch.zeros(1, 16, 1, 8, dtype=torch.bfloat16),
+                              torch.zeros(1, 16, 1, 8, dtype=torch.bfloat16), torch.zeros(1, 1, dtype=torch.int32),
+                              torch.ones(1, dtype=torch.int32), torch.tensor([0, 1], dtype=torch.int32), 1.0)

@@ -1,5 +1,6 @@
 """Our CPU kernels, batch-invariant by construction: paged decode attention over a cache in the
-model's dtype or in 8 bits (csrc/cpu_attention.cpp), products over block-quantized weights on AVX-512 VNNI
+model's dtype or in 8 bits (csrc/cpu_attention.cpp), paged prefill attention for chunks of bfloat16
+query rows on AVX512-BF16 (csrc/cpu_prefill_attention.cpp), products over block-quantized weights on AVX-512 VNNI
 (csrc/cpu_matmul.cpp; inferd.model.layers.quant packs the weights for them) and a decoder layer's
 small bfloat16 ops fused (csrc/cpu_layer_ops.cpp: RMSNorm, residual add + RMSNorm, SiLU x up,
 RoPE + the KV cache write), registered as torch ops in csrc/bindings.cpp. inferd.kernels.reference
@@ -47,6 +48,7 @@ def kernels() -> Any:
 
 
 MAX_HEAD_DIM = 512  # cpu_attention.cpp's kMaxDim: a row of scores and its sum live on the stack
+MAX_PREFILL_GROUP = 96  # cpu_prefill_attention.cpp's kLanes: a task's query heads per KV head, at least
 
 
 def supports(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
@@ -118,3 +120,42 @@ def decode_attention_8bit(query: torch.Tensor,  # [N, heads, head_dim] bfloat16 
     return torch.ops.inferd_cpu.decode_attention_8bit(query, key_codes, key_exponents, value_codes, value_exponents,
                                                       block_tables, seq_lens, scale, window or 0, softcap or 0.0,
                                                       sinks)
+
+
+def prefill_attention_available() -> bool:
+    """The prefill kernel runs here: the kernels built, on a CPU with AVX512-BF16."""
+    return available() and torch.ops.inferd_cpu.prefill_attention_available()
+
+
+def prefill_attention(query: torch.Tensor,  # [T, heads, head_dim] bfloat16: each sequence's chunk, in order
+                      key_cache: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] bfloat16
+                      value_cache: torch.Tensor,
+                      block_tables: torch.Tensor,  # [N, width] int32
+                      seq_lens: torch.Tensor,  # [N] int32: context lengths, the chunk included (its last rows)
+                      query_starts: torch.Tensor,  # [N + 1] int32: sequence i's rows [starts[i], starts[i + 1])
+                      scale: float,
+                      window: int | None = None,
+                      softcap: float | None = None,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:  # [heads] float32 -> [T, heads, head_dim]
+    """Each chunk row attends causally to its context, read from the cache in place (the chunk's own
+    K/V written already); batch-invariant: a row's bits do not depend on its chunk or batch."""
+    return torch.ops.inferd_cpu.prefill_attention(query, key_cache, value_cache, block_tables, seq_lens, query_starts,
+                                                  scale, window or 0, softcap or 0.0, sinks)
+
+
+def prefill_attention_8bit(query: torch.Tensor,  # [T, heads, head_dim] bfloat16
+                           key_codes: torch.Tensor,  # [num_blocks, block_size, kv_heads, head_dim] float8
+                           key_exponents: torch.Tensor,  # [num_blocks, block_size, kv_heads] int8
+                           value_codes: torch.Tensor,
+                           value_exponents: torch.Tensor,
+                           block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor,
+                           query_starts: torch.Tensor,
+                           scale: float,
+                           window: int | None = None,
+                           softcap: float | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """prefill_attention over an 8-bit cache (kv_quant's layout), its rows read exactly."""
+    return torch.ops.inferd_cpu.prefill_attention_8bit(query, key_codes, key_exponents, value_codes, value_exponents,
+                                                       block_tables, seq_lens, query_starts, scale, window or 0,
+                                                       softcap or 0.0, sinks)

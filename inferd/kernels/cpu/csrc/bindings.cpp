@@ -12,6 +12,14 @@ TORCH_LIBRARY(inferd_cpu, m) {
         "Tensor value_exponents, Tensor block_tables, Tensor seq_lens, float scale, int window, float softcap, "
         "Tensor? sinks=None) -> Tensor");
   m.impl("decode_attention_8bit", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::decode_attention_8bit));
+  m.def("prefill_attention(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_tables, "
+        "Tensor seq_lens, Tensor query_starts, float scale, int window, float softcap, Tensor? sinks=None) -> Tensor");
+  m.impl("prefill_attention", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::prefill_attention));
+  m.def("prefill_attention_8bit(Tensor query, Tensor key_codes, Tensor key_exponents, Tensor value_codes, "
+        "Tensor value_exponents, Tensor block_tables, Tensor seq_lens, Tensor query_starts, float scale, int window, "
+        "float softcap, Tensor? sinks=None) -> Tensor");
+  m.impl("prefill_attention_8bit", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::prefill_attention_8bit));
+  m.def("prefill_attention_available() -> bool", [] { return inferd_cpu::prefill_attention_available(); });
 
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::rms_norm));

@@ -1,6 +1,6 @@
 // The CPU kernels' entry points, one declaration each: defined in cpu_attention.cpp,
-// cpu_layer_ops.cpp, cpu_linear_attention.cpp and cpu_matmul.cpp, registered as torch ops
-// (inferd_cpu::*) in bindings.cpp.
+// cpu_prefill_attention.cpp, cpu_layer_ops.cpp, cpu_linear_attention.cpp and cpu_matmul.cpp,
+// registered as torch ops (inferd_cpu::*) in bindings.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -19,6 +19,19 @@ at::Tensor decode_attention_8bit(const at::Tensor& query, const at::Tensor& key_
                                  const at::Tensor& value_codes, const at::Tensor& value_exponents,
                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
                                  int64_t window, double softcap, const std::optional<at::Tensor>& sinks);
+
+// paged prefill attention, a chunk of query rows per sequence, bfloat16 on AVX512-BF16
+// (cpu_prefill_attention.cpp); query_starts [N + 1] int32: sequence i's rows are [starts[i], starts[i + 1])
+bool prefill_attention_available();
+at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                             const at::Tensor& query_starts, double scale, int64_t window, double softcap,
+                             const std::optional<at::Tensor>& sinks);
+at::Tensor prefill_attention_8bit(const at::Tensor& query, const at::Tensor& key_codes,
+                                  const at::Tensor& key_exponents, const at::Tensor& value_codes,
+                                  const at::Tensor& value_exponents, const at::Tensor& block_tables,
+                                  const at::Tensor& seq_lens, const at::Tensor& query_starts, double scale,
+                                  int64_t window, double softcap, const std::optional<at::Tensor>& sinks);
 
 // a decoder layer's small bfloat16 ops (cpu_layer_ops.cpp)
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
