@@ -40,8 +40,9 @@ def main() -> None:
     ids = tokenizer.encode(book)[: args.tokens + 1]
     for layer in packed.layers:
         for name in LAYER_PRODUCTS:
-            op = getattr(layer, name).packed  # every row on the packed product (not the prefill copy)
-            setattr(layer, name, linear.DenseLinear(op.dequantize().to(torch.bfloat16), None) if name in names else op)
+            owner = layer.mlp if name in ("gate_up", "down") else layer  # (the MLP's products live on it)
+            op = getattr(owner, name).packed  # every row on the packed product (not the prefill copy)
+            setattr(owner, name, linear.DenseLinear(op.dequantize().to(torch.bfloat16), None) if name in names else op)
     if "head" in names:
         packed.lm_head = linear.DenseLinear(packed.embed, None)
     results = {}

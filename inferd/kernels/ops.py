@@ -334,8 +334,14 @@ def block_products_available() -> bool:
 
 
 # (M rows of x's dtype, uint8 weights as linear.BlockLinear packs them, bits 4 | 8, activation bits 8 | 16)
-# -> [M, N] in x's dtype: the CPU room's kernel, the only one there is
+# -> [M, N] in x's dtype: the CPU room's kernels, on VNNI or (the same bits) on AMX tiles
 block_matmul = cpu.block_matmul
+block_matmul_tiles = cpu.block_matmul_tiles
+# where AMX is usable, the measured choice between the two (cpu/tiles.py): (weight, bits,
+# activation bits) -> the row count from which the tiles run, or None; and (..., dense copy) ->
+# whether a prompt's rows run faster on the tiles than on the dense bf16 copy
+tile_rows = cpu.tiles.tile_rows
+tiles_beat_dense = cpu.tiles.tiles_beat_dense
 
 
 # ------------------------------------------------------------------------------ linear attention

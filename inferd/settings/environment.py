@@ -35,6 +35,9 @@ ONEDNN_MAX_CPU_ISA = Variable(
     "ONEDNN_MAX_CPU_ISA", "oneDNN's instruction-set cap, read once at its first product. inferd sets it to "
     "AVX512_CORE_BF16 when unset: on AMX CPUs the tile path's rows differ in the last bits with the batch, "
     "which would break [model] deterministic. An operator's own value wins.", "AVX512_CORE_BF16 (set by inferd)")
+AMX = Variable("INFERD_AMX", "`off` masks AMX from inferd's block products (the VNNI kernel runs every row "
+               "count, as on a CPU without AMX); where the CPU has it, each layer shape's row count from which the "
+               "tile kernel runs is measured at load (the two give the same bits).", "measured at load")
 NOTIFY_SOCKET = Variable("NOTIFY_SOCKET", "systemd's notify socket: READY=1, STATUS, STOPPING=1 "
                          "(api/systemd.py reads it, with the two below).", "no notifications")
 WATCHDOG_USEC = Variable("WATCHDOG_USEC", "systemd's watchdog period: WATCHDOG=1 every half of it.", "no watchdog")
@@ -46,7 +49,7 @@ TIKTOKEN_ENCODINGS_BASE = Variable(
     "nothing is downloaded.", "the venv's share/inferd/tiktoken (set by inferd)")
 COLUMNS = Variable("COLUMNS", "The width `inferd status` draws to when its output is not a terminal.", "120")
 
-VARIABLES = (API_KEYS, API_KEY, FAULTS, KERNEL_DIR, CXX, ONEDNN_MAX_CPU_ISA, NOTIFY_SOCKET, WATCHDOG_USEC,
+VARIABLES = (API_KEYS, API_KEY, FAULTS, KERNEL_DIR, CXX, ONEDNN_MAX_CPU_ISA, AMX, NOTIFY_SOCKET, WATCHDOG_USEC,
              WATCHDOG_PID, TIKTOKEN_ENCODINGS_BASE, COLUMNS)
 
 DEFAULT_ONEDNN_ISA = "AVX512_CORE_BF16"

@@ -1,6 +1,6 @@
-"""Our block products (inferd/kernels/cpu/csrc/cpu_matmul.cpp) against their specification, the
-float64 reference in inferd.kernels.reference, and a row's bits alone against the same row in
-batches of 1 to 64 rows."""
+"""Our block products (inferd/kernels/cpu/csrc/cpu_matmul.cpp; on AMX tiles, cpu_matmul_tiles.cpp)
+against their specification, the float64 reference in inferd.kernels.reference, a row's bits alone
+against the same row in batches of 1 to 64 rows, and the tiles' bits against VNNI's."""
 
 from __future__ import annotations
 
@@ -71,7 +71,8 @@ def test_the_packed_blob_is_all_the_layer_keeps(bits: int) -> None:
     if bits == 4:
         assert torch.equal(minimum, weight.minimum.to(torch.float16).float())
     assert torch.equal(layer.dequantize(32, 80), layer.dequantize()[32:80])
-    assert sorted(vars(layer)) == ["activation_bits", "bias", "bits", "in_features", "out_features", "weight"]
+    assert sorted(vars(layer)) == ["activation_bits", "bias", "bits", "in_features", "out_features", "tile_rows",
+                                   "weight"]
 
 
 def test_wide_activations_only_with_4_bit_weights() -> None:
@@ -108,3 +109,62 @@ def test_q8_0_blocks_are_kept_exactly_as_stored() -> None:
     assert blocks is not None and blocks.codes.dtype == torch.int8
     expected = torch.from_numpy(dequantize(gguf.raw("token_embd.weight"), info.ggml_type).copy())
     assert torch.equal(blocks.dequantize(), expected)
+
+
+# ------------------------------------------------------------------------------ AMX tiles
+
+needs_amx = pytest.mark.skipif(not cpu.tiles.usable(), reason="this CPU has no AMX tiles (or INFERD_AMX=off masks "
+                                                              "them): the emulated tiles' tests cover the kernel here")
+
+
+@pytest.mark.parametrize("emulate", [True, pytest.param(False, marks=needs_amx)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits,activation_bits", FORMATS)
+@pytest.mark.parametrize("m,n,k", [(1, 16, 32), (15, 48, 576), (16, 64, 96), (17, 576, 1536), (40, 32, 160)])
+def test_the_tile_kernel_gives_the_vnni_kernels_bits(emulate: bool, dtype: torch.dtype, bits: int,
+                                                     activation_bits: int, m: int, n: int, k: int) -> None:
+    """Every row, every format: the tiles' integer sums are the VNNI kernel's, and the float steps
+    are the same (csrc/cpu_blocks.h); rows past a whole tile of 16 too. Emulated, TDPBSSD's
+    arithmetic in C++ checks the layout on any CPU; on AMX, the instructions themselves."""
+    layer = _layer(bits, activation_bits, n, k, m + n)
+    x = (torch.randn(m, k) * torch.exp(torch.randn(m, 1))).to(dtype)  # rows of varied magnitudes
+    expected = cpu.block_matmul(x, layer.weight, bits, activation_bits)
+    assert torch.equal(cpu.block_matmul_tiles(x, layer.weight, bits, activation_bits, emulate=emulate), expected)
+
+
+def test_without_amx_every_row_takes_the_vnni_kernel_and_prompts_the_dense_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFERD_AMX", "off")  # (a no-op on a CPU without AMX)
+    assert not cpu.tiles.usable()
+    assert _layer(4, 8, 64, 96, 1).tile_rows is None
+    split = linear.make_linear(_int4(64, 96, 2), None, torch.bfloat16, split=True)
+    assert isinstance(split, linear.SplitLinear)
+    if not torch.ops.inferd_cpu.amx_usable():  # (masked only, the instructions would run)
+        with pytest.raises(RuntimeError, match="no usable AMX"):
+            cpu.block_matmul_tiles(torch.randn(2, 96), split.packed.weight, 4, 8)
+
+
+def test_a_layer_takes_the_tiles_from_its_measured_row_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer's choice by rows (tile_rows, measured at load where AMX is): fewer rows on VNNI,
+    as many or more on the tiles (here the emulated ones), the same bits either way."""
+    layer = _layer(4, 16, 64, 96, 3)
+    calls: list[int] = []
+
+    def emulated(x: torch.Tensor, weight: torch.Tensor, bits: int, activation_bits: int) -> torch.Tensor:
+        calls.append(x.shape[0])
+        return cpu.block_matmul_tiles(x, weight, bits, activation_bits, emulate=True)
+
+    monkeypatch.setattr(linear.ops, "block_matmul_tiles", emulated)
+    layer.tile_rows = 16
+    for rows in (1, 15, 16, 40):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        assert torch.equal(layer(x), cpu.block_matmul(x, layer.weight, 4, 16)), rows
+    assert calls == [16, 40]
+
+
+def test_the_measured_choice_is_a_row_count_where_amx_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    if not cpu.tiles.usable():
+        pytest.skip("this CPU has no AMX tiles: nothing is measured, every row takes VNNI (the test above)")
+    monkeypatch.setattr(cpu.tiles, "_tile_rows", {})
+    rows = cpu.tiles.tile_rows(_layer(4, 8, 1536, 576, 4).weight, 4, 8)
+    assert rows is None or rows in cpu.tiles.PROBE_ROWS

@@ -1,10 +1,11 @@
 """Our CPU kernels, batch-invariant by construction: paged decode attention over a cache in the
 model's dtype or in 8 bits (csrc/cpu_attention.cpp), paged prefill attention for chunks of bfloat16
-query rows on AVX512-BF16 (csrc/cpu_prefill_attention.cpp), products over block-quantized weights on AVX-512 VNNI
-(csrc/cpu_matmul.cpp; inferd.model.layers.quant packs the weights for them) and a decoder layer's
-small bfloat16 ops fused (csrc/cpu_layer_ops.cpp: RMSNorm, residual add + RMSNorm, SiLU x up,
-RoPE + the KV cache write), registered as torch ops in csrc/bindings.cpp. inferd.kernels.reference
-is each one's spec; inferd.kernels.ops, the face, is their only caller outside tests and benches.
+query rows on AVX512-BF16 (csrc/cpu_prefill_attention.cpp), products over block-quantized weights
+on AVX-512 VNNI (csrc/cpu_matmul.cpp; inferd.model.layers.quant packs the weights for them) and,
+the same bits, on AMX tiles (csrc/cpu_matmul_tiles.cpp), and a decoder layer's small bfloat16 ops
+fused (csrc/cpu_layer_ops.cpp: RMSNorm, residual add + RMSNorm, SiLU x up, RoPE + the KV cache
+write), registered as torch ops in csrc/bindings.cpp. inferd.kernels.reference is each one's spec;
+inferd.kernels.ops, the face, is their only caller outside tests and benches.
 
 build.py compiles them for this machine; without g++ the face binds the torch reference and
 torch's packed products instead, with a warning.
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from inferd.kernels.cpu import tiles
 from inferd.kernels.cpu.build import KernelBuildError, build, library_path
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,12 @@ def block_matmul(x: torch.Tensor,  # [M, K]
                  bits: int,  # the weights' codes: 4 or 8
                  activation_bits: int = 8) -> torch.Tensor:  # [M, N], x's dtype; 16 for 4-bit weights only
     return torch.ops.inferd_cpu.block_matmul(x, weight, bits, activation_bits)
+
+
+def block_matmul_tiles(x: torch.Tensor, weight: torch.Tensor, bits: int, activation_bits: int = 8,
+                       emulate: bool = False) -> torch.Tensor:
+    """block_matmul on AMX tiles: the same bits. `emulate`: the tiles' arithmetic in plain C++ (tests, any CPU)."""
+    return torch.ops.inferd_cpu.block_matmul_tiles(x, weight, bits, activation_bits, emulate)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # [T, H] bfloat16

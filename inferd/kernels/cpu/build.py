@@ -22,9 +22,10 @@ from inferd.settings import environment
 
 CSRC = Path(__file__).parent / "csrc"
 # the kernels, then bindings.cpp (their registration as torch ops), compiled side by side and linked
-SOURCES = [CSRC / name for name in ("cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_matmul.cpp", "cpu_layer_ops.cpp",
-                                    "cpu_linear_attention.cpp", "bindings.cpp")]
-HEADERS = [CSRC / "cpu_simd.h", CSRC / "cpu_kv8.h", CSRC / "cpu_ops.h"]
+SOURCES = [CSRC / name for name in ("cpu_attention.cpp", "cpu_prefill_attention.cpp", "cpu_matmul.cpp",
+                                    "cpu_matmul_tiles.cpp", "cpu_layer_ops.cpp", "cpu_linear_attention.cpp",
+                                    "bindings.cpp")]
+HEADERS = [CSRC / "cpu_simd.h", CSRC / "cpu_kv8.h", CSRC / "cpu_blocks.h", CSRC / "cpu_ops.h"]
 # Reassociation (-fassociative-math and what it needs): vectorized sums, in a fixed order all the
 # same (one compiled loop). NOT -ffast-math: linking with it sets flush-to-zero for the whole
 # process (crtfastmath), which changes torch's arithmetic and breaks hypothesis (tests/kernels).

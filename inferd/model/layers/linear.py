@@ -5,7 +5,10 @@ of 32, as GGUF's Q8_0 stores the default model's tied embedding) run on our bloc
 (`BlockLinear`, inferd/kernels/cpu/csrc/cpu_matmul.cpp): activations quantized to 8 bits per block
 of 32 (16 for the layers whose inputs have outliers: the decoder's qkv and down), integer dot
 products, llama.cpp's arithmetic; they read a quarter of bf16's bytes (their
-time per step: bench/kernels/profile_decode.py --batch N). Elsewhere the products are torch's
+time per step: bench/kernels/profile_decode.py --batch N). Where the CPU has AMX, a layer's calls
+from a measured row count run on int8 tiles instead, the same bits (`BlockLinear.tile_rows`), and
+if the tiles beat the dense copy on a prompt's rows, prompts take them too and no copy is kept
+(inferd/kernels/cpu/tiles.py). Elsewhere the products are torch's
 packed CPU kernels (`_weight_int4pack_mm_for_cpu`, `_weight_int8pack_mm`): 2-5x faster than
 bf16 at a few rows, slower from ~16. Every one of them gives a row the same result whatever
 else shares the call (tests/engine/test_batch_invariance.py), which the default,
@@ -105,6 +108,8 @@ class BlockLinear:
         self.weight = torch.cat([body, *tail], dim=-1).contiguous()  # uint8 [tiles, blocks, 320 | 608]
         self.in_features = k
         # nothing else is kept: the codes and scales are read back from the blob on demand (unpack)
+        # calls of at least this many rows run on AMX tiles (the same bits); None: all on VNNI
+        self.tile_rows = ops.tile_rows(self.weight, self.bits, activation_bits)
 
     @staticmethod
     def fits(shape: tuple[int, ...]) -> bool:
@@ -112,7 +117,10 @@ class BlockLinear:
         return blocks_fit(shape)
 
     def __call__(self, x: torch.Tensor, dense_rows: int = 0) -> torch.Tensor:
-        y = ops.block_matmul(x, self.weight, self.bits, self.activation_bits)
+        if self.tile_rows is not None and x.shape[0] >= self.tile_rows:
+            y = ops.block_matmul_tiles(x, self.weight, self.bits, self.activation_bits)
+        else:
+            y = ops.block_matmul(x, self.weight, self.bits, self.activation_bits)
         return y if self.bias is None else y + self.bias
 
     def unpack(self, start: int = 0, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -212,7 +220,11 @@ def make_linear(weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, s
         packed = Int8Linear(weight, bias, dtype)
     if not split:
         return packed
-    return SplitLinear(packed, DenseLinear(dense_copy(weight, packed, dtype), bias))
+    dense = dense_copy(weight, packed, dtype)
+    if isinstance(packed, BlockLinear) and ops.tiles_beat_dense(packed.weight, packed.bits, packed.activation_bits,
+                                                                dense):
+        return packed  # prompts too on AMX tiles: no dense copy kept (their quality: bench/RESULTS.md, issue 44)
+    return SplitLinear(packed, DenseLinear(dense, bias))
 
 
 _DENSE_COPY_ROWS = 128  # rows of a dense copy computed at once (see dense_copy)

@@ -40,4 +40,7 @@ TORCH_LIBRARY(inferd_cpu, m) {
   m.def("block_matmul(Tensor x, Tensor weight, int format, int activation_bits=8) -> Tensor");
   m.impl("block_matmul", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::block_matmul));
   m.def("block_matmul_available() -> bool", [] { return inferd_cpu::block_matmul_available(); });
+  m.def("block_matmul_tiles(Tensor x, Tensor weight, int format, int activation_bits=8, bool emulate=False) -> Tensor");
+  m.impl("block_matmul_tiles", c10::DispatchKey::CPU, TORCH_FN(inferd_cpu::block_matmul_tiles));
+  m.def("amx_usable() -> bool", [] { return inferd_cpu::amx_usable(); });
 }

@@ -33,19 +33,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_blocks.h"
 #include "cpu_ops.h"
 #include "cpu_simd.h"
-#if defined(INFERD_AVX512) && defined(__AVX512VNNI__)
-#define INFERD_VNNI 1
-#endif
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kTile = 16;
+using namespace inferd_blocks;
 constexpr int64_t kRows = 8;  // rows sharing one pass over the weights
-constexpr int64_t kQ4Bytes = 320, kQ8Bytes = 608;
-constexpr float kWideLevels = 32639.0f;  // 16-bit activations' largest code: 127 x 256 + 127
 
 bool vnni_available() {
 #ifdef INFERD_VNNI
@@ -55,53 +50,8 @@ bool vnni_available() {
 #endif
 }
 
-// A row's activations, 8 bits per input (unsigned: +128 for q8's product) or 16, per block the
-// scale dx and (q4) the float sum of the block's inputs.
-struct QuantizedRows {
-  std::vector<int8_t> codes;  // [M, K x bytes per code]
-  std::vector<float> scale;   // [M, K / 32]
-  std::vector<float> sum;     // [M, K / 32]
-};
-
 #ifdef INFERD_VNNI
-using inferd_simd::load16;
 using inferd_simd::store16;
-
-// How a row's codes are kept: signed bytes (q4's product), unsigned ones (q + 128: q8's), or
-// 16-bit codes split into two signed bytes (q4's wide product, below).
-enum class Codes { kSigned, kUnsigned, kSplit };
-
-// codes = round-half-even(x * (L / max |x|)), one float32 product each, as
-// inferd.kernels.reference.quantize_rows computes them; L = 127, or kWideLevels when split:
-// q = 256 h + l (h = (q + 128) >> 8 in -127..127, l in -128..127), so a block's dot product is
-// 256 x (weights . h) + (weights . l), two 8-bit VNNI sums, exact. Split codes keep per block the
-// 32 high bytes, then the 32 low.
-template <typename T>
-void quantize_row(const T* x, int64_t k, Codes kind, int8_t* codes, float* scale, float* sum) {
-  const float levels = kind == Codes::kSplit ? kWideLevels : 127.0f;
-  const int64_t stride = kind == Codes::kSplit ? 2 * kBlock : kBlock;
-  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-  for (int64_t b = 0; b < k / kBlock; ++b) {
-    const __m512 lo = load16<T>(x + b * kBlock), hi = load16<T>(x + b * kBlock + 16);
-    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-    const __m512 inverse = _mm512_set1_ps(top > 0.0f ? levels / top : 0.0f);
-    int8_t* out = codes + b * stride;
-    for (int half = 0; half < 2; ++half) {
-      __m512i q = _mm512_cvtps_epi32(_mm512_roundscale_ps(_mm512_mul_ps(half ? hi : lo, inverse), kNearest));
-      if (kind == Codes::kSplit) {
-        const __m512i h = _mm512_srai_epi32(_mm512_add_epi32(q, _mm512_set1_epi32(128)), 8);
-        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + kBlock + half * 16),
-                         _mm512_cvtepi32_epi8(_mm512_sub_epi32(q, _mm512_slli_epi32(h, 8))));
-        q = h;
-      } else if (kind == Codes::kUnsigned) {
-        q = _mm512_add_epi32(q, _mm512_set1_epi32(128));
-      }
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + half * 16), _mm512_cvtepi32_epi8(q));
-    }
-    scale[b] = top / levels;
-    sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-  }
-}
 #endif
 
 #ifdef INFERD_VNNI
@@ -116,7 +66,7 @@ inline void tile_rows(const uint8_t* tile, int64_t blocks, const int8_t* codes, 
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* p = tile + b * (kQ4 ? kQ4Bytes : kQ8Bytes);
     __m512i w[8];
-    __m512 d, m;
+    __m512 d, m = _mm512_setzero_ps();
     __m512i init;
     if constexpr (kQ4) {
       for (int j = 0; j < 4; ++j) {
@@ -148,9 +98,7 @@ inline void tile_rows(const uint8_t* tile, int64_t blocks, const int8_t* codes, 
       } else {  // unsigned activations (+128) x signed weight codes
         for (int j = 0; j < 8; ++j) dot = _mm512_dpbusd_epi32(dot, _mm512_set1_epi32(x[j]), w[j]);
       }
-      const float dx = scale[r * (k / kBlock) + b];
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d, _mm512_set1_ps(dx)), acc[r]);
-      if constexpr (kQ4) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(sum[r * (k / kBlock) + b]), acc[r]);
+      acc[r] = add_block<kQ4>(acc[r], dot, d, m, scale[r * (k / kBlock) + b], kQ4 ? sum[r * (k / kBlock) + b] : 0.0f);
     }
   }
   for (int r = 0; r < rows; ++r) store16<T>(out + r * out_stride, acc[r]);

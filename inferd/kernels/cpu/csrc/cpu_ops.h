@@ -1,6 +1,6 @@
 // The CPU kernels' entry points, one declaration each: defined in cpu_attention.cpp,
-// cpu_prefill_attention.cpp, cpu_layer_ops.cpp, cpu_linear_attention.cpp and cpu_matmul.cpp,
-// registered as torch ops (inferd_cpu::*) in bindings.cpp.
+// cpu_prefill_attention.cpp, cpu_layer_ops.cpp, cpu_linear_attention.cpp, cpu_matmul.cpp and
+// cpu_matmul_tiles.cpp, registered as torch ops (inferd_cpu::*) in bindings.cpp.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -50,5 +50,9 @@ at::Tensor delta_step(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 // products over block-quantized weights on AVX-512 VNNI (cpu_matmul.cpp)
 at::Tensor block_matmul(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t activation_bits);
 bool block_matmul_available();
+// the same products on AMX tiles, the same bits (cpu_matmul_tiles.cpp); emulate: TDPBSSD in C++, any CPU
+at::Tensor block_matmul_tiles(const at::Tensor& x, const at::Tensor& weight, int64_t format, int64_t activation_bits,
+                              bool emulate);
+bool amx_usable();
 
 }  // namespace inferd_cpu
