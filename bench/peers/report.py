@@ -1,5 +1,6 @@
-"""compare.py's report: a table per peer with inferd / peer ratios, the targets met or missed, the CPU
-of other processes, and the dated section appended to bench/RESULTS.md."""
+"""compare.py's report: a table per peer with inferd / peer ratios, the targets met or missed, the
+instruction sets each server multiplies on, the CPU of other processes, and the dated section
+appended to bench/RESULTS.md."""
 
 from __future__ import annotations
 
@@ -15,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 
+from peers import prefill
+from peers.cpu import cpu_flags, inferd_isa, llama_isa, machine_isa, vllm_isa
 from peers.points import Point, cpu_line
-from peers.servers import Server
+from peers.servers import Server, llama_system_info, system_info_line
 from peers.workload import MAX_OTHER_CORES, TARGETS, Targets, bench_args
 
 COLUMNS = (("output_tok_s", "out tok/s", 1.0, 1), ("ttft_p50", "TTFT p50 s", 1.0, 3),
@@ -146,7 +149,36 @@ def rounded(value: Any) -> Any:
     return value
 
 
+def read_log(path: Path) -> str | None:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace")
+    return None
+
+
+def side_isa(args: argparse.Namespace, side: Side, json_dir: Path, flags: set[str]) -> str:
+    """What one server multiplies on: from the CPU and inferd's settings, or from the peer's log."""
+    if side.peer is None:
+        return inferd_isa(flags, read_log(json_dir / "inferd.log") or "")
+    if args.peer_url:
+        return "not known (a server not started here: its log is not ours)"
+    if side.peer == "vllm":
+        return vllm_isa(read_log(json_dir / "vllm.log"), flags)
+    # NOTE: this llama-server logs system_info only at verbosity 4: a short second start prints it
+    info = system_info_line(json_dir / "llama-server.log") or llama_system_info(args.peer_bin, args.model, json_dir)
+    return llama_isa(info)
+
+
+def isa_text(args: argparse.Namespace, sides: list[Side], json_dir: Path) -> str:
+    """One line for the CPU, and one per server (read after every server has stopped)."""
+    flags = cpu_flags()
+    lines = [f"- this CPU: {machine_isa(flags)}"]
+    lines += [f"- {side.server.side}: {side_isa(args, side, json_dir, flags)}" for side in sides]
+    return "\n".join(lines)
+
+
 def workload_text(args: argparse.Namespace) -> str:
+    if args.workload == "prefill":
+        return prefill.workload_text(args)
     count = ["--num-requests", "N"] if args.workload == "requests" or args.requests_per_point else []
     cmd = shlex.join(["inferd", "bench", "URL", "--concurrency", "C", *count, *bench_args(args)])
     if args.workload == "requests":
@@ -164,7 +196,13 @@ def report(args: argparse.Namespace, inferd: Side, peers: list[Side], json_dir: 
     summaries = "{\n" + ",\n".join(f' "{p.side} c{p.concurrency}": {json.dumps(rounded(p.best.summary))}'
                                      for p in points) + "\n}"
     servers = "\n".join(f"- {side.server.side}: {side.server.description}." for side in [inferd, *peers])
-    tables = "\n".join(peer_section(args, inferd, side) for side in peers)
+    if args.workload == "prefill":
+        tables = "\n".join(prefill.prefill_section(inferd.points, side.points, side.server.side) for side in peers)
+        ratios = "Ratio = inferd / peer TTFT, of the medians (lower is better)."
+    else:
+        tables = "\n".join(peer_section(args, inferd, side) for side in peers)
+        ratios = "Ratio = inferd / peer (output tok/s: higher is better; TTFT, TPOT: lower is better)."
+    isa = isa_text(args, [inferd, *peers], json_dir)
     names = ", ".join(side.server.side for side in peers)
     return f"""
 ## inferd vs {names}, side by side, {args.workload} workload (issues 6, 30)
@@ -175,7 +213,10 @@ Machine: {machine()}. Model file: `{args.model}`. One server at a time, in this 
 {servers}
 - workload, the same for all: {workload_text(args)}.
 
-Ratio = inferd / peer (output tok/s: higher is better; TTFT, TPOT: lower is better).
+Instruction sets each server multiplies on:
+{isa}
+
+{ratios}
 
 {tables}
 CPU per run (other processes over {MAX_OTHER_CORES} cores: run repeated once, the less disturbed kept):

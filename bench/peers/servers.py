@@ -20,7 +20,7 @@ from pathlib import Path
 
 from inferd.api.startup import StartupLine
 
-from peers.workload import LLAMA_CONTEXT_PER_SESSION, PEERS, PREPARE_VLLM, VLLM_KVCACHE_GIB
+from peers.workload import LLAMA_CONTEXT_PER_SESSION, PEERS, PREFILL_CONTEXT, PREPARE_VLLM, VLLM_KVCACHE_GIB
 
 @dataclass
 class Server:
@@ -127,6 +127,8 @@ def peer_version(binary: Path) -> str:
 
 
 def llama_args(threads: int, workload: str, sessions: int) -> list[str]:
+    if workload == "prefill":  # one request at a time: one slot with the model's whole context
+        return ["-np", "1", "-c", str(PREFILL_CONTEXT), "-t", str(threads)]
     if workload in ("conversation", "agent"):  # a slot per session, each with the model's whole context
         return ["-np", str(sessions), "-c", str(LLAMA_CONTEXT_PER_SESSION * sessions), "-t", str(threads)]
     return ["-np", "16", "-c", "16384", "-t", str(threads)]
@@ -153,6 +155,38 @@ def llama_server(tmp: Path, logs: Path, binary: Path, model: Path, args: list[st
                      f"llama.cpp `llama-server` {peer_version(binary)} (`{' '.join(args)}`)")
     finally:
         stop(proc)
+
+
+def llama_system_info(binary: Path, model: Path, logs: Path, timeout: float = 60.0) -> str | None:
+    """llama-server's `system_info:` line (the SIMD features it was built with), from a short start
+    at log verbosity 4, which prints it (this build's default verbosity does not); stopped as soon as
+    the line is there. None when it never came. Never run beside a measured server."""
+    if not os.access(binary, os.X_OK):
+        return None
+    log = logs / "llama-server-system-info.log"
+    cmd = [str(binary), "-m", str(model), "-lv", "4", "-c", "256", "-t", "1", "--host", "127.0.0.1",
+           "--port", str(free_port())]
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while (line := system_info_line(log)) is None and proc.poll() is None and time.monotonic() < deadline:
+            if "listening on" in log.read_text(errors="replace"):
+                break
+            time.sleep(0.1)
+        return line or system_info_line(log)
+    finally:
+        stop(proc)
+
+
+def system_info_line(log: Path) -> str | None:
+    """The `system_info:` line of a llama-server log (from the key on), None when there is none."""
+    if not log.is_file():
+        return None
+    for line in log.read_text(errors="replace").splitlines():
+        if "system_info:" in line:
+            return line[line.index("system_info:"):].strip()
+    return None
 
 
 @dataclass(frozen=True)
@@ -185,8 +219,11 @@ def find_vllm(model: Path) -> VllmInstall:
     sys.exit(f"{shlex.join(cmd)}: its last line is not the JSON expected:\n{out.stdout[-1000:]}")
 
 
-def vllm_args(served_name: str, max_seqs: int) -> list[str]:
-    return ["--dtype", "bfloat16", "--served-model-name", served_name, "--max-num-seqs", str(max_seqs)]
+def vllm_args(served_name: str, max_seqs: int, workload: str = "requests") -> list[str]:
+    args = ["--dtype", "bfloat16", "--served-model-name", served_name, "--max-num-seqs", str(max_seqs)]
+    if workload == "prefill":  # the model's whole context, and the cached prompt tokens in usage (reported)
+        args += ["--max-model-len", str(PREFILL_CONTEXT), "--enable-prompt-tokens-details"]
+    return args
 
 
 def vllm_env(install: VllmInstall, threads: int, tmp: Path) -> dict[str, str]:

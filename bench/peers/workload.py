@@ -15,11 +15,13 @@ REPO = Path(__file__).resolve().parents[2]  # (bench/peers/workload.py: the repo
 DEFAULT_PEER_BIN = Path(os.environ.get("INFERD_PEER_DIR", Path.home() / ".cache/inferd/llama-server")) / "bin/llama-server"
 PREPARE_VLLM = REPO / "bench" / "prepare_vllm_cpu.sh"
 DEFAULT_RESULTS = REPO / "bench" / "RESULTS.md"
-CONCURRENCIES = {"requests": (1, 4, 16, 32), "conversation": (1, 8), "agent": (1, 8)}  # conversation, agent: sessions
+CONCURRENCIES = {"requests": (1, 4, 16, 32), "conversation": (1, 8), "agent": (1, 8),  # conversation, agent: sessions
+                 "prefill": (1,)}  # one request at a time
 OUTPUT_LEN = 128
 WARMUP = 2
 MAX_OTHER_CORES = 0.2  # other processes' CPU above this: the run is repeated once
 LLAMA_CONTEXT_PER_SESSION = 8192  # llama-server on conversations: the default model's whole context per slot
+PREFILL_CONTEXT = 8192  # prefill: llama-server's one slot and vLLM's --max-model-len (the default model's limit)
 VLLM_MIN_SEQS = 32  # vLLM's --max-num-seqs: at least this, more when a concurrency asks for more
 VLLM_KVCACHE_GIB = 4
 

@@ -90,7 +90,7 @@ inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 inline __m512bh pair(const uint32_t* p) { return as_bh(_mm512_set1_epi32(static_cast<int32_t>(*p))); }
 
 // Scores of keys [0, count) of the tile (rows: their bfloat16 addresses, count <= kKeyTile) for
-// every lane, scaled, capped and masked (-inf where a lane may not see the key) into s.scores.
+// every lane, scaled, capped and masked (-inf where a lane may not see the key) into w.scores.
 void score_tile(const c10::BFloat16* const* keys, int64_t count, int64_t tile_start, const Shapes& s,
                 Scratch& w) {
   const int64_t pairs = s.head_dim / 2;
