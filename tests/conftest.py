@@ -5,6 +5,8 @@
   one operators get, at 2-4x float32's speed.
 - `float32_weights`: the reference path, for what is compared with transformers token for
   token (bfloat16 is not token-exact against float32).
+- `default_gguf_head`: the default model file's path and where its tensor data starts (the
+  load-error and fuzzing tests cut or mutate its header).
 
 An engine over them is `LLMEngine(*served_weights, config)`: engines of one dtype may share one
 model (their attention backend and batch-invariant mode are the same), so each test keeps its own
@@ -36,6 +38,24 @@ def served_weights() -> tuple[Any, Any]:
     from inferd.engine.config import EngineConfig
 
     return load_model(EngineConfig())
+
+
+@pytest.fixture(scope="session")
+def default_gguf_head() -> tuple[Any, int]:
+    """(path, the offset where the tensor data starts) of the embedded default GGUF; skips where
+    the model is not installed."""
+    from inferd.model.loading.loader import default_model_path
+    from inferd.text.errors import ModelLoadError
+    from inferd.text.gguf_file import GGUFFile
+
+    try:
+        path = default_model_path()
+    except ModelLoadError as e:
+        pytest.skip(str(e))
+    gguf_file = GGUFFile(path)
+    data_start = min(t.data_offset for t in gguf_file.tensors.values())
+    gguf_file.close()
+    return path, data_start
 
 
 @pytest.fixture(scope="session")

@@ -35,8 +35,6 @@ from model_files import (ARRAY, STRING, Field, Layout, encode, gguf_layout, load
 
 from inferd.engine.builder import load_model
 from inferd.engine.config import EngineConfig
-from inferd.model.loading.loader import default_model_path
-from inferd.text.errors import ModelLoadError
 from inferd.text.gguf_file import GGUFFile
 
 EDGES = (0, 1, 2**31, 2**32 - 1, 2**32, 2**40, 2**63, 2**64 - 1)
@@ -165,15 +163,9 @@ def test_a_mutated_gguf_loads_or_is_refused(tiny: Mutant, tmp_path: Path, exampl
 
 
 @pytest.fixture(scope="module")
-def smollm2() -> Mutant:
+def smollm2(default_gguf_head: tuple[Path, int]) -> Mutant:
     """The default GGUF's header; its tensor data is read as zeros (a sparse file)."""
-    try:
-        path = default_model_path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
-    gguf = GGUFFile(path)
-    data_start = min(t.data_offset for t in gguf.tensors.values())
-    gguf.close()
+    path, data_start = default_gguf_head
     with open(path, "rb") as f:
         return Mutant(f.read(data_start), path.stat().st_size - data_start)
 

@@ -29,8 +29,6 @@ import tiny_models as tm  # noqa: E402 - after the skips
 from inferd.engine.config import EngineConfig  # noqa: E402
 from inferd.engine.llm_engine import LLMEngine  # noqa: E402
 from inferd.text.errors import ModelLoadError  # noqa: E402
-from inferd.text.gguf_file import GGUFFile  # noqa: E402
-from inferd.model.loading.loader import default_model_path  # noqa: E402
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -64,16 +62,10 @@ def cli_error(model: Path, cwd: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def smollm_head() -> tuple[bytes, int]:
+def smollm_head(default_gguf_head: tuple[Path, int]) -> tuple[bytes, int]:
     """The default GGUF's first bytes (header, tensor index and 1 MB of tensor data) and where
     its tensor data starts."""
-    try:
-        path = default_model_path()
-    except ModelLoadError as e:
-        pytest.skip(str(e))
-    gguf_file = GGUFFile(path)
-    data_start = min(t.data_offset for t in gguf_file.tensors.values())
-    gguf_file.close()
+    path, data_start = default_gguf_head
     with open(path, "rb") as f:
         return f.read(data_start + 2**20), data_start
 
