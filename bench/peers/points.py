@@ -130,15 +130,27 @@ def run_point(args: argparse.Namespace, server: Server, concurrency: int, json_d
         print(f"  {server.side} c={concurrency} n={point.num_requests or summary.get('requests')}: "
               f"{m['output_tok_s']:.1f} out tok/s, TTFT p50 {m['ttft_p50']:.3f} s p99 {m['ttft_p99']:.3f} s{later}, "
               f"TPOT p50 {m['tpot_p50'] * 1e3:.1f} ms; " + cpu_line(cpu), flush=True)
-        if cpu["other_includes_server"] or cpu["other_cores"] <= MAX_OTHER_CORES:
+        if not should_repeat(cpu, attempt):
             break
-        if attempt == 1:
-            print(f"  disturbed: other processes took {cpu['other_cores']:.2f} cores (> {MAX_OTHER_CORES}): "
-                  "running it once more", flush=True)
+    keep_least_disturbed(point)
+    return point
+
+
+def should_repeat(cpu: dict[str, Any], attempt: int, again: str = "") -> bool:
+    """Whether other processes took more than MAX_OTHER_CORES during an attempt (the first one
+    says it is run once more, `again` naming how)."""
+    if cpu["other_includes_server"] or cpu["other_cores"] <= MAX_OTHER_CORES:
+        return False
+    if attempt == 1:
+        print(f"  disturbed: other processes took {cpu['other_cores']:.2f} cores (> {MAX_OTHER_CORES}): "
+              f"running it once more{again}", flush=True)
+    return True
+
+
+def keep_least_disturbed(point: Point) -> None:
     point.kept = min(range(len(point.attempts)), key=lambda i: point.attempts[i].cpu["other_cores"])
     if len(point.attempts) > 1:
         print(f"  kept attempt {point.kept + 1} (other processes {point.best.cpu['other_cores']:.2f} cores)", flush=True)
-    return point
 
 
 def cpu_line(cpu: dict[str, Any]) -> str:

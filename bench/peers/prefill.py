@@ -29,7 +29,7 @@ from typing import Any
 
 from inferd.client.bench_workload import WORDS
 from inferd.text.tokenizer_loader import load_tokenizer
-from peers.points import Attempt, Point, cpu_line, run_driver
+from peers.points import Attempt, Point, cpu_line, keep_least_disturbed, run_driver, should_repeat
 from peers.servers import Server
 from peers.workload import MAX_OTHER_CORES, PREFILL_CONTEXT
 
@@ -171,15 +171,9 @@ def run_prefill_side(args: argparse.Namespace, server: Server, json_dir: Path, *
                                                            args.prefill_runs, f"{server.side}-repeat")
         stem = f"{server.side}-prefill" + ("" if attempt == 1 else "-repeat")
         point.attempts.append(run_attempt(args, server, json_dir, prompts, stem))
-        cpu = point.attempts[-1].cpu
-        if cpu["other_includes_server"] or cpu["other_cores"] <= MAX_OTHER_CORES:
+        if not should_repeat(point.attempts[-1].cpu, attempt, ", on new prompts"):
             break
-        if attempt == 1:
-            print(f"  disturbed: other processes took {cpu['other_cores']:.2f} cores (> {MAX_OTHER_CORES}): "
-                  "running it once more, on new prompts", flush=True)
-    point.kept = min(range(len(point.attempts)), key=lambda i: point.attempts[i].cpu["other_cores"])
-    if len(point.attempts) > 1:
-        print(f"  kept attempt {point.kept + 1} (other processes {point.best.cpu['other_cores']:.2f} cores)", flush=True)
+    keep_least_disturbed(point)
     return [point]
 
 
