@@ -338,8 +338,8 @@ def block_products_available() -> bool:
 block_matmul = cpu.block_matmul
 block_matmul_tiles = cpu.block_matmul_tiles
 # where AMX is usable, the measured choice between the two (cpu/tiles.py): (weight, bits,
-# activation bits) -> the row count from which the tiles run, or None; and (..., dense copy) ->
-# whether a prompt's rows run faster on the tiles than on the dense bf16 copy
+# activation bits) -> the row count from which the tiles run, or None; and -> whether a prompt's
+# rows run faster on the tiles than on a dense bf16 copy
 tile_rows = cpu.tiles.tile_rows
 tiles_beat_dense = cpu.tiles.tiles_beat_dense
 

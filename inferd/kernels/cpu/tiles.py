@@ -55,14 +55,17 @@ def tile_rows(weight: torch.Tensor, bits: int, activation_bits: int) -> int | No
     return _tile_rows[key]
 
 
-def tiles_beat_dense(weight: torch.Tensor, bits: int, activation_bits: int, dense: torch.Tensor) -> bool:
-    """A prompt's PROMPT_ROWS rows run faster on the tiles than on the dense copy `dense` [N, K]
-    (bfloat16); False with no AMX here. Measured once per shape."""
+def tiles_beat_dense(weight: torch.Tensor, bits: int, activation_bits: int) -> bool:
+    """A prompt's PROMPT_ROWS rows run faster on the tiles than on a dense bfloat16 copy of the
+    weights; False with no AMX here. Measured once per shape (before any copy is made: the
+    dense side's time depends on the shape alone, so it multiplies by a stand-in)."""
     if not usable():
         return False
     key = (tuple(weight.shape), bits, activation_bits)
     if key not in _beats_dense:
-        x = torch.randn(PROMPT_ROWS, dense.shape[1], dtype=dense.dtype)
+        n, k = weight.shape[0] * 16, weight.shape[1] * 32
+        x = torch.randn(PROMPT_ROWS, k, dtype=torch.bfloat16)
+        dense = torch.randn(n, k, dtype=torch.bfloat16)
         tiles = best_seconds(lambda: torch.ops.inferd_cpu.block_matmul_tiles(x, weight, bits, activation_bits))
         _beats_dense[key] = tiles < best_seconds(lambda: torch.nn.functional.linear(x, dense))
         log.info("block products %s: a prompt's rows on %s", list(weight.shape),

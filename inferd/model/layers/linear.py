@@ -220,11 +220,9 @@ def make_linear(weight: Weight, bias: torch.Tensor | None, dtype: torch.dtype, s
         packed = Int8Linear(weight, bias, dtype)
     if not split:
         return packed
-    dense = dense_copy(weight, packed, dtype)
-    if isinstance(packed, BlockLinear) and ops.tiles_beat_dense(packed.weight, packed.bits, packed.activation_bits,
-                                                                dense):
-        return packed  # prompts too on AMX tiles: no dense copy kept (their quality: bench/RESULTS.md, issue 44)
-    return SplitLinear(packed, DenseLinear(dense, bias))
+    if isinstance(packed, BlockLinear) and ops.tiles_beat_dense(packed.weight, packed.bits, packed.activation_bits):
+        return packed  # prompts too on AMX tiles: no dense copy made (their quality: bench/RESULTS.md, issue 44)
+    return SplitLinear(packed, DenseLinear(dense_copy(weight, packed, dtype), bias))
 
 
 _DENSE_COPY_ROWS = 128  # rows of a dense copy computed at once (see dense_copy)
